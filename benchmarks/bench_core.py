@@ -1,0 +1,164 @@
+"""Core engine benchmark: verify-cost curve, loop overhead, memory floor, speculative efficiency.
+
+    python benchmarks/bench_core.py [--dtype float32 bfloat16] [--out results.json]
+
+GPT-2-small-shaped target (12 layers, d=768, vocab 50257, random weights), batch 1, this
+machine. Everything is timed in one process, variants alternated, medians over repeats:
+
+1. target forward of T = 1, 2, 4, 8, 16 tokens against a cache holding `--context` tokens,
+   divided by the one-token forward (the verification-cost curve);
+2. jitted `generate` tokens/s against 1 / (one decode forward) (loop overhead) and against
+   the memory floor: bytes read per step (weights + the KV buffer the step reads) divided by
+   the streaming bandwidth `roofline.calibrate` measures;
+3. `speculative_generate` at T=0 with (a) a copy of the target as draft (every draft
+   accepted) and (b) a 2-layer width-256 draft, against the prediction from the measured
+   forward times: tok/s = τ / (k · t_draft_step + t_verify(k+1)); efficiency = measured /
+   predicted. The draft step time is measured for the 2-token step the drafter runs.
+Also checks the compiled decode step for cache-sized copies (PERF_NOTES trap 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax import decoding, roofline
+from specjax.drafters.base import LM
+from specjax.models import cache as kv
+from specjax.models.presets import PRESETS
+from specjax.models.transformer import Transformer
+
+
+def median_time(fn, repeats: int) -> float:
+  jax.block_until_ready(fn())  # compile / warm up
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+@jax.jit
+def _forward(lm, tokens, positions, cache):
+  logits, _, cache = lm(tokens, positions, cache)
+  return logits[:, -1], cache
+
+
+def forward_times(lm: LM, context: int, cache_len: int, ts, repeats: int) -> dict[int, float]:
+  cache = kv.init(lm.config, 1, cache_len)
+  cache = kv.set_lengths(cache, jnp.array([context], jnp.int32))
+  fns = {}
+  for t in ts:
+    toks = jnp.zeros((1, t), jnp.int32)
+    pos = context + jnp.arange(t, dtype=jnp.int32)[None]
+    fns[t] = (lambda toks=toks, pos=pos: _forward(lm, toks, pos, cache))
+  for fn in fns.values():
+    jax.block_until_ready(fn())
+  samples = {t: [] for t in ts}
+  for _ in range(repeats):  # alternate the variants: drift hits all of them alike
+    for t, fn in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      samples[t].append(time.perf_counter() - start)
+  return {t: statistics.median(v) for t, v in samples.items()}
+
+
+def cache_copies(lm: LM, cache_len: int) -> list[str]:
+  """Copies of cache-sized buffers in the compiled one-token decode step."""
+  cache = kv.init(lm.config, 1, cache_len)
+  toks = jnp.zeros((1, 1), jnp.int32)
+  hlo = jax.jit(_forward, donate_argnums=(3,)).lower(lm, toks, toks, cache).compile().as_text()
+  shape = f"{lm.config.head_dim},{cache_len}"
+  return [line.strip()[:160] for line in hlo.splitlines()
+          if re.search(r"\bcopy\(", line) and shape in line]
+
+
+def run(dtype: str, args) -> dict:
+  cfg = PRESETS["gpt2-small"].replace(dtype=dtype)
+  target = Transformer(cfg, rngs=nnx.Rngs(0))
+  lm = LM.of(target)
+  draft_cfg = PRESETS["gpt2-draft"].replace(dtype=dtype)
+  draft = Transformer(draft_cfg, rngs=nnx.Rngs(1))
+  cache_len = args.cache_len
+  out = {"dtype": dtype, "context": args.context, "cache_len": cache_len}
+
+  ts = (1, 2, 4, 5, 8, 16)
+  fwd = forward_times(lm, args.context, cache_len, ts, args.repeats)
+  out["forward_ms"] = {t: 1e3 * v for t, v in fwd.items()}
+  out["verify_cost"] = {t: fwd[t] / fwd[1] for t in ts}
+  draft_fwd = forward_times(LM.of(draft), args.context, cache_len, (1, 2), args.repeats)
+  out["draft_step_ms"] = 1e3 * draft_fwd[2]
+  out["c"] = draft_fwd[2] / fwd[1]
+  out["cache_copies_in_decode_step"] = cache_copies(lm, cache_len)
+
+  # Plain generation: loop overhead and memory floor.
+  prompt = [list(range(1, args.context + 1))]
+  n = args.new_tokens
+  plain = [decoding.generate(target, prompt, max_new_tokens=n, cache_len=cache_len)
+           for _ in range(args.repeats + 1)][1:]
+  plain_s = statistics.median(g.seconds for g in plain)
+  tok_s = n / plain_s
+  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(target, nnx.Param)))
+  step_bytes = weight_bytes + kv.cache_bytes(cfg, 1, cache_len)
+  out["plain_tok_s"] = tok_s
+  out["one_forward_tok_s"] = 1.0 / fwd[1]
+  out["loop_overhead"] = 1.0 - tok_s / (1.0 / fwd[1])
+  out["step_bytes"] = step_bytes
+  out["bandwidth_GBps"] = args.bandwidth / 1e9
+  floor_tok_s = args.bandwidth / step_bytes
+  out["memory_floor_tok_s"] = floor_tok_s
+  out["fraction_of_floor"] = tok_s / floor_tok_s
+
+  # Speculative generation at T=0.
+  k = args.k
+  for name, d, t_step in (("self_draft", target, None), ("draft_2l", draft, draft_fwd[2])):
+    if t_step is None:
+      t_step = forward_times(lm, args.context, cache_len, (2,), args.repeats)[2]
+    runs = [decoding.speculative_generate(target, d, prompt, k=k, max_new_tokens=n,
+                                          cache_len=cache_len) for _ in range(args.repeats + 1)]
+    runs = runs[1:]
+    assert all(r.tokens == plain[0].tokens for r in runs), "greedy identity broken"
+    s = statistics.median(r.seconds for r in runs)
+    summary = runs[0].summary()
+    cycles = int(runs[0].stats["cycles"].sum())
+    cycle_s = k * t_step + fwd[k + 1]
+    predicted = (n - 1) / cycles / cycle_s  # tokens from verification cycles per second
+    measured = (n - 1) / s
+    out[name] = {"tok_s": n / s, "alpha": summary.alpha, "tau": summary.tau,
+                 "speedup_vs_plain": (n / s) / tok_s, "predicted_tok_s": predicted,
+                 "efficiency": measured / predicted}
+  return out
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+  p.add_argument("--context", type=int, default=64)
+  p.add_argument("--cache-len", type=int, default=512)
+  p.add_argument("--new-tokens", type=int, default=64)
+  p.add_argument("--k", type=int, default=4)
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--out", default=None)
+  args = p.parse_args()
+  hw = roofline.calibrate(stream_bytes=512 * 2**20)
+  args.bandwidth = hw.bandwidth
+  results = {"backend": jax.default_backend(), "devices": str(jax.devices()),
+             "calibrated": {"bandwidth_GBps": hw.bandwidth / 1e9, "flops_G": hw.flops / 1e9},
+             "runs": [run(d, args) for d in args.dtype]}
+  print(json.dumps(results, indent=1))
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,3 @@
+"""specjax: exact speculative decoding in JAX."""
+
+__version__ = "0.1.0"

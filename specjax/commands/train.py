@@ -1,0 +1,264 @@
+"""`specjax train`: train a target LM, distill (or plainly train) a draft, build or measure pairs.
+
+  specjax train target   --preset tiny --corpus code|prose|DIR --out CKPT
+  specjax train draft    --preset tiny --corpus code --out CKPT [--teacher CKPT] [--plain]
+  specjax train defaults --preset tiny --corpus code [--rebuild]   (the cached default pair)
+  specjax train measure  --target CKPT --draft CKPT --corpus code [--k 4]
+
+A run that is interrupted (Ctrl-C, SIGTERM) saves a checkpoint; rerunning the same command
+resumes from the newest checkpoint in --out with the same data order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--preset", default="tiny", help="size preset: tiny or small (default tiny)")
+  p.add_argument("--corpus", default="code",
+                 help="'code', 'prose' (embedded, from Python's standard library) or a "
+                      "directory of text files (default code)")
+  p.add_argument("--max-bytes", type=int, default=None,
+                 help="cap on the training text in bytes (default: the whole corpus)")
+
+
+def _training_args(p: argparse.ArgumentParser) -> None:
+  _common(p)
+  p.add_argument("--out", required=True, help="checkpoint directory (resumed if it exists)")
+  p.add_argument("--steps", type=int, help="optimizer steps (default: the preset's)")
+  p.add_argument("--batch-size", type=int, help="windows per step")
+  p.add_argument("--seq-len", type=int, help="tokens per window")
+  p.add_argument("--grad-accum", type=int, help="micro-batches per step")
+  p.add_argument("--lr", type=float, help="peak learning rate")
+  p.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype")
+  p.add_argument("--seed", type=int, help="initialisation and data-order seed")
+  p.add_argument("--eval-every", type=int, help="validation every N steps (0: at the end)")
+  p.add_argument("--ckpt-every", type=int, help="checkpoint every N steps (0: at the end)")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_parser(subparsers) -> None:
+  parser = subparsers.add_parser(
+      "train", help="train target and draft models (LM training, distillation)",
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = parser.add_subparsers(dest="what", metavar="WHAT")
+  sub.required = True
+
+  p = sub.add_parser("target", help="train a target language model")
+  _training_args(p)
+  p.add_argument("--tokenizer", default="byte",
+                 help="'byte' (default), 'bpe:SIZE' (train a BPE of SIZE ids on the corpus; "
+                      "needs the `tokenizers` extra) or a tokenizer.json path")
+  p.set_defaults(func=run_target)
+
+  p = sub.add_parser("draft", help="train a draft: distilled from a target (default) or plain")
+  _training_args(p)
+  p.add_argument("--teacher", default=None,
+                 help="target checkpoint to distill from (default: the cached default target "
+                      "of --preset/--corpus, trained on first use)")
+  p.add_argument("--plain", action="store_true",
+                 help="plain next-token training instead of distillation (a baseline)")
+  p.set_defaults(func=run_draft)
+
+  p = sub.add_parser("defaults", help="build (first use) or load the cached default pair")
+  p.add_argument("--preset", default="tiny")
+  p.add_argument("--corpus", default="code", choices=("code", "prose"))
+  p.add_argument("--rebuild", action="store_true", help="discard the cached pair and retrain")
+  p.add_argument("--no-progress", action="store_true")
+  p.set_defaults(func=run_defaults)
+
+  p = sub.add_parser("measure", help="validation bits/byte and greedy acceptance of a pair")
+  p.add_argument("--target", required=True, help="target checkpoint ('default' for the cache)")
+  p.add_argument("--draft", required=True, help="draft checkpoint ('default' for the cache)")
+  p.add_argument("--preset", default="tiny", help="preset of 'default' checkpoints")
+  p.add_argument("--corpus", default="code")
+  p.add_argument("--k", type=int, default=4, help="draft length of the simulated chain")
+  p.add_argument("--prompts", type=int, default=64, help="validation prompts")
+  p.add_argument("--prompt-len", type=int, default=64)
+  p.add_argument("--new-tokens", type=int, default=128)
+  p.add_argument("--windows", type=int, default=256, help="validation windows for bits/byte")
+  p.add_argument("--json", action="store_true", help="print one JSON object")
+  p.set_defaults(func=run_measure)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _train_config(base, args, objective: str):
+  changes = {"objective": objective}
+  for field, name in (("steps", "steps"), ("batch_size", "batch_size"), ("seq_len", "seq_len"),
+                      ("grad_accum", "grad_accum"), ("lr", "lr"), ("dtype", "dtype"),
+                      ("seed", "seed"), ("eval_every", "eval_every"),
+                      ("ckpt_every", "ckpt_every")):
+    value = getattr(args, name, None)
+    if value is not None:
+      changes[field] = value
+  if "steps" in changes and "warmup_steps" not in changes:
+    changes["warmup_steps"] = min(base.warmup_steps, max(0, changes["steps"] // 10))
+  return base.replace(**changes)
+
+
+def _load_data(args, tokenizer):
+  from specjax.data.batches import TokenData
+  from specjax.data.corpus import load_corpus
+  corpus = load_corpus(args.corpus, max_bytes=args.max_bytes)
+  print(corpus.summary(), file=sys.stderr)
+  return corpus, TokenData.from_corpus(corpus, tokenizer)
+
+
+def _make_tokenizer(spec: str, out: pathlib.Path, corpus_spec: str, max_bytes):
+  from specjax.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
+  if spec == "byte":
+    return ByteTokenizer()
+  if (out / "tokenizer.json").is_file():  # resuming: the run's own tokenizer
+    return load_tokenizer(out)
+  if spec.startswith("bpe:"):
+    try:
+      size = int(spec[4:])
+    except ValueError:
+      raise ValueError(f"--tokenizer bpe:SIZE needs an integer SIZE, got {spec!r}") from None
+    from specjax.data.corpus import load_corpus
+    corpus = load_corpus(corpus_spec, max_bytes=max_bytes)
+    return BPETokenizer.train((d.text for d in corpus.train), size)
+  return load_tokenizer(spec)
+
+
+def _finish(result) -> int:
+  print(result.summary())
+  return 0
+
+
+def _interrupted(out) -> int:
+  print(f"interrupted: a checkpoint was saved in {out}; rerun the same command to resume",
+        file=sys.stderr)
+  return 130
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def run_target(args) -> int:
+  from specjax.training.presets import get_preset
+  from specjax.training.trainer import Trainer
+  preset = get_preset(args.preset)
+  out = pathlib.Path(args.out)
+  tokenizer = _make_tokenizer(args.tokenizer, out, args.corpus, args.max_bytes)
+  config = preset.target.replace(vocab_size=tokenizer.vocab_size)
+  tc = _train_config(preset.target_train, args, "lm")
+  _, data = _load_data(args, tokenizer)
+  trainer = Trainer(config, tc, data, tokenizer, out_dir=out, role="target",
+                    progress=not args.no_progress)
+  try:
+    return _finish(trainer.run())
+  except KeyboardInterrupt:
+    return _interrupted(out)
+
+
+def run_draft(args) -> int:
+  from specjax.training.presets import get_preset
+  from specjax.training.trainer import Teacher, Trainer
+  preset = get_preset(args.preset)
+  out = pathlib.Path(args.out)
+  teacher = None
+  if args.teacher is not None:
+    from specjax.training.models_io import load_trained
+    trained = load_trained(args.teacher)
+    teacher_cfg, teacher_params, tokenizer = trained.config, trained.params, trained.tokenizer
+  else:
+    from specjax.training.defaults import load_default_pair
+    if args.corpus not in ("code", "prose"):
+      raise ValueError("--teacher is required when --corpus is a directory (the cached default "
+                       "targets exist for 'code' and 'prose')")
+    pair = load_default_pair(args.preset, args.corpus, progress=not args.no_progress)
+    teacher_cfg, teacher_params, tokenizer = pair[0], pair[1], pair.tokenizer
+  if not args.plain:
+    from specjax.training.losses import cast_floats
+    import jax.numpy as jnp
+    teacher = Teacher(teacher_cfg, cast_floats(teacher_params, jnp.float32))
+  config = preset.draft.replace(vocab_size=tokenizer.vocab_size)
+  tc = _train_config(preset.draft_train, args, "lm" if args.plain else "distill")
+  _, data = _load_data(args, tokenizer)
+  trainer = Trainer(config, tc, data, tokenizer, out_dir=out, teacher=teacher,
+                    role="draft (plain)" if args.plain else "draft (distilled)",
+                    progress=not args.no_progress)
+  try:
+    return _finish(trainer.run())
+  except KeyboardInterrupt:
+    return _interrupted(out)
+
+
+def run_defaults(args) -> int:
+  from specjax.training.defaults import entry_dir, load_default_pair
+  pair = load_default_pair(args.preset, args.corpus, progress=not args.no_progress,
+                           rebuild=args.rebuild)
+  entry = entry_dir(args.preset, args.corpus)
+  manifest = json.loads((entry / "manifest.json").read_text())
+  print(f"default {args.preset} pair for corpus {args.corpus!r}: {entry}")
+  for role in ("target", "draft"):
+    cfg = getattr(pair, f"{role}_config")
+    val = manifest[role].get("val") or {}
+    print(f"  {role}: d_model={cfg.d_model} n_layers={cfg.n_layers} d_ff={cfg.d_ff}, "
+          f"validation {val.get('bpb', float('nan')):.3f} bits/byte")
+  print(f"  built in {manifest['build_seconds']} s with Python {manifest['python']}")
+  return 0
+
+
+def _load_for_measure(spec: str, role: str, args):
+  if spec == "default":
+    from specjax.training.defaults import load_default_pair
+    pair = load_default_pair(args.preset, args.corpus)
+    return (getattr(pair, f"{role}_config"), getattr(pair, f"{role}_params"), pair.tokenizer)
+  from specjax.training.models_io import load_trained
+  trained = load_trained(spec)
+  return trained.config, trained.params, trained.tokenizer
+
+
+def run_measure(args) -> int:
+  import jax.numpy as jnp
+
+  from specjax.data.batches import TokenData
+  from specjax.data.corpus import load_corpus
+  from specjax.training import evaluate as ev
+  from specjax.training.losses import cast_floats
+  from specjax.training.trainer import evaluate as eval_bpb
+  from specjax.training.trainer import compiled_steps
+  from specjax.training.config import TrainConfig
+
+  if args.k < 1 or args.prompts < 1 or args.new_tokens < args.k or args.prompt_len < 1:
+    raise ValueError("need --k >= 1, --prompts >= 1, --prompt-len >= 1, --new-tokens >= k")
+  t_cfg, t_params, tok = _load_for_measure(args.target, "target", args)
+  d_cfg, d_params, d_tok = _load_for_measure(args.draft, "draft", args)
+  if tok.to_spec() != d_tok.to_spec():
+    raise ValueError("target and draft were trained with different tokenizers")
+  t_params, d_params = cast_floats(t_params, jnp.float32), cast_floats(d_params, jnp.float32)
+  data = TokenData.from_corpus(load_corpus(args.corpus), tok)
+  seq_len = min(t_cfg.max_len, d_cfg.max_len, 128)
+  windows = data.validation_windows(seq_len, args.windows)
+  out = {"corpus": args.corpus, "target": args.target, "draft": args.draft}
+  byte_len = tok.token_byte_lengths()
+  for role, cfg, params in (("target", t_cfg, t_params), ("draft", d_cfg, d_params)):
+    tc = TrainConfig(seq_len=seq_len, batch_size=16)
+    _, eval_step = compiled_steps(cfg, tc)
+    out[f"{role}_val_bpb"] = eval_bpb(eval_step, params, windows, 16, byte_len)["bpb"]
+  tf = ev.teacher_forced_agreement((t_cfg, t_params), (d_cfg, d_params), windows[:, :-1])
+  prompts = data.validation_windows(args.prompt_len, args.prompts)[:, :args.prompt_len]
+  chain = ev.greedy_chain((t_cfg, t_params), (d_cfg, d_params), prompts,
+                          new_tokens=args.new_tokens, k=args.k)
+  if args.json:
+    out.update(alpha_teacher_forced=tf.to_dict(),
+               chain={k: (v.to_dict() if isinstance(v, ev.Estimate) else v)
+                      for k, v in chain.items()})
+    print(json.dumps(out))
+    return 0
+  print(f"corpus {args.corpus}: target {out['target_val_bpb']:.3f} bits/byte, "
+        f"draft {out['draft_val_bpb']:.3f} bits/byte")
+  print(f"teacher-forced greedy agreement on validation text: {tf}")
+  print(f"T=0 chain, k={args.k}, {chain['prompts']} prompts x {args.new_tokens} greedy tokens:")
+  print(f"  alpha (accepted/drafted)       {chain['alpha']}")
+  print(f"  alpha per token (i.i.d. model) {chain['alpha_token']}")
+  print(f"  tau (tokens per verification)  {chain['tau']:.3f}")
+  return 0

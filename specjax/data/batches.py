@@ -1,0 +1,65 @@
+"""Token streams and batches for language-model training.
+
+A split becomes one stream: BOS doc0 EOS BOS doc1 EOS ... (documents in corpus order). A
+training batch is B windows of seq_len + 1 tokens at random offsets; the offsets of step s are
+drawn from numpy's PCG64 seeded with (seed, s), so the batch of every step is a pure function
+of (seed, step): a run resumed at step s sees exactly the batches an uninterrupted run would
+(the data-order state is just seed and step). Validation uses fixed, evenly spaced,
+non-overlapping windows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from specjax.data.corpus import Corpus, Document
+from specjax.data.tokenizer import Tokenizer
+
+
+def encode_documents(docs: tuple[Document, ...], tokenizer: Tokenizer) -> np.ndarray:
+  """[N] int32 stream: BOS text EOS for each document in order."""
+  bos = np.asarray([tokenizer.bos_id], np.int32)
+  eos = np.asarray([tokenizer.eos_id], np.int32)
+  parts = []
+  for doc in docs:
+    parts += [bos, tokenizer.encode_array(doc.text).astype(np.int32), eos]
+  return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenData:
+  """Encoded train and validation streams of one corpus under one tokenizer."""
+  train: np.ndarray        # [N_train] int32
+  validation: np.ndarray   # [N_val] int32
+  corpus_name: str
+  fingerprint: str         # the corpus fingerprint
+
+  @classmethod
+  def from_corpus(cls, corpus: Corpus, tokenizer: Tokenizer) -> "TokenData":
+    return cls(encode_documents(corpus.train, tokenizer),
+               encode_documents(corpus.validation, tokenizer), corpus.name, corpus.fingerprint)
+
+  def check_fits(self, seq_len: int) -> None:
+    for split in ("train", "validation"):
+      n = len(getattr(self, split))
+      if n < seq_len + 1:
+        raise ValueError(f"seq_len {seq_len} does not fit the {split} split of corpus "
+                         f"{self.corpus_name!r} ({n} tokens); use a shorter seq_len or a "
+                         "larger corpus")
+
+  def train_batch(self, seed: int, step: int, batch_size: int, seq_len: int,
+                  grad_accum: int = 1) -> np.ndarray:
+    """[grad_accum, batch_size // grad_accum, seq_len + 1] int32 windows for `step`."""
+    rng = np.random.Generator(np.random.PCG64([seed, step]))
+    starts = rng.integers(0, len(self.train) - seq_len, size=batch_size)
+    windows = self.train[starts[:, None] + np.arange(seq_len + 1)[None, :]]
+    return windows.reshape(grad_accum, batch_size // grad_accum, seq_len + 1)
+
+  def validation_windows(self, seq_len: int, max_windows: int) -> np.ndarray:
+    """[n, seq_len + 1] evenly spaced windows over the validation stream (n <= max_windows)."""
+    stream = self.validation
+    count = min(max_windows, max(1, (len(stream) - 1) // seq_len))
+    starts = np.linspace(0, len(stream) - seq_len - 1, count).astype(np.int64)
+    return stream[starts[:, None] + np.arange(seq_len + 1)[None, :]]

@@ -1,0 +1,393 @@
+"""Prefill, plain autoregressive and speculative generation: one jitted while_loop each.
+
+Bookkeeping shared by both loops (per row b of a ragged batch):
+- `tokens[b]` holds the prompt then every emitted token; `length[b]` = L is the index of
+  the pending token: tokens [0, L) are in the target's KV cache, token L (the last one
+  emitted) is not yet. Prefill samples the first token, so L starts at the prompt length.
+- A row is done when it emitted `budget[b]` tokens or an EOS; done rows keep flowing
+  through the (static-shape) computation but commit nothing.
+- Emitted so far = L + 1 - prompt_len.
+
+A speculative cycle: the drafter proposes k tokens d1..dk; the target scores
+[x_L, d1..dk] at positions L..L+k in one pass; `accept_chain` keeps n ≤ k drafts and draws
+one more token (correction or bonus); n + 1 tokens are emitted (fewer if EOS or the budget
+cuts in), both caches commit them by moving their lengths.
+
+Runtime values (temperature, top-k, top-p, budgets, EOS id, seed) are arrays: changing
+them reuses the compiled loop. Static: model shapes, batch, prompt bucket, cache length, k.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax import acceptance, sampling
+from specjax.drafters.base import LM, Context
+from specjax.drafters.model import ModelDrafter
+from specjax.models import cache as kv
+
+Array = jax.Array
+
+# Number of times each loop was traced (compiled); tests assert on it.
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+MIN_BUCKET = 8
+
+
+# ----------------------------------------------------------------------------- loop state
+
+
+@struct.dataclass
+class Stats:
+  cycles: Array  # int32 [B] verification passes
+  drafted: Array  # int32 [B] drafted tokens (k per cycle)
+  accepted: Array  # int32 [B] accepted drafted tokens
+  hist: Array  # int32 [B, k+1] cycles by number of accepted drafts
+  cycle_log: Array  # int8 [B, C] accepted drafts of each cycle, -1 where unused
+
+  @classmethod
+  def zeros(cls, batch: int, k: int, max_cycles: int) -> "Stats":
+    z = jnp.zeros((batch,), jnp.int32)
+    return cls(cycles=z, drafted=z, accepted=z, hist=jnp.zeros((batch, k + 1), jnp.int32),
+               cycle_log=jnp.full((batch, max_cycles), -1, jnp.int8))
+
+  def record(self, active_B, n_accepted_B, k: int) -> "Stats":
+    act = active_B.astype(jnp.int32)
+    rows = jnp.arange(act.shape[0])
+    log = self.cycle_log.at[rows, jnp.minimum(self.cycles, self.cycle_log.shape[1] - 1)].set(
+        jnp.where(active_B, n_accepted_B.astype(jnp.int8), self.cycle_log[rows, jnp.minimum(
+            self.cycles, self.cycle_log.shape[1] - 1)]))
+    return Stats(cycles=self.cycles + act, drafted=self.drafted + k * act,
+                 accepted=self.accepted + n_accepted_B * act,
+                 hist=self.hist.at[rows, n_accepted_B].add(act), cycle_log=log)
+
+
+@struct.dataclass
+class LoopState:
+  tokens: Array  # int32 [B, S]
+  length: Array  # int32 [B] index of the pending token
+  done: Array  # bool [B]
+  cache: kv.KVCache
+  key: Array
+  draft: Any = None  # drafter state (speculative loop only)
+  stats: Stats | None = None
+
+  def context(self) -> Context:
+    return Context(tokens=self.tokens, length=self.length)
+
+
+def _not_finished(state: LoopState) -> Array:
+  return ~jnp.all(state.done)
+
+
+def _start(target: LM, prompt_BP, prompt_len_B, sampler, key, cache_len: int):
+  """Prefill the target, sample the first token, lay out the token buffer."""
+  b, p = prompt_BP.shape
+  cache = kv.init(target.config, b, cache_len)
+  hidden_BD, cache = target.prefill(cache, prompt_BP, prompt_len_B)
+  first = sampling.sample(key, sampling.warp(target.head(hidden_BD), sampler))
+  tokens = jnp.zeros((b, cache_len), jnp.int32).at[:, :p].set(prompt_BP)
+  tokens = tokens.at[jnp.arange(b), prompt_len_B].set(first)
+  return tokens, cache, first
+
+
+def _finished(emitted_B, budget_B, hit_eos_B):
+  return (emitted_B >= budget_B) | hit_eos_B
+
+
+# ----------------------------------------------------------------------------- the loops
+
+
+def generate_loop(target: LM, prompt_BP, prompt_len_B, budget_B, eos, sampler, key, *,
+                  cache_len: int):
+  """Plain autoregressive decoding (pure, jittable, vmappable). Returns the final LoopState."""
+  TRACE_COUNTS["generate"] += 1
+  key, first_key = jax.random.split(key)
+  tokens, cache, first = _start(target, prompt_BP, prompt_len_B, sampler, first_key, cache_len)
+  length = prompt_len_B.astype(jnp.int32)
+  done = _finished(jnp.ones_like(length), budget_B, first == eos)
+  rows = jnp.arange(length.shape[0])
+
+  def body(s: LoopState) -> LoopState:
+    key, step_key = jax.random.split(s.key)
+    cur = s.tokens[rows, s.length]
+    logits, _, cache = target(cur[:, None], s.length[:, None], s.cache)
+    nxt = sampling.sample(step_key, sampling.warp(logits[:, 0], sampler))
+    active = ~s.done
+    write_at = jnp.minimum(s.length + 1, s.tokens.shape[1] - 1)
+    tokens = s.tokens.at[rows, write_at].set(jnp.where(active, nxt, s.tokens[rows, write_at]))
+    length = s.length + active.astype(jnp.int32)
+    done = s.done | _finished(length + 1 - prompt_len_B, budget_B, active & (nxt == eos))
+    return s.replace(tokens=tokens, length=length, done=done, key=key,
+                     cache=kv.set_lengths(cache, length))
+
+  init = LoopState(tokens=tokens, length=length, done=done, cache=cache, key=key)
+  return jax.lax.while_loop(_not_finished, body, init)
+
+
+def speculative_loop(target: LM, drafter, prompt_BP, prompt_len_B, budget_B, eos, sampler,
+                     key, *, k: int, cache_len: int):
+  """Chain speculative decoding (pure, jittable, vmappable). Returns the final LoopState."""
+  TRACE_COUNTS["speculative"] += 1
+  b = prompt_BP.shape[0]
+  key, first_key = jax.random.split(key)
+  tokens, cache, first = _start(target, prompt_BP, prompt_len_B, sampler, first_key, cache_len)
+  length = prompt_len_B.astype(jnp.int32)
+  done = _finished(jnp.ones_like(length), budget_B, first == eos)
+  steps = jnp.arange(k + 1, dtype=jnp.int32)
+
+  def body(s: LoopState) -> LoopState:
+    key, draft_key, accept_key = jax.random.split(s.key, 3)
+    drafts_BK, q_BKV, draft = drafter.propose(s.draft, s.context(), k, sampler, draft_key)
+
+    # One target pass over [x_L, d1..dk] at positions L..L+k.
+    cur = jnp.take_along_axis(s.tokens, s.length[:, None], axis=1)
+    verify_BT = jnp.concatenate([cur, drafts_BK], axis=1)
+    logits, _, cache = target(verify_BT, s.length[:, None] + steps[None], s.cache)
+    p_BTV = sampling.warp(logits, sampler)
+    result = acceptance.accept_chain(accept_key, drafts_BK, p_BTV, q_BKV)
+    n = result.n_accepted
+
+    # Emitted this cycle: d1..dn then the target's token; cut at EOS and at the budget.
+    drafts_BT = jnp.concatenate([drafts_BK, drafts_BK[:, :1]], axis=1)  # pad to k+1
+    emitted_BT = jnp.where(steps[None] < n[:, None], drafts_BT, result.next_token[:, None])
+    active = ~s.done
+    room = budget_B - (s.length + 1 - prompt_len_B)
+    m = jnp.minimum(n + 1, room)
+    is_eos = (emitted_BT == eos) & (steps[None] < m[:, None])
+    hit_eos = jnp.any(is_eos, axis=1)
+    m = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, m)
+    m = jnp.where(active, m, 0).astype(jnp.int32)
+
+    tokens = _write_rows(s.tokens, s.length + 1, emitted_BT, m)
+    length = s.length + m
+    done = s.done | (active & (hit_eos | (m >= room)))
+    ctx = Context(tokens=tokens, length=length)
+    return s.replace(tokens=tokens, length=length, done=done, key=key,
+                     cache=kv.set_lengths(cache, length),
+                     draft=drafter.commit(draft, ctx, n),
+                     stats=s.stats.record(active, n, k))
+
+  init = LoopState(tokens=tokens, length=length, done=done, cache=cache, key=key,
+                   draft=drafter.init(prompt_BP, prompt_len_B, cache_len),
+                   stats=Stats.zeros(b, k, cache_len))
+  return jax.lax.while_loop(_not_finished, body, init)
+
+
+def _write_rows(tokens_BS, start_B, values_BT, count_B):
+  """tokens[b, start[b] + j] = values[b, j] for j < count[b]; other slots unchanged."""
+  t = values_BT.shape[1]
+
+  def one(row, start, vals, count):
+    old = jax.lax.dynamic_slice(row, (start,), (t,))
+    new = jnp.where(jnp.arange(t) < count, vals, old)
+    return jax.lax.dynamic_update_slice(row, new, (start,))
+
+  return jax.vmap(one)(tokens_BS, start_B, values_BT, count_B)
+
+
+_generate_jit = jax.jit(generate_loop, static_argnames=("cache_len",))
+_speculative_jit = jax.jit(speculative_loop, static_argnames=("k", "cache_len"))
+
+
+# ----------------------------------------------------------------------------- host API
+
+
+@dataclasses.dataclass
+class Generation:
+  """What a generate call produced, on the host.
+
+  `tokens[b]` are the emitted tokens of row b (EOS included when hit); `stats` is None for
+  plain decoding, else per-row arrays: cycles, drafted, accepted, hist [B, k+1] and
+  cycle_log [B, C] (-1 = unused) for metrics.summarize.
+  """
+
+  tokens: list[list[int]]
+  prompt_lengths: list[int]
+  stats: dict[str, np.ndarray] | None
+  seconds: float  # wall time of the call, compilation included on a first call
+  k: int = 0
+
+  @property
+  def emitted(self) -> int:
+    return sum(len(t) for t in self.tokens)
+
+  def summary(self):
+    """α (with interval), τ, histogram and burstiness over all rows (metrics.summarize)."""
+    if self.stats is None:
+      raise ValueError("plain generation has no speculative statistics")
+    from specjax import metrics
+    emitted = np.asarray([len(t) for t in self.tokens])
+    return metrics.summarize(cycles=self.stats["cycles"], drafted=self.stats["drafted"],
+                             accepted=self.stats["accepted"], emitted=emitted - 1,
+                             cycle_log=self.stats["cycle_log"], k=self.k)
+
+
+def _bucket(n: int, cap: int) -> int:
+  b = MIN_BUCKET
+  while b < n:
+    b *= 2
+  return min(b, cap) if cap >= n else b
+
+
+def _check_int(name: str, value, lo: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
+    raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+  return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+  """Validated, padded inputs for one call of a loop."""
+
+  prompt_BP: np.ndarray
+  prompt_len_B: np.ndarray
+  budget_B: np.ndarray
+  cache_len: int
+
+
+def prepare_batch(prompts: Sequence[Sequence[int]], *, vocab_size: int, max_len: int,
+                  max_new_tokens, k: int = 0, cache_len: int | None = None,
+                  positions_limited: bool = True) -> Batch:
+  """Validates prompts and budgets at the Python boundary and pads to a length bucket.
+
+  The cache needs `bucket + max budget + k + 1` slots; by default the cache length is that
+  rounded up to a power of two, so budgets that change within it do not recompile.
+  """
+  if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) and not isinstance(
+      prompts, np.ndarray):
+    raise ValueError(f"prompts must be a sequence of token-id sequences, got {type(prompts)}")
+  if len(prompts) < 1:
+    raise ValueError("prompts: batch must be >= 1 prompt, got an empty batch")
+  rows = []
+  for i, p in enumerate(prompts):
+    p = np.asarray(p)
+    if p.ndim != 1 or p.size == 0:
+      raise ValueError(f"prompts[{i}] must be a non-empty 1-D sequence of token ids, "
+                       f"got shape {p.shape}")
+    if not np.issubdtype(p.dtype, np.integer):
+      raise ValueError(f"prompts[{i}] must hold integer token ids, got dtype {p.dtype}")
+    bad = (p < 0) | (p >= vocab_size)
+    if bad.any():
+      raise ValueError(f"prompts[{i}] has token id {int(p[bad][0])} out of range "
+                       f"[0, {vocab_size})")
+    rows.append(p.astype(np.int32))
+  batch = len(rows)
+  if np.ndim(max_new_tokens) == 0:
+    budgets = [_check_int("max_new_tokens", max_new_tokens, 1)] * batch
+  else:
+    budgets = [_check_int(f"max_new_tokens[{i}]", v, 1) for i, v in enumerate(max_new_tokens)]
+    if len(budgets) != batch:
+      raise ValueError(f"max_new_tokens has {len(budgets)} entries for {batch} prompts")
+  longest = max(len(r) for r in rows)
+  bucket = _bucket(longest, cache_len or (1 << 62))
+  need = bucket + max(budgets) + k + 1
+  if cache_len is None:
+    cache_len = _bucket(need, 1 << 62)
+    if positions_limited:
+      cache_len = min(cache_len, max_len)
+  else:
+    cache_len = _check_int("cache_len", cache_len, 1)
+  if need > cache_len or (positions_limited and need > max_len):
+    limit = min(cache_len, max_len) if positions_limited else cache_len
+    raise ValueError(
+        f"prompt length {longest} (bucket {bucket}) + max_new_tokens {max(budgets)} + k {k} "
+        f"+ 1 = {need} exceeds the cache/context length {limit}: shorten the prompt or "
+        f"lower max_new_tokens")
+  prompt = np.zeros((batch, bucket), np.int32)
+  for i, r in enumerate(rows):
+    prompt[i, :len(r)] = r
+  return Batch(prompt_BP=prompt, prompt_len_B=np.asarray([len(r) for r in rows], np.int32),
+               budget_B=np.asarray(budgets, np.int32), cache_len=cache_len)
+
+
+def _key(seed) -> Array:
+  if isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
+    return seed
+  return jax.random.key(_check_int("seed", seed, 0))
+
+
+def _eos(eos_id, vocab_size: int) -> Array:
+  if eos_id is None:
+    return jnp.asarray(-1, jnp.int32)
+  eos_id = _check_int("eos_id", eos_id, 0)
+  if eos_id >= vocab_size:
+    raise ValueError(f"eos_id must be in [0, {vocab_size}), got {eos_id}")
+  return jnp.asarray(eos_id, jnp.int32)
+
+
+def _collect(state: LoopState, batch: Batch, seconds: float, k: int) -> Generation:
+  tokens = np.asarray(state.tokens)
+  length = np.asarray(state.length)
+  out = [tokens[b, p:l + 1].tolist() for b, (p, l) in enumerate(zip(batch.prompt_len_B, length))]
+  stats = None
+  if state.stats is not None:
+    stats = {f.name: np.asarray(getattr(state.stats, f.name))
+             for f in dataclasses.fields(state.stats)}
+  return Generation(tokens=out, prompt_lengths=batch.prompt_len_B.tolist(), stats=stats,
+                    seconds=seconds, k=k)
+
+
+def _positions_limited(config) -> bool:
+  return config.positions == "learned"
+
+
+def generate(target, prompts, *, max_new_tokens, sampler=None, seed=0, eos_id=None,
+             cache_len: int | None = None) -> Generation:
+  """Plain autoregressive decoding of a ragged batch of prompts (one compiled loop)."""
+  target = LM.of(target)
+  cfg = target.config
+  batch = prepare_batch(prompts, vocab_size=cfg.vocab_size, max_len=cfg.max_len,
+                        max_new_tokens=max_new_tokens, cache_len=cache_len,
+                        positions_limited=_positions_limited(cfg))
+  kv.check_fits(cfg, len(batch.budget_B), batch.cache_len, what="target KV cache")
+  sampler = sampler if sampler is not None else sampling.make_sampler(0.0)
+  start = time.perf_counter()
+  state = _generate_jit(target, batch.prompt_BP, batch.prompt_len_B, batch.budget_B,
+                        _eos(eos_id, cfg.vocab_size), sampler, _key(seed),
+                        cache_len=batch.cache_len)
+  state = jax.block_until_ready(state)
+  return _collect(state, batch, time.perf_counter() - start, 0)
+
+
+def as_drafter(draft):
+  """A drafter pytree from a drafter or a bare draft model (separate-model drafter)."""
+  if hasattr(draft, "propose"):
+    return draft
+  return ModelDrafter.of(draft)
+
+
+def speculative_generate(target, draft, prompts, *, k: int, max_new_tokens, sampler=None,
+                         seed=0, eos_id=None, cache_len: int | None = None) -> Generation:
+  """Chain speculative decoding with k drafted tokens per verification."""
+  target = LM.of(target)
+  drafter = as_drafter(draft)
+  cfg = target.config
+  k = _check_int("k", k, 1)
+  draft_cfg = getattr(drafter, "config", None)
+  if draft_cfg is not None and draft_cfg.vocab_size != cfg.vocab_size:
+    raise ValueError(f"draft vocabulary ({draft_cfg.vocab_size}) must match the target's "
+                     f"({cfg.vocab_size})")
+  limited = _positions_limited(cfg) or (draft_cfg is not None and _positions_limited(draft_cfg))
+  max_len = min(cfg.max_len, draft_cfg.max_len) if draft_cfg is not None else cfg.max_len
+  batch = prepare_batch(prompts, vocab_size=cfg.vocab_size, max_len=max_len,
+                        max_new_tokens=max_new_tokens, k=k, cache_len=cache_len,
+                        positions_limited=limited)
+  b = len(batch.budget_B)
+  extra = kv.cache_bytes(draft_cfg, b, batch.cache_len) if draft_cfg is not None else 0
+  kv.check_fits(cfg, b, batch.cache_len, extra_bytes=extra, what="target + draft KV caches")
+  sampler = sampler if sampler is not None else sampling.make_sampler(0.0)
+  start = time.perf_counter()
+  state = _speculative_jit(target, drafter, batch.prompt_BP, batch.prompt_len_B,
+                           batch.budget_B, _eos(eos_id, cfg.vocab_size), sampler, _key(seed),
+                           k=k, cache_len=batch.cache_len)
+  state = jax.block_until_ready(state)
+  return _collect(state, batch, time.perf_counter() - start, k)

@@ -1,0 +1,88 @@
+"""The drafter protocol shared by every draft kind, and the `LM` handle for jitted models.
+
+A drafter is a pytree: its arrays (weights) are leaves, its static description (graph
+definition, flags) is auxiliary data, so it passes through `jax.jit` as an ordinary
+argument and a different drafter of the same kind and shape does not recompile.
+
+Protocol (all pure and jittable; B = batch, K = drafted tokens per cycle, V = vocabulary):
+
+    state = drafter.init(prompt_BP, prompt_len_B, cache_len)
+    tokens_BK, q_BKV | None, state = drafter.propose(state, ctx, k, sampler, key)
+    state = drafter.commit(state, ctx_after, n_accepted_B)
+
+`ctx` is the committed context the engine sees: the token buffer `tokens_BS` and per row
+`length_B` = L, the index of the pending token. Tokens `[0, L)` are in the target's cache;
+token L (the last one emitted) is not yet. `q = None` means deterministic candidates
+(point masses); the acceptance rule then treats them exactly (accept x with probability
+p(x); on rejection remove x from p). `commit` receives the context after the cycle (new L)
+and the number of draft tokens the target accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from specjax.models.transformer import ModelConfig
+
+Array = jax.Array
+
+
+@struct.dataclass
+class Context:
+  tokens: Array  # int32 [B, S] token buffer: prompt, then emitted tokens
+  length: Array  # int32 [B] index of the pending token L (= the target's committed length)
+
+
+class Drafter(Protocol):
+
+  def init(self, prompt_BP: Array, prompt_len_B: Array, cache_len: int) -> Any:
+    ...
+
+  def propose(self, state: Any, ctx: Context, k: int, sampler: Any,
+              key: Array) -> tuple[Array, Array | None, Any]:
+    ...
+
+  def commit(self, state: Any, ctx: Context, n_accepted_B: Array) -> Any:
+    ...
+
+
+@struct.dataclass
+class LM:
+  """A Transformer split once into a static graph and its weights (DESIGN.md jit boundary)."""
+
+  graphdef: Any = struct.field(pytree_node=False)
+  config: ModelConfig = struct.field(pytree_node=False)
+  params: Any
+
+  @classmethod
+  def of(cls, model) -> "LM":
+    if isinstance(model, LM):
+      return model
+    graphdef, params = nnx.split(model)
+    return cls(graphdef=graphdef, config=model.config, params=params)
+
+  def module(self):
+    return nnx.merge(self.graphdef, self.params)
+
+  def __call__(self, tokens_BT, positions_BT, cache=None, block_mask_TT=None):
+    return self.module()(tokens_BT, positions_BT, cache, block_mask_TT)
+
+  def prefill(self, cache, prompt_BP: Array, prompt_len_B: Array):
+    """Runs the padded prompts through the model; returns (last hidden_BD, cache).
+
+    Rows are right-padded to a common bucket length P; padding sits after every real token,
+    so causal attention keeps it invisible to them, and committing `prompt_len` leaves the
+    padding beyond the row's length, to be overwritten.
+    """
+    b, p = prompt_BP.shape
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    _, hidden_BPD, cache = self(prompt_BP, positions, cache)
+    last = jnp.take_along_axis(hidden_BPD, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]
+    return last, cache.replace(lengths=prompt_len_B.astype(jnp.int32))
+
+  def head(self, hidden_BD: Array) -> Array:
+    return self.module().logits(hidden_BD[:, None])[:, 0]

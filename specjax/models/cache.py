@@ -1,0 +1,195 @@
+"""Static-size KV cache with ragged rows.
+
+Contract (everything outside this file relies on this and nothing else):
+- `KVCache.lengths[B]` (int32) is the number of committed entries of each row. Queries see
+  slots `[0, lengths[b])` plus the block of new tokens being written.
+- `write` puts T new keys/values at slots `[lengths[b], lengths[b] + T)` of each row without
+  moving `lengths`; committing is `commit` (or `set_lengths`), rollback is moving the index
+  back. Rejected entries are never erased: they lie beyond `lengths` and get overwritten.
+- `gather_block` moves selected entries of the newest block into contiguous slots (used by
+  token trees to compact the accepted path).
+
+Buffer layout (private, chosen by measurement, see PERF_NOTES.md and BUILD_NOTES.md): one
+buffer per layer, batch and KV heads merged, K stored transposed:
+    K[layer]: (B·Hkv, head_dim, S)     V[layer]: (B·Hkv, S, head_dim)
+so q·Kᵀ and p·V are plain batched NN matmuls and per-layer buffers are updated in place
+inside the generation loop (a stacked [L, B, S, H, D] buffer made XLA copy the whole cache
+every step). Grouped-query heads sharing one KV head are stacked as extra query rows.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+Array = jax.Array
+
+_NEG_INF = -1e30
+
+
+@struct.dataclass
+class KVCache:
+  k: tuple[Array, ...]  # per layer (B·Hkv, head_dim, S)
+  v: tuple[Array, ...]  # per layer (B·Hkv, S, head_dim)
+  lengths: Array  # int32 [B]
+
+  @property
+  def batch(self) -> int:
+    return self.lengths.shape[0]
+
+  @property
+  def max_len(self) -> int:
+    return self.v[0].shape[1]
+
+  @property
+  def n_kv_heads(self) -> int:
+    return self.v[0].shape[0] // self.batch
+
+
+def cache_bytes(config, batch: int, max_len: int, dtype=jnp.float32) -> int:
+  """Bytes the cache of `batch` rows × `max_len` slots occupies."""
+  per_token = 2 * config.n_layers * config.n_kv_heads * config.head_dim
+  return per_token * batch * max_len * jnp.dtype(dtype).itemsize
+
+
+def available_memory_bytes(device=None) -> int | None:
+  """Memory the device can still give us (accelerator limit or host MemAvailable)."""
+  device = device or jax.local_devices()[0]
+  try:
+    stats = device.memory_stats() or {}
+  except Exception:  # noqa: BLE001 - some backends do not implement memory_stats
+    stats = {}
+  if "bytes_limit" in stats:
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  try:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def check_fits(config, batch: int, max_len: int, dtype=jnp.float32, *, extra_bytes: int = 0,
+               available: int | None = None, what: str = "cache") -> int:
+  """Refuses (ValueError) a cache that would not fit, before anything is allocated.
+
+  `extra_bytes` is whatever else must fit beside it (weights, other caches). Keeps 10% of
+  the available memory as headroom for activations and XLA temporaries.
+  """
+  need = cache_bytes(config, batch, max_len, dtype) + extra_bytes
+  available = available_memory_bytes() if available is None else available
+  if available is not None and need > 0.9 * available:
+    raise ValueError(
+        f"{what}: batch={batch} × max_len={max_len} needs {need / 2**30:.2f} GiB "
+        f"(KV cache {cache_bytes(config, batch, max_len, dtype) / 2**30:.2f} GiB + "
+        f"{extra_bytes / 2**30:.2f} GiB other), but only {available / 2**30:.2f} GiB is "
+        f"available: lower batch or max_len")
+  return need
+
+
+def init(config, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+  """An empty cache (all lengths 0). Kept in float32 by default: PERF_NOTES trap 4."""
+  rows, hd = batch * config.n_kv_heads, config.head_dim
+  k = tuple(jnp.zeros((rows, hd, max_len), dtype) for _ in range(config.n_layers))
+  v = tuple(jnp.zeros((rows, max_len, hd), dtype) for _ in range(config.n_layers))
+  return KVCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def set_lengths(cache: KVCache, lengths_B: Array) -> KVCache:
+  return cache.replace(lengths=lengths_B.astype(jnp.int32))
+
+
+def commit(cache: KVCache, n_B: Array) -> KVCache:
+  """Advances each row by n_B entries (the ones `write` put there)."""
+  return cache.replace(lengths=cache.lengths + n_B.astype(jnp.int32))
+
+
+def _row_offsets(cache: KVCache) -> Array:
+  return jnp.repeat(cache.lengths, cache.n_kv_heads)  # [B·Hkv]
+
+
+def write(cache: KVCache, layer: int, k_BTHD: Array, v_BTHD: Array) -> KVCache:
+  """Writes T new entries at each row's offset `lengths[b]` (lengths unchanged)."""
+  b, t, h, d = k_BTHD.shape
+  kbuf, vbuf = cache.k[layer], cache.v[layer]
+  k_new = k_BTHD.transpose(0, 2, 3, 1).reshape(b * h, d, t).astype(kbuf.dtype)
+  v_new = v_BTHD.transpose(0, 2, 1, 3).reshape(b * h, t, d).astype(vbuf.dtype)
+  offsets = _row_offsets(cache)
+  zero = jnp.zeros((), jnp.int32)
+  kbuf = jax.vmap(lambda buf, u, o: jax.lax.dynamic_update_slice(buf, u, (zero, o)))(
+      kbuf, k_new, offsets)
+  vbuf = jax.vmap(lambda buf, u, o: jax.lax.dynamic_update_slice(buf, u, (o, zero)))(
+      vbuf, v_new, offsets)
+  ks = cache.k[:layer] + (kbuf,) + cache.k[layer + 1:]
+  vs = cache.v[:layer] + (vbuf,) + cache.v[layer + 1:]
+  return cache.replace(k=ks, v=vs)
+
+
+def attention_mask(lengths_B: Array, t: int, s: int, block_mask_TT: Array | None) -> Array:
+  """mask[b, i, j]: query i (at slot lengths[b] + i) may attend to slot j.
+
+  Slot j is visible if it is committed (j < lengths[b]) or it is new token j - lengths[b]
+  and block_mask[i, j - lengths[b]] (causal if block_mask is None).
+  """
+  slots = jnp.arange(s, dtype=jnp.int32)[None, :]  # [1, S]
+  rel = slots - lengths_B[:, None]  # [B, S] index of the slot within the new block
+  committed = rel < 0
+  in_block = (rel >= 0) & (rel < t)
+  rel = jnp.clip(rel, 0, t - 1)
+  if block_mask_TT is None:
+    allowed = rel[:, None, :] <= jnp.arange(t, dtype=jnp.int32)[None, :, None]  # [B, T, S]
+  else:
+    allowed = jnp.take(block_mask_TT, rel, axis=1).transpose(1, 0, 2)  # [B, T, S]
+  return committed[:, None, :] | (in_block[:, None, :] & allowed)
+
+
+def attend(cache: KVCache, layer: int, q_BTHD: Array, block_mask_TT: Array | None) -> Array:
+  """Attention of T queries over the committed prefix and the new block. Returns [B,T,H,D]."""
+  b, t, h, d = q_BTHD.shape
+  hkv = cache.n_kv_heads
+  g = h // hkv
+  kbuf, vbuf = cache.k[layer], cache.v[layer]
+  s = vbuf.shape[1]
+  # [B, T, Hkv, G, D] -> [B, Hkv, G, T, D] -> [B·Hkv, G·T, D]: GQA groups become query rows.
+  q = q_BTHD.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b * hkv, g * t, d)
+  q = (q * (1.0 / math.sqrt(d))).astype(kbuf.dtype)
+  rows = g * t
+  if rows == 1:  # PERF_NOTES trap 3: a one-row product takes a ~10x slower path; pad to 2.
+    q = jnp.concatenate([q, q], axis=1)
+  scores = jnp.einsum("nrd,nds->nrs", q, kbuf, preferred_element_type=jnp.float32)
+  scores = scores[:, :rows]
+  mask = attention_mask(cache.lengths, t, s, block_mask_TT)  # [B, T, S]
+  mask = jnp.broadcast_to(mask[:, None, None], (b, hkv, g, t, s)).reshape(b * hkv, rows, s)
+  scores = jnp.where(mask, scores, _NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1)
+  if rows == 1:
+    probs = jnp.concatenate([probs, probs], axis=1)
+  out = jnp.einsum("nrs,nsd->nrd", probs.astype(vbuf.dtype), vbuf,
+                   preferred_element_type=jnp.float32)[:, :rows]
+  return out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+
+
+def causal_attention(q_BTHD: Array, k_BTKD: Array, v_BTKD: Array,
+                     block_mask_TT: Array | None = None) -> Array:
+  """Cache-free attention over the T tokens themselves (training and scoring)."""
+  b, t, h, d = q_BTHD.shape
+  hkv = k_BTKD.shape[2]
+  q = q_BTHD.reshape(b, t, hkv, h // hkv, d) * (1.0 / math.sqrt(d))
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k_BTKD.astype(jnp.float32),
+                      preferred_element_type=jnp.float32)
+  if block_mask_TT is None:
+    block_mask_TT = jnp.tril(jnp.ones((t, t), bool))
+  scores = jnp.where(block_mask_TT, scores, _NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BTKD.astype(jnp.float32),
+                   preferred_element_type=jnp.float32)
+  return out.reshape(b, t, h, d)

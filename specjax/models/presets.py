@@ -1,0 +1,62 @@
+"""Named model shapes and the `NAME[:field=value,...]` / JSON config syntax of the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+
+from specjax.models.transformer import ModelConfig
+
+PRESETS: dict[str, ModelConfig] = {
+    # GPT-2 small's shape (124M parameters); the benchmark target.
+    "gpt2-small": ModelConfig.gpt2(),
+    # The 2-layer, width-256 draft PERF_NOTES measured at c ~ 0.10-0.15.
+    "gpt2-draft": ModelConfig.gpt2(d_model=256, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=1024),
+    "llama-small": ModelConfig.llama(),
+    "llama-draft": ModelConfig.llama(d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=688),
+    # Test-sized models.
+    "tiny-gpt2": ModelConfig.gpt2(vocab_size=264, d_model=64, n_layers=2, n_heads=4,
+                                  n_kv_heads=4, d_ff=256, max_len=512),
+    "tiny-llama": ModelConfig.llama(vocab_size=264, d_model=64, n_layers=2, n_heads=4,
+                                    n_kv_heads=2, d_ff=172, max_len=512),
+}
+
+
+def _coerce(field: dataclasses.Field, text: str):
+  kind = field.type if isinstance(field.type, type) else str(field.type)
+  if kind in (int, "int"):
+    return int(text)
+  if kind in (float, "float"):
+    return float(text)
+  if kind in (bool, "bool"):
+    if text.lower() not in ("true", "false", "1", "0"):
+      raise ValueError(f"{field.name} must be true or false, got {text!r}")
+    return text.lower() in ("true", "1")
+  return text
+
+
+def parse_config(spec: str, **overrides) -> ModelConfig:
+  """A ModelConfig from `NAME`, `NAME:field=value,...`, a JSON object, or a JSON file path."""
+  if spec.lstrip().startswith("{"):
+    base = ModelConfig.from_dict(json.loads(spec))
+  elif os.path.isfile(spec):
+    with open(spec) as f:
+      base = ModelConfig.from_dict(json.load(f))
+  else:
+    name, _, rest = spec.partition(":")
+    if name not in PRESETS:
+      close = difflib.get_close_matches(name, PRESETS, n=3)
+      hint = f" (did you mean {', '.join(close)}?)" if close else ""
+      raise ValueError(f"unknown model config {name!r}{hint}; presets: {sorted(PRESETS)}, "
+                       f"or a JSON object / file of ModelConfig fields")
+    base = PRESETS[name]
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    for item in filter(None, rest.split(",")):
+      key, eq, value = item.partition("=")
+      if not eq or key not in fields:
+        raise ValueError(f"bad config override {item!r} in {spec!r}: expected field=value with "
+                         f"field one of {sorted(fields)}")
+      overrides.setdefault(key, _coerce(fields[key], value))
+  return base.replace(**overrides) if overrides else base

@@ -1,0 +1,284 @@
+"""A decoder-only transformer covering the GPT-2 and Llama families (Flax NNX).
+
+One call serves training, prefill, one-token decode, chain verification and tree
+verification; only the positions, the cache and the block mask differ:
+
+    logits_BTV, hidden_BTD, cache = model(tokens_BT, positions_BT, cache, block_mask)
+
+- `cache=None`: plain causal attention over the T tokens (training, scoring).
+- with a `KVCache`: the T new keys/values are written at each row's offset
+  `cache.lengths[b]` and every query attends to the committed prefix `[0, lengths[b])`
+  plus the new tokens allowed by `block_mask[T, T]` (causal when None, an ancestor mask for
+  token trees). The cache comes back with the new entries written but `lengths` unchanged:
+  committing (or rolling back) is the caller's business, done by moving `lengths`.
+
+Numerics: the residual stream, norms, softmax and logits are float32. With
+`dtype='bfloat16'` the weights are stored in bf16 and every matmul takes bf16 inputs with
+float32 accumulation (`preferred_element_type`), the fast path on XLA:CPU and accelerators.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.models import cache as kv
+
+Array = jax.Array
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Static model description (hashable: usable as a static jit argument)."""
+
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  d_ff: int
+  max_len: int
+  norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+  positions: Literal["learned", "rope"] = "learned"
+  rope_theta: float = 10000.0
+  mlp: Literal["gelu", "swiglu"] = "gelu"
+  tie_embeddings: bool = True
+  use_bias: bool = True  # biases on every linear layer and norm (GPT-2)
+  qkv_bias: bool = False  # biases on q/k/v only (Qwen2); implied by use_bias
+  norm_eps: float = 1e-5
+  dtype: Literal["float32", "bfloat16"] = "float32"
+
+  def __post_init__(self):
+    positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_len")
+    for name in positive:
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+    if self.d_model % self.n_heads:
+      raise ValueError(f"ModelConfig.d_model ({self.d_model}) must be divisible by "
+                       f"n_heads ({self.n_heads})")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"ModelConfig.n_heads ({self.n_heads}) must be divisible by "
+                       f"n_kv_heads ({self.n_kv_heads})")
+    choices = {"norm": ("layernorm", "rmsnorm"), "positions": ("learned", "rope"),
+               "mlp": ("gelu", "swiglu"), "dtype": tuple(_DTYPES)}
+    for name, allowed in choices.items():
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"ModelConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+    if self.positions == "rope" and self.head_dim % 2:
+      raise ValueError(f"rope needs an even head_dim, got {self.head_dim}")
+    if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+      raise ValueError(f"ModelConfig.rope_theta must be positive and finite, got {self.rope_theta}")
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+  @property
+  def jnp_dtype(self):
+    return _DTYPES[self.dtype]
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "ModelConfig":
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - fields)
+    if unknown:
+      raise ValueError(f"unknown ModelConfig fields {unknown}; allowed: {sorted(fields)}")
+    return cls(**d)
+
+  @classmethod
+  def gpt2(cls, **overrides) -> "ModelConfig":
+    """GPT-2 small by default (124M): LayerNorm, learned positions, GELU, tied head."""
+    base = dict(vocab_size=50257, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12,
+                d_ff=3072, max_len=1024, norm="layernorm", positions="learned", mlp="gelu",
+                tie_embeddings=True, use_bias=True, norm_eps=1e-5)
+    return cls(**{**base, **overrides})
+
+  @classmethod
+  def llama(cls, **overrides) -> "ModelConfig":
+    """A small Llama-family shape: RMSNorm, RoPE, SwiGLU, GQA, untied head, no biases."""
+    base = dict(vocab_size=32000, d_model=512, n_layers=8, n_heads=8, n_kv_heads=2,
+                d_ff=1376, max_len=2048, norm="rmsnorm", positions="rope", rope_theta=10000.0,
+                mlp="swiglu", tie_embeddings=False, use_bias=False, norm_eps=1e-5)
+    return cls(**{**base, **overrides})
+
+
+def param_count(config: ModelConfig) -> int:
+  """Number of parameters, from the config alone (no allocation)."""
+  shapes = jax.eval_shape(lambda: nnx.state(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param))
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def _normal(stddev: float):
+  return jax.nn.initializers.normal(stddev)
+
+
+class Dense(nnx.Module):
+  """y = x @ W (+ b); W stored [in, out] in the model dtype, accumulated in float32."""
+
+  def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs,
+               stddev: float = 0.02):
+    self.kernel = nnx.Param(_normal(stddev)(rngs.params(), (d_in, d_out), dtype))
+    self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+  def __call__(self, x: Array) -> Array:
+    w = self.kernel[...]
+    y = jnp.einsum("...i,io->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    if self.bias is not None:
+      y = y + _bcast(self.bias[...].astype(jnp.float32), y)
+    return y
+
+
+def _bcast(v_D: Array, like: Array) -> Array:
+  """A [D] vector shaped to broadcast against [..., D] (explicit: strict rank promotion)."""
+  return v_D.reshape((1,) * (like.ndim - 1) + v_D.shape)
+
+
+class Norm(nnx.Module):
+  """LayerNorm (scale + optional bias) or RMSNorm, computed in float32."""
+
+  def __init__(self, d: int, *, kind: str, bias: bool, eps: float, dtype):
+    self.kind, self.eps = kind, eps
+    self.scale = nnx.Param(jnp.ones((d,), dtype))
+    self.bias = nnx.Param(jnp.zeros((d,), dtype)) if bias else None
+
+  def __call__(self, x: Array) -> Array:
+    x = x.astype(jnp.float32)
+    if self.kind == "layernorm":
+      x = x - jnp.mean(x, axis=-1, keepdims=True)
+    y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
+    y = y * _bcast(self.scale[...].astype(jnp.float32), y)
+    if self.bias is not None:
+      y = y + _bcast(self.bias[...].astype(jnp.float32), y)
+    return y
+
+
+def rope(x_BTHD: Array, positions_BT: Array, theta: float) -> Array:
+  """Rotary embedding in the half-split layout Hugging Face uses (`rotate_half`).
+
+  Pair (x[i], x[i + D/2]) is rotated by angle position / theta^(2i/D).
+  """
+  d = x_BTHD.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
+  angles = positions_BT.astype(jnp.float32)[..., None] * inv_freq[None, None]  # [B, T, D/2]
+  cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, D/2]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    c, dt = config, config.jnp_dtype
+    self.config = c
+    qkv_bias = c.use_bias or c.qkv_bias
+    resid_std = 0.02 / math.sqrt(2 * c.n_layers)
+    self.q = Dense(c.d_model, c.n_heads * c.head_dim, bias=qkv_bias, dtype=dt, rngs=rngs)
+    self.k = Dense(c.d_model, c.n_kv_heads * c.head_dim, bias=qkv_bias, dtype=dt, rngs=rngs)
+    self.v = Dense(c.d_model, c.n_kv_heads * c.head_dim, bias=qkv_bias, dtype=dt, rngs=rngs)
+    self.o = Dense(c.n_heads * c.head_dim, c.d_model, bias=c.use_bias, dtype=dt, rngs=rngs,
+                   stddev=resid_std)
+
+  def __call__(self, x_BTD, positions_BT, cache, layer, block_mask_TT):
+    c = self.config
+    b, t, _ = x_BTD.shape
+    q = self.q(x_BTD).reshape(b, t, c.n_heads, c.head_dim)
+    k = self.k(x_BTD).reshape(b, t, c.n_kv_heads, c.head_dim)
+    v = self.v(x_BTD).reshape(b, t, c.n_kv_heads, c.head_dim)
+    if c.positions == "rope":
+      q = rope(q, positions_BT, c.rope_theta)
+      k = rope(k, positions_BT, c.rope_theta)
+    if cache is None:
+      out = kv.causal_attention(q, k, v, block_mask_TT)
+    else:
+      cache = kv.write(cache, layer, k, v)
+      out = kv.attend(cache, layer, q, block_mask_TT)
+    return self.o(out.reshape(b, t, c.n_heads * c.head_dim)), cache
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    c, dt = config, config.jnp_dtype
+    self.kind = c.mlp
+    resid_std = 0.02 / math.sqrt(2 * c.n_layers)
+    self.up = Dense(c.d_model, c.d_ff, bias=c.use_bias, dtype=dt, rngs=rngs)
+    self.gate = (Dense(c.d_model, c.d_ff, bias=c.use_bias, dtype=dt, rngs=rngs)
+                 if c.mlp == "swiglu" else None)
+    self.down = Dense(c.d_ff, c.d_model, bias=c.use_bias, dtype=dt, rngs=rngs, stddev=resid_std)
+
+  def __call__(self, x):
+    if self.gate is None:
+      h = jax.nn.gelu(self.up(x), approximate=True)  # GPT-2's tanh GELU
+    else:
+      h = jax.nn.silu(self.gate(x)) * self.up(x)  # SwiGLU
+    return self.down(h)
+
+
+class Block(nnx.Module):
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    c = config
+    norm = dict(kind=c.norm, bias=c.norm == "layernorm" and c.use_bias, eps=c.norm_eps,
+                dtype=c.jnp_dtype)
+    self.attn_norm = Norm(c.d_model, **norm)
+    self.attn = Attention(c, rngs=rngs)
+    self.mlp_norm = Norm(c.d_model, **norm)
+    self.mlp = MLP(c, rngs=rngs)
+
+  def __call__(self, x, positions, cache, layer, block_mask):
+    h, cache = self.attn(self.attn_norm(x), positions, cache, layer, block_mask)
+    x = x + h
+    return x + self.mlp(self.mlp_norm(x)), cache
+
+
+class Transformer(nnx.Module):
+  """Decoder-only LM. See the module docstring for the call contract."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    c, dt = config, config.jnp_dtype
+    self.config = c
+    self.embed = nnx.Param(_normal(0.02)(rngs.params(), (c.vocab_size, c.d_model), dt))
+    self.pos_embed = (nnx.Param(_normal(0.01)(rngs.params(), (c.max_len, c.d_model), dt))
+                      if c.positions == "learned" else None)
+    self.blocks = nnx.List([Block(c, rngs=rngs) for _ in range(c.n_layers)])
+    self.final_norm = Norm(c.d_model, kind=c.norm, bias=c.norm == "layernorm" and c.use_bias,
+                           eps=c.norm_eps, dtype=dt)
+    self.lm_head = (None if c.tie_embeddings else
+                    Dense(c.d_model, c.vocab_size, bias=False, dtype=dt, rngs=rngs))
+
+  def __call__(self, tokens_BT: Array, positions_BT: Array, cache: kv.KVCache | None = None,
+               block_mask_TT: Array | None = None):
+    """Returns (logits_BTV float32, hidden_BTD float32 after the final norm, cache)."""
+    x = jnp.take(self.embed[...], tokens_BT, axis=0).astype(jnp.float32)
+    if self.pos_embed is not None:
+      x = x + jnp.take(self.pos_embed[...], positions_BT, axis=0).astype(jnp.float32)
+    for layer, block in enumerate(self.blocks):
+      x, cache = block(x, positions_BT, cache, layer, block_mask_TT)
+    hidden = self.final_norm(x)
+    return self.logits(hidden), hidden, cache
+
+  def logits(self, hidden_BTD: Array) -> Array:
+    """The LM head alone (EAGLE-style drafters reuse the target's head)."""
+    if self.lm_head is not None:
+      return self.lm_head(hidden_BTD)
+    w = self.embed[...]
+    return jnp.einsum("btd,vd->btv", hidden_BTD.astype(w.dtype), w,
+                      preferred_element_type=jnp.float32)

@@ -1,0 +1,206 @@
+"""The embedded default models: a trained (target, draft) pair, built on first use and cached.
+
+    pair = load_default_pair("tiny", "code")
+    target_cfg, target_params, draft_cfg, draft_params, tokenizer = pair
+    target = nnx.merge(nnx.graphdef(Transformer(target_cfg, rngs=nnx.Rngs(0))), target_params)
+
+The params are `nnx.State`s of nnx.Param (float32; cast to the config dtype otherwise), the form
+the rest of specjax passes across jit boundaries; `pair.target_module()` / `pair.draft_module()`
+merge them into Transformer modules.
+
+Cache: $SPECJAX_CACHE_DIR (default ~/.cache/specjax) / models / <preset>-<corpus>-<key>, where
+<key> hashes the model and training configs, the tokenizer and the cache format, so changing a
+preset never loads a stale pair. A build happens in <entry>.partial (holding a file lock, so
+concurrent first uses train once), resumes there if a previous build was killed, is verified,
+and is renamed into place atomically. The entry's manifest.json records the configs, the
+corpus fingerprint, the figures measured at build time and a sha256 of every file; a load
+re-checks all of it (plus the parameter fingerprints), and an entry that fails is reported,
+moved aside and rebuilt, never used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import pathlib
+import platform
+import shutil
+import sys
+import time
+from typing import NamedTuple
+
+from flax import nnx
+
+from specjax.data.batches import TokenData
+from specjax.data.corpus import EMBEDDED, load_corpus
+from specjax.data.tokenizer import ByteTokenizer, Tokenizer
+from specjax.models.transformer import ModelConfig, Transformer
+from specjax.training.models_io import load_trained
+from specjax.training.presets import get_preset
+from specjax.training.trainer import Teacher, params_fingerprint, train
+
+CACHE_FORMAT = 1
+MANIFEST = "manifest.json"
+
+
+def cache_dir() -> pathlib.Path:
+  """$SPECJAX_CACHE_DIR, or ~/.cache/specjax."""
+  env = os.environ.get("SPECJAX_CACHE_DIR")
+  return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "specjax"
+
+
+class DefaultPair(NamedTuple):
+  target_config: ModelConfig
+  target_params: nnx.State
+  draft_config: ModelConfig
+  draft_params: nnx.State
+  tokenizer: Tokenizer
+
+  def target_module(self) -> Transformer:
+    return _merge(self.target_config, self.target_params)
+
+  def draft_module(self) -> Transformer:
+    return _merge(self.draft_config, self.draft_params)
+
+
+def _merge(config: ModelConfig, params: nnx.State) -> Transformer:
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+  return nnx.merge(graphdef, params)
+
+
+def _log(msg: str) -> None:
+  print(f"specjax: {msg}", file=sys.stderr, flush=True)
+
+
+def _recipe(preset_name: str, corpus: str) -> dict:
+  preset = get_preset(preset_name)
+  return {"format": CACHE_FORMAT, "preset": preset_name, "corpus": corpus,
+          "tokenizer": ByteTokenizer().to_spec(),
+          "target": preset.target.to_dict(), "draft": preset.draft.to_dict(),
+          "target_train": dataclasses.asdict(preset.target_train),
+          "draft_train": dataclasses.asdict(preset.draft_train)}
+
+
+def entry_dir(preset: str = "tiny", corpus: str = "code") -> pathlib.Path:
+  """Where the default pair for (preset, corpus) lives in the cache."""
+  recipe = _recipe(preset, corpus)
+  key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+  return cache_dir() / "models" / f"{preset}-{corpus}-{key}"
+
+
+def _file_digests(root: pathlib.Path) -> dict[str, str]:
+  digests = {}
+  for path in sorted(root.rglob("*")):
+    if path.is_file() and path.name != MANIFEST:
+      h = hashlib.sha256()
+      with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+          h.update(chunk)
+      digests[path.relative_to(root).as_posix()] = h.hexdigest()
+  return digests
+
+
+class CacheError(Exception):
+  """A cache entry that is missing, partial or corrupt (the message says which)."""
+
+
+def _verify_and_load(entry: pathlib.Path, recipe: dict) -> DefaultPair:
+  """Load the pair in `entry`, raising CacheError unless every check passes."""
+  manifest_path = entry / MANIFEST
+  if not manifest_path.is_file():
+    raise CacheError("no manifest (partial entry)")
+  try:
+    manifest = json.loads(manifest_path.read_text())
+  except (OSError, json.JSONDecodeError) as e:
+    raise CacheError(f"unreadable manifest: {e}") from e
+  if manifest.get("recipe") != recipe:
+    raise CacheError("manifest recipe differs from the current preset")
+  digests = _file_digests(entry)
+  if digests != manifest.get("files"):
+    expected = manifest.get("files") or {}
+    bad = sorted(k for k in set(digests) | set(expected) if digests.get(k) != expected.get(k))
+    raise CacheError(f"{len(bad)} file(s) differ from the manifest checksums, e.g. {bad[:3]}")
+  try:
+    target = load_trained(entry / "target", config=ModelConfig.from_dict(recipe["target"]))
+    draft = load_trained(entry / "draft", config=ModelConfig.from_dict(recipe["draft"]))
+  except Exception as e:  # noqa: BLE001 (any failure to restore means a bad entry)
+    raise CacheError(f"checkpoint does not restore: {e}") from e
+  if (params_fingerprint(target.params) != manifest["target"]["fingerprint"]
+      or params_fingerprint(draft.params) != manifest["draft"]["fingerprint"]):
+    raise CacheError("parameter fingerprints differ from the manifest")
+  return DefaultPair(target.config, target.params, draft.config, draft.params, target.tokenizer)
+
+
+@contextlib.contextmanager
+def _lock(path: pathlib.Path):
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with open(path, "w") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def build_pair(preset_name: str, corpus_name: str, out: pathlib.Path, *,
+               progress: bool = True) -> dict:
+  """Train the preset's target, then distill its draft, into `out` (resumable). Returns the
+  manifest body (without file checksums)."""
+  preset = get_preset(preset_name)
+  tokenizer = ByteTokenizer()
+  t0 = time.perf_counter()
+  corpus = load_corpus(corpus_name)
+  data = TokenData.from_corpus(corpus, tokenizer)
+  _log(corpus.summary())
+  target = train(preset.target, preset.target_train, data, tokenizer, out_dir=out / "target",
+                 role="target", progress=progress)
+  _log("target: " + target.summary().replace("\n", "; "))
+  draft = train(preset.draft, preset.draft_train, data, tokenizer, out_dir=out / "draft",
+                teacher=Teacher(preset.target, target.params), role="draft", progress=progress)
+  _log("draft: " + draft.summary().replace("\n", "; "))
+  tokenizer.save(out)
+  return {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+          "build_seconds": round(time.perf_counter() - t0, 1),
+          "python": platform.python_version(), "corpus_fingerprint": corpus.fingerprint,
+          "target": {"fingerprint": params_fingerprint(target.params), "val": target.val},
+          "draft": {"fingerprint": params_fingerprint(draft.params), "val": draft.val}}
+
+
+def load_default_pair(preset: str = "tiny", corpus: str = "code", *, progress: bool = True,
+                      rebuild: bool = False) -> DefaultPair:
+  """The trained default (target, draft) pair for `preset` on an embedded corpus.
+
+  First use trains it into the cache (progress on stderr); later uses load and verify it.
+  rebuild=True discards a cached entry and trains again.
+  """
+  get_preset(preset)
+  if corpus not in EMBEDDED:
+    raise ValueError(f"corpus must be one of {EMBEDDED} for the default models, got {corpus!r}")
+  recipe = _recipe(preset, corpus)
+  entry = entry_dir(preset, corpus)
+  with _lock(entry.parent / f".{entry.name}.lock"):
+    if entry.exists() and not rebuild:
+      try:
+        return _verify_and_load(entry, recipe)
+      except CacheError as e:
+        _log(f"cached models at {entry} are unusable ({e}); rebuilding them")
+    if entry.exists():
+      bad = entry.with_name(f".{entry.name}.bad-{os.getpid()}-{int(time.time())}")
+      entry.rename(bad)
+      shutil.rmtree(bad, ignore_errors=True)
+    partial = entry.with_name(entry.name + ".partial")
+    if partial.exists():
+      _log(f"resuming an interrupted build in {partial}")
+    _log(f"training the default {preset!r} models on the {corpus!r} corpus into {entry} "
+         "(first use only)")
+    body = build_pair(preset, corpus, partial, progress=progress)
+    manifest = {"recipe": recipe, **body, "files": _file_digests(partial)}
+    (partial / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    pair = _verify_and_load(partial, recipe)
+    os.replace(partial, entry)  # atomic: the entry appears complete or not at all
+    _log(f"default models ready in {entry} ({body['build_seconds']:.0f} s)")
+    return pair

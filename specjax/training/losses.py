@@ -1,0 +1,53 @@
+"""Loss functions (pure, jittable). Shapes: B windows, T positions, V vocabulary.
+
+Cross-entropy:   CE = -log q(x_{t+1} | x_<=t), averaged over positions.
+Distillation:    KL(p || q) = sum_v p(v) (log p(v) - log q(v)), p the teacher's softmax at
+                 temperature 1 (soft labels), q the student's; averaged over positions.
+Bits per byte:   sum of CE in nats / ln 2 / number of text bytes the target tokens stand for
+                 (special tokens count 0 bytes; their nats still count).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Array = jax.Array
+
+
+def positions_for(tokens_BT: Array) -> Array:
+  b, t = tokens_BT.shape
+  return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
+
+
+def cast_floats(tree, dtype):
+  """Cast floating leaves to `dtype` (mixed precision: float32 master weights, bf16 compute)."""
+  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                      tree)
+
+
+def forward_logits(graphdef, params, inputs_BT: Array, dtype=jnp.float32) -> Array:
+  """[B, T, V] float32 logits of the model (graphdef, params) on inputs_BT."""
+  model = nnx.merge(graphdef, cast_floats(params, dtype))
+  logits_BTV, _, _ = model(inputs_BT, positions_for(inputs_BT))
+  return logits_BTV.astype(jnp.float32)
+
+
+def token_nll(logits_BTV: Array, targets_BT: Array) -> Array:
+  """[B, T] negative log-likelihood in nats."""
+  logp_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
+  return -jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
+
+
+def kl_teacher_student(teacher_logits_BTV: Array, student_logits_BTV: Array) -> Array:
+  """[B, T] KL(p_teacher || q_student) in nats at temperature 1."""
+  logp_BTV = jax.nn.log_softmax(teacher_logits_BTV, axis=-1)
+  logq_BTV = jax.nn.log_softmax(student_logits_BTV, axis=-1)
+  return jnp.sum(jnp.exp(logp_BTV) * (logp_BTV - logq_BTV), axis=-1)
+
+
+def bits_per_byte(nats_sum: float, bytes_sum: float) -> float:
+  return float(nats_sum) / math.log(2.0) / max(float(bytes_sum), 1.0)

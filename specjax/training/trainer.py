@@ -1,0 +1,562 @@
+"""Language-model training and draft distillation with optax, resumable through orbax.
+
+Jit boundary (DESIGN.md): the model is split once, `graphdef, params = nnx.split(model,
+nnx.Param)`; the jitted step takes (params, opt_state, batch, teacher_params), merges inside,
+and donates params and optimizer state. The graphdef is closed over (static), so there is one
+compile per (model config, train config). This measured as fast as nnx.jit for these sizes
+and keeps the step a pure function of arrays, which is what resuming relies on.
+
+Resume: a checkpoint holds params, optimizer state, the step and the data-order state (seed,
+corpus fingerprint); the batch of step s is a pure function of (seed, s), see
+`specjax.data.batches`. A run killed at any point restarts from its newest checkpoint and reaches
+the same parameters as an uninterrupted run (XLA:CPU is deterministic). Checkpoints are written
+every `ckpt_every` steps, at the end, and on KeyboardInterrupt / SIGTERM (the CLI turns SIGTERM
+into KeyboardInterrupt).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import math
+import os
+import pathlib
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from specjax.checkpoints import orbax_io
+from specjax.data.batches import TokenData
+from specjax.data.tokenizer import Tokenizer
+from specjax.models.transformer import ModelConfig, Transformer
+from specjax.training import losses
+from specjax.training.config import TrainConfig
+
+CHECKPOINT_KIND = "specjax-lm"
+
+
+@dataclasses.dataclass
+class Teacher:
+  """A frozen model whose soft labels a student is distilled towards."""
+  config: ModelConfig
+  params: nnx.State
+
+  @property
+  def fingerprint(self) -> str:
+    return params_fingerprint(self.params)
+
+
+@dataclasses.dataclass
+class TrainResult:
+  model_config: ModelConfig
+  params: nnx.State            # float32
+  step: int
+  completed: bool              # reached train_config.steps
+  train_loss: float | None     # mean objective over the last logged steps
+  val: dict | None             # last validation: {"bpb", "nll", "kl"?}
+  seconds: float               # wall time of this call (compile included)
+  tokens: int                  # tokens trained on in this call
+  history: list[dict]
+  checkpoint_dir: pathlib.Path | None
+  resumed_from: int | None
+  steady_tokens_per_s: float | None = None  # after the first (compiling) step
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.tokens / max(self.seconds, 1e-9)
+
+  def summary(self) -> str:
+    c = self.model_config
+    lines = [f"model: d_model={c.d_model} n_layers={c.n_layers} n_heads={c.n_heads} "
+             f"d_ff={c.d_ff} vocab={c.vocab_size} ({param_total(self.params) / 1e6:.2f}M params)",
+             f"steps: {self.step}" + ("" if self.completed else " (stopped early)")
+             + (f", resumed from step {self.resumed_from}" if self.resumed_from else ""),
+             f"time: {self.seconds:.1f} s (compilation and evaluation included), "
+             f"{self.tokens:,} tokens"
+             + (f", {self.steady_tokens_per_s:,.0f} tokens/s after compilation"
+                if self.steady_tokens_per_s else "")]
+    if self.train_loss is not None:
+      lines.append(f"final train loss: {self.train_loss:.4f} nats/token")
+    if self.val:
+      val = f"validation: {self.val['bpb']:.4f} bits/byte ({self.val['nll']:.4f} nats/token)"
+      if "kl" in self.val:
+        val += f", KL to teacher {self.val['kl']:.4f} nats/token"
+      lines.append(val)
+    if self.checkpoint_dir is not None:
+      lines.append(f"checkpoint: {self.checkpoint_dir}")
+    return "\n".join(lines)
+
+
+def param_total(params) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+def params_fingerprint(params) -> str:
+  """sha256 over the parameter bytes (names in tree order), 16 hex digits."""
+  h = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    h.update(jax.tree_util.keystr(path).encode())
+    h.update(np.asarray(leaf).tobytes())
+  return h.hexdigest()[:16]
+
+
+def init_params(config: ModelConfig, seed: int) -> tuple[Any, nnx.State]:
+  """(graphdef, float32 params) of a freshly initialised Transformer (initialised under jit:
+  eager initialisation would compile every random op separately)."""
+  config = config.replace(dtype="float32")
+  graphdef, abstract = abstract_params(config)
+
+  def make():
+    model = Transformer(config, rngs=nnx.Rngs(seed))
+    return nnx.split(model, nnx.Param, ...)[1:]
+
+  params, rest = jax.jit(make)()
+  if jax.tree.leaves(rest):
+    raise ValueError("the model holds non-parameter state; the trainer only handles nnx.Param")
+  return graphdef, params
+
+
+def abstract_params(config: ModelConfig) -> tuple[Any, nnx.State]:
+  """(graphdef, abstract float32 params) without allocating."""
+  model = nnx.eval_shape(lambda: Transformer(config.replace(dtype="float32"),
+                                             rngs=nnx.Rngs(0)))
+  graphdef, params, _ = nnx.split(model, nnx.Param, ...)
+  return graphdef, params
+
+
+@functools.lru_cache(maxsize=64)
+def graphdef_for(config: ModelConfig):
+  """The (cached) graphdef of a float32 Transformer with this config."""
+  return abstract_params(config)[0]
+
+
+def learning_rate(tc: TrainConfig, step: int) -> float:
+  """Linear warmup 0 -> lr over warmup_steps, then cosine decay to lr * min_lr_ratio at steps:
+  lr(s) = lr * s / warmup                                          for s < warmup
+  lr(s) = lr * (m + (1 - m) * (1 + cos(pi * (s - warmup) / (steps - warmup))) / 2)  after."""
+  if step < tc.warmup_steps:
+    return tc.lr * step / tc.warmup_steps
+  span = max(tc.steps - tc.warmup_steps, 1)
+  progress = min(step - tc.warmup_steps, span) / span
+  m = tc.min_lr_ratio
+  return tc.lr * (m + (1 - m) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+  """Clip -> AdamW, weight decay on matrices only (not norms/biases).
+
+  The learning rate is an injected hyper-parameter (part of the optimizer state), set by the
+  step from `learning_rate(tc, step)` computed in Python: the compiled step then does not depend
+  on steps, lr or the warmup, so runs differing only in those share one compilation.
+  """
+  decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
+  adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))
+  return optax.chain(
+      optax.clip_by_global_norm(tc.grad_clip),
+      adamw(learning_rate=0.0, b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay,
+            mask=decay_mask))
+
+
+def _with_learning_rate(opt_state, lr):
+  clip_state, adam_state = opt_state
+  hyper = dict(adam_state.hyperparams)
+  hyper["learning_rate"] = jnp.asarray(lr, hyper["learning_rate"].dtype)
+  return (clip_state, adam_state._replace(hyperparams=hyper))
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _available_memory_bytes() -> int | None:
+  """Memory the default device can use: the accelerator's limit, or physical RAM on CPU."""
+  device = jax.devices()[0]
+  try:
+    stats = device.memory_stats()
+  except Exception:  # noqa: BLE001 (backends without memory stats)
+    stats = None
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"])
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def estimate_train_memory(config: ModelConfig, micro_batch: int, seq_len: int,
+                          teacher: ModelConfig | None = None) -> int:
+  """Rough peak bytes of one training step (an upper-side estimate, float32).
+
+  params + grads + two Adam moments (16 B/param), plus activations kept for the backward pass:
+  per layer ~ (12 d + 3 d_ff) floats per token and 3 H T floats per token for the attention
+  scores, probabilities and mask, plus ~4 V floats per token for logits, softmax and gradient.
+  """
+  def acts(c: ModelConfig) -> int:
+    per_token = c.n_layers * (12 * c.d_model + 3 * c.d_ff + 3 * c.n_heads * seq_len)
+    per_token += 4 * c.vocab_size
+    return 4 * micro_batch * seq_len * per_token
+
+  n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(config)[1]))
+  total = 16 * n_params + acts(config)
+  if teacher is not None:
+    t_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(teacher)[1]))
+    total += 4 * t_params + acts(teacher) // 2
+  return total
+
+
+def check_memory(config: ModelConfig, tc: TrainConfig, teacher: ModelConfig | None = None,
+                 available: int | None = None) -> None:
+  """ValueError when the step clearly cannot fit (estimate > 80% of the device's memory)."""
+  available = _available_memory_bytes() if available is None else available
+  if available is None:
+    return
+  need = estimate_train_memory(config, tc.micro_batch, tc.seq_len, teacher)
+  if need > 0.8 * available:
+    raise ValueError(
+        f"batch_size={tc.batch_size} (micro-batch {tc.micro_batch}) x seq_len={tc.seq_len} "
+        f"needs about {need / 2**30:.1f} GiB per step but the device has "
+        f"{available / 2**30:.1f} GiB: lower batch_size or seq_len, or raise grad_accum")
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def build_train_step(graphdef, tc: TrainConfig, teacher_graphdef=None) -> Callable:
+  """Jitted train_step(params, opt_state, batch_ABT1, teacher_params, lr)
+  -> (params, opt_state, metrics); params and opt_state are donated."""
+  dtype = jnp.dtype(tc.dtype)
+  distill = tc.objective == "distill"
+  tx = make_optimizer(tc)
+
+  def loss_fn(params, batch_BT1, teacher_params):
+    inputs_BT, targets_BT = batch_BT1[:, :-1], batch_BT1[:, 1:]
+    logits_BTV = losses.forward_logits(graphdef, params, inputs_BT, dtype)
+    ce = jnp.mean(losses.token_nll(logits_BTV, targets_BT))
+    if not distill:
+      return ce, ce
+    teacher_BTV = jax.lax.stop_gradient(
+        losses.forward_logits(teacher_graphdef, teacher_params, inputs_BT, dtype))
+    kl = jnp.mean(losses.kl_teacher_student(teacher_BTV, logits_BTV))
+    return kl + tc.distill_ce_weight * ce, ce
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def train_step(params, opt_state, batch_ABT1, teacher_params, lr):
+    if batch_ABT1.shape[0] == 1:
+      (loss, ce), grads = grad_fn(params, batch_ABT1[0], teacher_params)
+    else:  # gradient accumulation: mean of micro-batch gradients, one update
+      def micro(carry, batch_BT1):
+        (loss, ce), grads = grad_fn(params, batch_BT1, teacher_params)
+        acc = jax.tree.map(jnp.add, carry[2], grads)
+        return (carry[0] + loss, carry[1] + ce, acc), None
+      zeros = jax.tree.map(jnp.zeros_like, params)
+      (loss, ce, grads), _ = jax.lax.scan(micro, (0.0, 0.0, zeros), batch_ABT1)
+      n = batch_ABT1.shape[0]
+      loss, ce = loss / n, ce / n
+      grads = jax.tree.map(lambda g: g / n, grads)
+    updates, opt_state = tx.update(grads, _with_learning_rate(opt_state, lr), params)
+    params = optax.apply_updates(params, updates)
+    metrics = {"loss": loss, "ce": ce, "grad_norm": optax.tree.norm(grads)}
+    return params, opt_state, metrics
+
+  return jax.jit(train_step, donate_argnums=(0, 1))
+
+
+def build_eval_step(graphdef, dtype: str = "float32", teacher_graphdef=None) -> Callable:
+  """Jitted eval_step(params, windows_NT1, weight_N, byte_len_V, teacher_params) -> sums of
+  nats, bytes, tokens (and KL to the teacher) over the weighted windows."""
+  dtype = jnp.dtype(dtype)
+
+  def eval_step(params, windows_NT1, weight_N, byte_len_V, teacher_params):
+    inputs_NT, targets_NT = windows_NT1[:, :-1], windows_NT1[:, 1:]
+    logits_NTV = losses.forward_logits(graphdef, params, inputs_NT, dtype)
+    nll_NT = losses.token_nll(logits_NTV, targets_NT)
+    w_N1 = weight_N[:, None]
+    sums = {"nats": jnp.sum(nll_NT * w_N1),
+            "bytes": jnp.sum(byte_len_V[targets_NT].astype(jnp.float32) * w_N1),
+            "tokens": jnp.sum(jnp.broadcast_to(w_N1, nll_NT.shape))}
+    if teacher_graphdef is not None:
+      teacher_NTV = losses.forward_logits(teacher_graphdef, teacher_params, inputs_NT, dtype)
+      sums["kl"] = jnp.sum(losses.kl_teacher_student(teacher_NTV, logits_NTV) * w_N1)
+    return sums
+
+  return jax.jit(eval_step)
+
+
+@functools.lru_cache(maxsize=16)
+def _train_step_for(config: ModelConfig, compile_key: TrainConfig,
+                    teacher_config: ModelConfig | None) -> Callable:
+  teacher_graphdef = None if teacher_config is None else graphdef_for(teacher_config)
+  return build_train_step(graphdef_for(config), compile_key, teacher_graphdef)
+
+
+@functools.lru_cache(maxsize=16)
+def _eval_step_for(config: ModelConfig, dtype: str, teacher_config: ModelConfig | None):
+  teacher_graphdef = None if teacher_config is None else graphdef_for(teacher_config)
+  return build_eval_step(graphdef_for(config), dtype, teacher_graphdef)
+
+
+def compiled_steps(config: ModelConfig, tc: TrainConfig,
+                   teacher_config: ModelConfig | None = None) -> tuple[Callable, Callable]:
+  """(train_step, eval_step) memoised on what the compiled code depends on, so trainers in one
+  process (resume, the default-pair build, evaluations, tests) share compilations."""
+  config = config.replace(dtype="float32")
+  teacher_config = None if teacher_config is None else teacher_config.replace(dtype="float32")
+  return (_train_step_for(config, tc.compile_key(), teacher_config),
+          _eval_step_for(config, tc.dtype, teacher_config))
+
+
+def validation_metrics(config: ModelConfig, params, data: TokenData, tokenizer: Tokenizer,
+                       tc: TrainConfig, teacher: Teacher | None = None) -> dict:
+  """{"bpb", "nll"} (+ "kl" to the teacher) of any params on data's validation windows."""
+  _, eval_step = compiled_steps(config, tc, None if teacher is None else teacher.config)
+  windows = data.validation_windows(tc.seq_len, tc.eval_windows)
+  return evaluate(eval_step, params, windows, tc.micro_batch,
+                  np.asarray(tokenizer.token_byte_lengths(), np.int32),
+                  None if teacher is None else teacher.params)
+
+
+def evaluate(eval_step, params, windows_NT1: np.ndarray, batch: int, byte_len_V: np.ndarray,
+             teacher_params=None) -> dict:
+  """Validation over fixed windows in equal-size chunks (the last one padded, weight 0)."""
+  n = len(windows_NT1)
+  pad = (-n) % batch
+  windows = np.concatenate([windows_NT1, np.repeat(windows_NT1[:1], pad, axis=0)])
+  weight = np.concatenate([np.ones((n,), np.float32), np.zeros((pad,), np.float32)])
+  totals: dict[str, float] = {}
+  for i in range(0, len(windows), batch):
+    sums = eval_step(params, windows[i:i + batch], weight[i:i + batch], byte_len_V,
+                     teacher_params)
+    for key, value in sums.items():
+      totals[key] = totals.get(key, 0.0) + float(value)
+  out = {"nll": totals["nats"] / totals["tokens"],
+         "bpb": losses.bits_per_byte(totals["nats"], totals["bytes"])}
+  if "kl" in totals:
+    out["kl"] = totals["kl"] / totals["tokens"]
+  return out
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+@contextlib.contextmanager
+def _deferred_signals():
+  """Within the block, SIGINT/SIGTERM only set a flag (checked between steps), so an
+  interruption never lands inside a step whose inputs were donated; yields the flag reader."""
+  received: list[int] = []
+  if threading.current_thread() is not threading.main_thread():
+    yield lambda: False
+    return
+  previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+  for sig in previous:
+    signal.signal(sig, lambda signum, frame: received.append(signum))
+  try:
+    yield lambda: bool(received)
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+
+
+def _log(msg: str) -> None:
+  print(msg, file=sys.stderr, flush=True)
+
+
+class Trainer:
+  """Train one model (target LM or distilled/plain draft) on a TokenData, optionally resumable.
+
+  out_dir: checkpoint directory (None: no checkpoints, no resume). A directory that already
+  holds checkpoints of the same run is resumed; one of a different run is refused.
+  """
+
+  def __init__(self, model_config: ModelConfig, train_config: TrainConfig, data: TokenData,
+               tokenizer: Tokenizer, *, out_dir: str | pathlib.Path | None = None,
+               teacher: Teacher | None = None, role: str = "model", progress: bool = True,
+               log: Callable[[str], None] = _log, check_memory_fit: bool = True) -> None:
+    tc = train_config
+    if model_config.vocab_size != tokenizer.vocab_size:
+      raise ValueError(f"model vocab_size {model_config.vocab_size} != tokenizer vocab_size "
+                       f"{tokenizer.vocab_size}")
+    if tc.seq_len > model_config.max_len:
+      raise ValueError(f"seq_len {tc.seq_len} exceeds the model's max_len "
+                       f"{model_config.max_len}")
+    if (tc.objective == "distill") != (teacher is not None):
+      raise ValueError("objective 'distill' needs a teacher and 'lm' takes none; got objective "
+                       f"{tc.objective!r} with teacher={'set' if teacher else 'None'}")
+    if teacher is not None and teacher.config.vocab_size != model_config.vocab_size:
+      raise ValueError(f"teacher vocab_size {teacher.config.vocab_size} != student vocab_size "
+                       f"{model_config.vocab_size}")
+    if teacher is not None and tc.seq_len > teacher.config.max_len:
+      raise ValueError(f"seq_len {tc.seq_len} exceeds the teacher's max_len "
+                       f"{teacher.config.max_len}")
+    data.check_fits(tc.seq_len)
+    if check_memory_fit:
+      check_memory(model_config, tc, teacher.config if teacher else None)
+    self.model_config, self.tc, self.data, self.tokenizer = model_config, tc, data, tokenizer
+    self.teacher, self.role, self.progress, self.log = teacher, role, progress, log
+    self.out_dir = None if out_dir is None else pathlib.Path(out_dir)
+    self.tx = make_optimizer(tc)
+    self.graphdef, params = init_params(model_config, tc.seed)
+    self.params, self.opt_state = params, jax.jit(self.tx.init)(params)
+    self.train_step, self.eval_step = compiled_steps(
+        model_config.replace(dtype="float32"), tc,
+        None if teacher is None else teacher.config.replace(dtype="float32"))
+    self.byte_len_V = np.asarray(tokenizer.token_byte_lengths(), np.int32)
+    self.val_windows = data.validation_windows(tc.seq_len, tc.eval_windows)
+    self.step, self.history, self.resumed_from = 0, [], None
+
+  # -- checkpoints
+
+  def metadata(self) -> dict:
+    meta = {"kind": CHECKPOINT_KIND, "role": self.role,
+            "train_config": dataclasses.asdict(self.tc),
+            "data": {"seed": self.tc.seed, "step": self.step, "corpus": self.data.corpus_name,
+                     "fingerprint": self.data.fingerprint},
+            "tokenizer": self.tokenizer.to_spec(), "history": self.history}
+    if self.teacher is not None:
+      meta["teacher"] = {"config": self.teacher.config.to_dict(),
+                         "fingerprint": self.teacher.fingerprint}
+    return meta
+
+  def _check_resumable(self, meta: dict) -> None:
+    problems = []
+    if meta.get("kind") != CHECKPOINT_KIND:
+      problems.append(f"kind {meta.get('kind')!r} is not {CHECKPOINT_KIND!r}")
+    stored = TrainConfig(**meta["train_config"]).trajectory()
+    for key, value in self.tc.trajectory().items():
+      if stored.get(key) != value:
+        problems.append(f"train_config.{key}: checkpoint={stored.get(key)!r}, now={value!r}")
+    if meta["data"]["fingerprint"] != self.data.fingerprint:
+      problems.append(f"corpus: checkpoint={meta['data']['corpus']} "
+                      f"({meta['data']['fingerprint']}), now={self.data.corpus_name} "
+                      f"({self.data.fingerprint})")
+    if meta.get("tokenizer") != self.tokenizer.to_spec():
+      problems.append(f"tokenizer: checkpoint={meta.get('tokenizer')}, "
+                      f"now={self.tokenizer.to_spec()}")
+    teacher = meta.get("teacher")
+    now = None if self.teacher is None else self.teacher.fingerprint
+    if (teacher or {}).get("fingerprint") != now:
+      problems.append(f"teacher: checkpoint={(teacher or {}).get('fingerprint')}, now={now}")
+    if problems:
+      raise ValueError(f"checkpoint directory {str(self.out_dir)!r} holds a different run; "
+                       "choose another output directory or delete it:\n  "
+                       + "\n  ".join(problems))
+
+  def _restore(self, ckpt: orbax_io.Checkpointer) -> None:
+    if ckpt.latest_step() is None:
+      return
+    meta = ckpt.read_meta()["metadata"]
+    self._check_resumable(meta)
+    restored = ckpt.restore(params_target=self.params, config=self.model_config,
+                            opt_state_target=self.opt_state)
+    self.params, self.opt_state = restored.params, restored.opt_state
+    self.step = self.resumed_from = restored.step
+    self.history = list(meta.get("history", []))
+    self.log(f"resuming {self.role} from step {self.step} in {self.out_dir}")
+
+  def _save(self, ckpt: orbax_io.Checkpointer | None) -> None:
+    if ckpt is not None and self.step not in ckpt.all_steps():
+      ckpt.save(self.step, params=self.params, config=self.model_config,
+                opt_state=self.opt_state, metadata=self.metadata())
+
+  # -- loop
+
+  def evaluate(self) -> dict:
+    teacher_params = None if self.teacher is None else self.teacher.params
+    return evaluate(self.eval_step, self.params, self.val_windows, self.tc.micro_batch,
+                    self.byte_len_V, teacher_params)
+
+  def run(self, stop_after: int | None = None, final_eval: bool = True) -> TrainResult:
+    """Train to train_config.steps (or stop after `stop_after` more steps, as if killed then,
+    having saved a checkpoint). KeyboardInterrupt saves a checkpoint and re-raises.
+    final_eval: measure validation loss at the end (recorded in the checkpoint's history)."""
+    from tqdm.auto import tqdm
+
+    tc, start = self.tc, time.perf_counter()
+    ckpt = None
+    if self.out_dir is not None:
+      ckpt = orbax_io.Checkpointer(self.out_dir, keep=tc.keep)
+      if not (self.out_dir / "tokenizer.json").exists():
+        self.tokenizer.save(self.out_dir)  # load_trained / load_tokenizer(out_dir) read it
+    try:
+      if ckpt is not None:
+        self._restore(ckpt)
+      first, last = self.step, tc.steps
+      if stop_after is not None:
+        last = min(last, first + stop_after)
+      teacher_params = None if self.teacher is None else self.teacher.params
+      tokens_per_step = tc.batch_size * tc.seq_len
+      losses_window: list[float] = []
+      bar = tqdm(total=tc.steps, initial=first, desc=f"train {self.role}", unit="step",
+                 disable=not self.progress, file=sys.stderr, dynamic_ncols=True,
+                 mininterval=1.0)
+      t_loop, first_timed = time.perf_counter(), first
+      try:
+        with _deferred_signals() as stop_requested:
+          while self.step < last:
+            if stop_requested():
+              raise KeyboardInterrupt
+            batch = self.data.train_batch(tc.seed, self.step, tc.batch_size, tc.seq_len,
+                                          tc.grad_accum)
+            lr = np.float32(learning_rate(tc, self.step))
+            self.params, self.opt_state, metrics = self.train_step(
+                self.params, self.opt_state, batch, teacher_params, lr)
+            self.step += 1
+            if self.step == first + 1:  # tokens/s from here on: the first step compiles
+              float(metrics["loss"])
+              t_loop, first_timed = time.perf_counter(), self.step
+            elif self.step % 10 == 0 or self.step == last:
+              losses_window.append(float(metrics["loss"]))
+              losses_window = losses_window[-5:]
+              rate = ((self.step - first_timed) * tokens_per_step
+                      / max(time.perf_counter() - t_loop, 1e-9))
+              bar.set_postfix(loss=f"{losses_window[-1]:.3f}", tok_s=f"{rate:,.0f}",
+                              refresh=False)
+            bar.update(1)
+            if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
+              self.history.append({"step": self.step, **self.evaluate()})
+              bar.set_postfix(loss=f"{float(metrics['loss']):.3f}",
+                              val_bpb=f"{self.history[-1]['bpb']:.3f}", refresh=False)
+            if ckpt is not None and tc.ckpt_every and self.step % tc.ckpt_every == 0:
+              self._save(ckpt)
+      except KeyboardInterrupt:
+        bar.close()
+        self.log(f"interrupted at step {self.step}; saving a checkpoint")
+        self._save(ckpt)
+        raise
+      bar.close()
+      steady = None
+      if self.step > first_timed:
+        steady = ((self.step - first_timed) * tokens_per_step
+                  / max(time.perf_counter() - t_loop, 1e-9))
+      completed = self.step >= tc.steps
+      val = None
+      if final_eval and (completed or stop_after is not None):
+        if not self.history or self.history[-1]["step"] != self.step:
+          self.history.append({"step": self.step, **self.evaluate()})
+        val = {k: v for k, v in self.history[-1].items() if k != "step"}
+      self._save(ckpt)
+    finally:
+      if ckpt is not None:
+        ckpt.close()
+    trained = self.step - (self.resumed_from or 0)
+    return TrainResult(
+        self.model_config, self.params, self.step, completed,
+        float(np.mean(losses_window)) if trained and losses_window else None, val,
+        time.perf_counter() - start, trained * tc.batch_size * tc.seq_len, self.history,
+        self.out_dir, self.resumed_from, steady)
+
+
+def train(model_config: ModelConfig, train_config: TrainConfig, data: TokenData,
+          tokenizer: Tokenizer, **kwargs) -> TrainResult:
+  """One-call form of Trainer(...).run() (kwargs: out_dir, teacher, role, progress, ...)."""
+  stop_after = kwargs.pop("stop_after", None)
+  return Trainer(model_config, train_config, data, tokenizer, **kwargs).run(stop_after)

@@ -1,0 +1,22 @@
+"""Test-wide JAX settings.
+
+- Strict rank promotion: an implicit broadcast between arrays of different rank raises, so
+  shape bugs surface in tests instead of silently broadcasting.
+- LLVM optimisation level 0 for XLA:CPU (compile time dominates tiny-model tests).
+- float32 matmul precision: exactness tests (greedy identity, logits parity) compare
+  results of differently shaped matmuls; TF32/bf16 passes on accelerators would add noise.
+"""
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# Tests compile many small programs and run each briefly: LLVM optimisation level 0 halves
+# XLA:CPU compile time. Benchmarks and real runs keep the default level.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_backend_optimization_level=0").strip()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_default_matmul_precision", "float32")

@@ -1,0 +1,303 @@
+"""Generation loops: greedy identity, end-to-end exactness, composition, compile counts, input
+validation.
+
+Statistical tests here use a per-test false-alarm rate of 1e-3 (p-value threshold), fixed seeds
+(so the suite is deterministic), and each has a negative control showing it can fail.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from specjax import acceptance, decoding, sampling
+from specjax.drafters.base import LM
+from specjax.drafters.model import ModelDrafter
+from specjax.models.transformer import ModelConfig
+from specjax_testing import TINY, model, perturbed
+
+FALSE_ALARM = 1e-3
+
+RAGGED = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [7], [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3], [9, 8],
+          [11, 13, 17, 19]]
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def family_models(request):
+  cfg = TINY[request.param]
+  target = model(cfg, seed=0, logit_scale=4.0)
+  return target, perturbed(target, seed=1, noise=0.25)
+
+
+@pytest.mark.parametrize("k, prompts", [(1, RAGGED), (3, RAGGED), (6, RAGGED), (3, RAGGED[1:2])],
+                         ids=["k1-ragged6", "k3-ragged6", "k6-ragged6", "k3-batch1"])
+def test_greedy_speculative_equals_plain_greedy(family_models, k, prompts):
+  target, weak = family_models
+  plain = decoding.generate(target, prompts, max_new_tokens=24)
+  weak_run = decoding.speculative_generate(target, weak, prompts, k=k, max_new_tokens=24)
+  self_run = decoding.speculative_generate(target, target, prompts, k=k, max_new_tokens=24)
+  assert weak_run.tokens == plain.tokens
+  assert self_run.tokens == plain.tokens
+  assert all(len(t) == 24 for t in plain.tokens)
+  weak_alpha = weak_run.summary().alpha
+  assert 0.0 < weak_alpha < 1.0, "the weak draft should be neither useless nor perfect"
+  assert self_run.summary().alpha == 1.0  # self-speculation at T=0 accepts every draft
+
+
+def test_greedy_identity_with_random_separate_draft_and_deterministic_drafter():
+  cfg = TINY["llama"]
+  target = model(cfg, logit_scale=4.0)
+  draft = model(cfg.replace(n_layers=1, d_model=16, d_ff=32, n_heads=2, n_kv_heads=1), seed=7)
+  plain = decoding.generate(target, RAGGED, max_new_tokens=20)
+  for drafter in (ModelDrafter.of(draft), ModelDrafter.of(draft, deterministic=True)):
+    run = decoding.speculative_generate(target, drafter, RAGGED, k=3, max_new_tokens=20)
+    assert run.tokens == plain.tokens
+
+
+def test_self_speculation_at_temperature_one_accepts_nearly_everything():
+  target = model(TINY["gpt2"], logit_scale=4.0)
+  run = decoding.speculative_generate(target, target, RAGGED, k=4, max_new_tokens=40,
+                                      sampler=sampling.make_sampler(1.0), seed=3)
+  s = run.summary()
+  assert s.alpha >= 0.99, s.alpha
+  assert s.tau > 4.0
+
+
+def test_eos_and_per_row_budgets(family_models):
+  target, weak = family_models
+  plain = decoding.generate(target, RAGGED, max_new_tokens=30)
+  eos = plain.tokens[0][5]  # a token that row 0 emits
+  budgets = [30, 2, 7, 30, 1, 13]
+  g = decoding.generate(target, RAGGED, max_new_tokens=budgets, eos_id=eos)
+  s = decoding.speculative_generate(target, weak, RAGGED, k=3, max_new_tokens=budgets, eos_id=eos)
+  for row, (full, budget) in enumerate(zip(plain.tokens, budgets)):
+    cut = full[:budget]
+    if eos in cut:
+      cut = cut[:cut.index(eos) + 1]
+    assert g.tokens[row] == cut, row
+    assert s.tokens[row] == cut, row
+  assert s.tokens[0][-1] == eos
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+VOCAB = 8
+JOINT_ROWS = 40_000
+
+
+@pytest.fixture(scope="module")
+def joint_setup():
+  cfg = ModelConfig.llama(vocab_size=VOCAB, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1,
+                          d_ff=32, max_len=32)
+  target = model(cfg, seed=2, logit_scale=6.0)
+  draft = perturbed(target, seed=4, noise=0.7)
+  return target, draft
+
+
+def _exact_joint(target, prompt, sampler):
+  """P(t1, t2, t3 | prompt) of the warped target, by enumerating all VOCAB² prefixes."""
+  lm = LM.of(target)
+  p = np.asarray(prompt)
+  seqs = np.array([np.concatenate([p, [a, b]]) for a in range(VOCAB) for b in range(VOCAB)])
+  pos = np.broadcast_to(np.arange(seqs.shape[1]), seqs.shape)
+  logits, _, _ = jax.jit(lambda lm, t, q: lm(t, q))(lm, jnp.asarray(seqs), jnp.asarray(pos))
+  probs = np.asarray(sampling.warp(logits, sampler), np.float64)  # [V², T, V]
+  n = len(p)
+  p1 = probs[0, n - 1]  # [V]
+  p2 = probs[::VOCAB, n].reshape(VOCAB, VOCAB)  # [t1, t2]
+  p3 = probs[:, n + 1].reshape(VOCAB, VOCAB, VOCAB)  # [t1, t2, t3]
+  return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def _joint_pvalue(tokens, exact):
+  counts = np.zeros(exact.size)
+  idx = (tokens[:, 0] * VOCAB + tokens[:, 1]) * VOCAB + tokens[:, 2]
+  np.add.at(counts, idx, 1)
+  expected = exact.ravel() * len(tokens)
+  impossible = exact.ravel() == 0  # cut by top-k / top-p: must never be emitted
+  if counts[impossible].sum() > 0:
+    return 0.0
+  counts, expected = counts[~impossible], expected[~impossible]
+  small = expected < 5  # pool sparse cells so the χ² approximation holds
+  obs, exp = counts[~small], expected[~small]
+  if small.any():
+    obs, exp = np.append(obs, counts[small].sum()), np.append(exp, expected[small].sum())
+  return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+def _speculative_first_three(target, draft, sampler, seed, loop=None):
+  prompt = [1, 5, 2]
+  batch = decoding.prepare_batch([prompt] * JOINT_ROWS, vocab_size=VOCAB, max_len=32,
+                                 max_new_tokens=3, k=2)
+  loop = loop or decoding._speculative_jit
+  state = loop(LM.of(target), ModelDrafter.of(draft), batch.prompt_BP, batch.prompt_len_B,
+               batch.budget_B, jnp.asarray(-1), sampler, jax.random.key(seed), k=2,
+               cache_len=batch.cache_len)
+  return np.asarray(state.tokens)[:, 3:6], prompt
+
+
+@pytest.mark.parametrize("sampler_args", [(1.0, 0, 1.0), (0.8, 5, 0.9)],
+                         ids=["T1", "T0.8-topk5-topp0.9"])
+def test_joint_distribution_of_first_three_tokens_matches_target(joint_setup, sampler_args):
+  """χ² goodness of fit of 40,000 independent rows against the enumerated target joint over
+  8³ outcomes (sparse cells pooled); false-alarm rate 1e-3. Rows are independent: the first
+  tokens of paired rows pass a χ² independence test at the same rate."""
+  target, draft = joint_setup
+  sampler = sampling.make_sampler(*sampler_args)
+  tokens, prompt = _speculative_first_three(target, draft, sampler, seed=11)
+  exact = _exact_joint(target, prompt, sampler)
+  assert _joint_pvalue(tokens, exact) > FALSE_ALARM
+  table = np.zeros((VOCAB, VOCAB))
+  np.add.at(table, (tokens[0::2, 1], tokens[1::2, 1]), 1)
+  table = table[table.sum(1) > 0][:, table.sum(0) > 0]
+  assert stats.chi2_contingency(table).pvalue > FALSE_ALARM
+
+
+def test_joint_distribution_test_catches_an_always_accept_sampler(joint_setup, monkeypatch):
+  """Negative control: the same χ² test must reject a planted 'always accept' bug."""
+  target, draft = joint_setup
+
+  def always_accept(key, drafts_BK, p_BKV1, q_BKV=None):
+    b, k = drafts_BK.shape
+    nxt = sampling.sample(key, p_BKV1[:, k])
+    return acceptance.ChainResult(n_accepted=jnp.full((b,), k, jnp.int32), next_token=nxt,
+                                  accepted=jnp.ones((b, k), bool))
+
+  monkeypatch.setattr(acceptance, "accept_chain", always_accept)
+  # A new function object: jit's trace cache is keyed on the function, not the patched module.
+  fresh = jax.jit(lambda *a, **kw: decoding.speculative_loop(*a, **kw),
+                  static_argnames=("k", "cache_len"))
+  sampler = sampling.make_sampler(1.0)
+  tokens, prompt = _speculative_first_three(target, draft, sampler, seed=11, loop=fresh)
+  assert _joint_pvalue(tokens, _exact_joint(target, prompt, sampler)) < FALSE_ALARM
+
+
+# ----------------------------------------------------------------------------- composition
+
+
+def _loop_inputs(target, prompts, budget):
+  batch = decoding.prepare_batch(prompts, vocab_size=target.config.vocab_size,
+                                 max_len=target.config.max_len, max_new_tokens=budget, k=3)
+  return batch
+
+
+def test_speculative_loop_composes_with_vmap():
+  target = model(TINY["llama"], logit_scale=4.0)
+  draft = perturbed(target, seed=1, noise=0.25)
+  batch = _loop_inputs(target, RAGGED[:3], 12)
+  sampler = sampling.make_sampler(1.0)
+  lm, drafter = LM.of(target), ModelDrafter.of(draft)
+
+  def run(key):
+    return decoding.speculative_loop(lm, drafter, batch.prompt_BP, batch.prompt_len_B,
+                                     batch.budget_B, jnp.asarray(-1), sampler, key, k=3,
+                                     cache_len=batch.cache_len).tokens
+
+  keys = jax.random.split(jax.random.key(0), 3)
+  mapped = jax.jit(jax.vmap(run))(keys)
+  for i in range(3):
+    np.testing.assert_array_equal(mapped[i], jax.jit(run)(keys[i]))
+
+
+MULTI_DEVICE_SCRIPT = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4 "
+                               "--xla_backend_optimization_level=0")
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    from specjax import decoding, sampling
+    from specjax.drafters.base import LM
+    from specjax.drafters.model import ModelDrafter
+    sys_path_tests = os.environ["SPECJAX_TESTS_DIR"]
+    import sys; sys.path.insert(0, sys_path_tests)
+    from specjax_testing import TINY, model, perturbed
+    assert jax.device_count() == 4, jax.devices()
+    target = model(TINY["gpt2"], logit_scale=4.0)
+    lm, drafter = LM.of(target), ModelDrafter.of(perturbed(target, seed=1, noise=0.25))
+    batch = decoding.prepare_batch([[1, 2, 3], [4, 5]], vocab_size=61, max_len=128,
+                                   max_new_tokens=10, k=2)
+    sampler = sampling.make_sampler(1.0)
+    def run(key):
+      return decoding.speculative_loop(lm, drafter, batch.prompt_BP, batch.prompt_len_B,
+                                       batch.budget_B, jnp.asarray(-1), sampler, key, k=2,
+                                       cache_len=batch.cache_len).tokens
+    keys = jax.random.split(jax.random.key(0), 4)
+    serial = np.stack([np.asarray(jax.jit(run)(k)) for k in keys])
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    # check_vma=False: the loop carries (caches, buffers) start as device-invariant zeros
+    # and become per-device values; the loop is plain data parallelism, no collectives.
+    sharded = jax.jit(jax.shard_map(jax.vmap(run), mesh=mesh, in_specs=P("d"),
+                                    out_specs=P("d"), check_vma=False))(keys)
+    np.testing.assert_array_equal(np.asarray(sharded), serial)
+    pmapped = jax.pmap(run)(keys)
+    np.testing.assert_array_equal(np.asarray(pmapped), serial)
+    print("MULTI_DEVICE_OK")
+""")
+
+
+def test_speculative_loop_over_four_fake_devices_matches_serial():
+  env = dict(os.environ, SPECJAX_TESTS_DIR=os.path.dirname(__file__))
+  out = subprocess.run([sys.executable, "-c", MULTI_DEVICE_SCRIPT], env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert "MULTI_DEVICE_OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_no_recompilation_when_runtime_values_change():
+  target = model(TINY["gpt2"], logit_scale=4.0)
+  draft = perturbed(target, seed=1, noise=0.25)
+  before = decoding.TRACE_COUNTS.copy()
+  settings = [(0.0, 0, 1.0, 10, None, 0), (1.0, 5, 0.9, 17, 3, 1), (0.5, 0, 0.5, 3, 7, 2)]
+  for t, top_k, top_p, budget, eos, seed in settings:
+    sampler = sampling.make_sampler(t, top_k, top_p)
+    decoding.speculative_generate(target, draft, RAGGED[:2], k=2, max_new_tokens=budget,
+                                  sampler=sampler, eos_id=eos, seed=seed, cache_len=64)
+    decoding.generate(target, RAGGED[:2], max_new_tokens=budget, sampler=sampler, eos_id=eos,
+                      seed=seed, cache_len=64)
+  assert decoding.TRACE_COUNTS["speculative"] - before["speculative"] == 1
+  assert decoding.TRACE_COUNTS["generate"] - before["generate"] == 1
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+  target = model(TINY["gpt2"])
+  return target, perturbed(target, seed=1, noise=0.25)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompts=[[1, 2]], max_new_tokens=500), "exceeds the cache/context length 128"),
+    (dict(prompts=[[1, 2]], max_new_tokens=10, cache_len=16), "exceeds"),
+    (dict(prompts=[[1, 2]], max_new_tokens=5, k=0), "k must be an int >= 1"),
+    (dict(prompts=[[]], max_new_tokens=5), r"prompts\[0\] must be a non-empty"),
+    (dict(prompts=[[1, 61]], max_new_tokens=5), "token id 61 out of range"),
+    (dict(prompts=[[1, -1]], max_new_tokens=5), "token id -1 out of range"),
+    (dict(prompts=[], max_new_tokens=5), "batch must be >= 1"),
+    (dict(prompts=[[1]], max_new_tokens=0), "max_new_tokens must be an int >= 1"),
+    (dict(prompts=[[1]], max_new_tokens=[3, 4]), "2 entries for 1 prompts"),
+    (dict(prompts=[[1]], max_new_tokens=3, eos_id=99), "eos_id must be in"),
+])
+def test_bad_input_raises_value_error_naming_the_argument(tiny_pair, kwargs, match):
+  target, draft = tiny_pair
+  kwargs.setdefault("k", 2)
+  with pytest.raises(ValueError, match=match):
+    decoding.speculative_generate(target, draft, **kwargs)
+
+
+def test_bad_sampler_settings_and_vocab_mismatch(tiny_pair):
+  target, _ = tiny_pair
+  for kwargs, match in [(dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"),
+                        (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k")]:
+    with pytest.raises(ValueError, match=match):
+      sampling.make_sampler(**kwargs)
+  other = model(TINY["gpt2"].replace(vocab_size=60))
+  with pytest.raises(ValueError, match=r"draft vocabulary \(60\) must match the target's \(61\)"):
+    decoding.speculative_generate(target, other, [[1]], k=2, max_new_tokens=3)

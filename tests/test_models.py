@@ -1,0 +1,180 @@
+"""Transformer and KV cache: cached decoding equals cache-free scoring, both families."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from specjax.models import cache as kv
+from specjax.models.presets import PRESETS, parse_config
+from specjax.models.transformer import ModelConfig, Transformer, param_count, rope
+from specjax.drafters.base import LM
+from specjax_testing import TINY, model
+
+
+@jax.jit
+def _fwd(lm, tokens, positions, cache=None, block_mask=None):
+  return lm(tokens, positions, cache, block_mask)
+
+
+def fwd(m, tokens, positions, cache=None, block_mask=None):
+  """Jitted forward: op-by-op NNX dispatch is far slower than compiling these tiny graphs."""
+  return _fwd(LM.of(m), tokens, positions, cache, block_mask)
+
+
+def _tokens(b, t, vocab, seed=1):
+  toks = jax.random.randint(jax.random.key(seed), (b, t), 0, vocab)
+  return toks, jnp.broadcast_to(jnp.arange(t), (b, t))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_prefill_decode_verify_match_cache_free_logits(family):
+  cfg = TINY[family]
+  m = model(cfg)
+  toks, pos = _tokens(3, 12, cfg.vocab_size)
+  ref, ref_hidden, _ = fwd(m, toks, pos)
+  c = kv.init(cfg, 3, 32)
+  outs = []
+  logits, _, c = fwd(m, toks[:, :5], pos[:, :5], c)  # prefill
+  outs.append(logits)
+  c = kv.commit(c, jnp.full((3,), 5))
+  for i in range(5, 8):  # one-token decode
+    logits, _, c = fwd(m, toks[:, i:i + 1], pos[:, i:i + 1], c)
+    outs.append(logits)
+    c = kv.commit(c, jnp.ones((3,), jnp.int32))
+  logits, hidden, c = fwd(m, toks[:, 8:], pos[:, 8:], c)  # 4-token verification
+  outs.append(logits)
+  np.testing.assert_allclose(jnp.concatenate(outs, 1), ref, atol=1e-5)
+  np.testing.assert_allclose(hidden, ref_hidden[:, 8:], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_ragged_rows_and_rollback(family):
+  """Rows at different lengths write at their own offsets; junk beyond `lengths` (a rejected
+  block) is invisible and later overwritten."""
+  cfg = TINY[family]
+  m = model(cfg)
+  toks, pos = _tokens(2, 10, cfg.vocab_size, seed=3)
+  ref, _, _ = fwd(m, toks, pos)
+  c = kv.init(cfg, 2, 16)
+  _, _, c = fwd(m, toks[:, :8], pos[:, :8], c)
+  c = kv.set_lengths(c, jnp.array([4, 6]))  # row 0 keeps 4 tokens, row 1 keeps 6
+  junk = (toks[:, :3] + 7) % cfg.vocab_size  # a rejected draft block
+  lens = c.lengths
+  _, _, c = fwd(m, junk, lens[:, None] + jnp.arange(3)[None], c)  # written, not committed
+  nxt = jnp.stack([toks[0, 4:6], toks[1, 6:8]])
+  logits, _, c = fwd(m, nxt, lens[:, None] + jnp.arange(2)[None], c)
+  np.testing.assert_allclose(logits[0], ref[0, 4:6], atol=1e-5)
+  np.testing.assert_allclose(logits[1], ref[1, 6:8], atol=1e-5)
+
+
+def test_attention_mask_sees_prefix_and_block():
+  block = jnp.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)  # node 2's parent is node 0
+  mask = kv.attention_mask(jnp.array([2, 4]), 3, 8, block)
+  expect0 = np.zeros((3, 8), bool)
+  expect0[:, :2] = True
+  expect0[:, 2:5] = np.asarray(block)
+  np.testing.assert_array_equal(mask[0], expect0)
+  assert mask[1, 2].tolist() == [True] * 4 + [True, False, True] + [False]
+  causal = kv.attention_mask(jnp.array([1]), 2, 4, None)
+  assert causal[0].tolist() == [[True, True, False, False], [True, True, True, False]]
+
+
+def test_rope_matches_hf_rotate_half():
+  x = np.random.default_rng(0).normal(size=(1, 3, 2, 8)).astype(np.float32)
+  pos = np.array([[0, 5, 17]])
+  theta = 500.0
+  inv = 1.0 / theta ** (np.arange(0, 8, 2) / 8)
+  ang = pos[..., None] * inv
+  emb = np.concatenate([ang, ang], -1)[:, :, None, :]
+  rot = np.concatenate([-x[..., 4:], x[..., :4]], -1)  # HF rotate_half
+  expect = x * np.cos(emb) + rot * np.sin(emb)
+  np.testing.assert_allclose(rope(jnp.asarray(x), jnp.asarray(pos), theta), expect, atol=1e-5)
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads():
+  gqa_cfg = TINY["llama"]
+  mha_cfg = gqa_cfg.replace(n_kv_heads=gqa_cfg.n_heads)
+  gqa = model(gqa_cfg)
+  mha = model(mha_cfg, seed=5)
+  g = gqa_cfg.n_heads // gqa_cfg.n_kv_heads
+  hd = gqa_cfg.head_dim
+  for src, dst in zip(gqa.blocks, mha.blocks):
+    for name in ("q", "o"):
+      getattr(dst.attn, name).kernel[...] = getattr(src.attn, name).kernel[...]
+    for name in ("k", "v"):
+      w = getattr(src.attn, name).kernel[...].reshape(gqa_cfg.d_model, -1, hd)
+      getattr(dst.attn, name).kernel[...] = jnp.repeat(w, g, axis=1).reshape(gqa_cfg.d_model, -1)
+    for name in ("up", "gate", "down"):
+      getattr(dst.mlp, name).kernel[...] = getattr(src.mlp, name).kernel[...]
+    dst.attn_norm.scale[...] = src.attn_norm.scale[...]
+    dst.mlp_norm.scale[...] = src.mlp_norm.scale[...]
+  mha.embed[...] = gqa.embed[...]
+  mha.final_norm.scale[...] = gqa.final_norm.scale[...]
+  mha.lm_head.kernel[...] = gqa.lm_head.kernel[...]
+  toks, pos = _tokens(2, 7, gqa_cfg.vocab_size)
+  a, _, _ = fwd(gqa, toks, pos)
+  b, _, _ = fwd(mha, toks, pos)
+  np.testing.assert_allclose(a, b, atol=1e-5)
+  c1, c2 = kv.init(gqa_cfg, 2, 8), kv.init(mha_cfg, 2, 8)
+  np.testing.assert_allclose(fwd(gqa, toks, pos, c1)[0], fwd(mha, toks, pos, c2)[0], atol=1e-5)
+
+
+def test_full_size_shapes_with_eval_shape():
+  """GPT-2 small has 124,439,808 parameters (tied head); checked without allocating."""
+  assert param_count(PRESETS["gpt2-small"]) == 124_439_808
+  cfg = PRESETS["llama-small"]
+  out = jax.eval_shape(
+      lambda: Transformer(cfg, rngs=nnx.Rngs(0))(jnp.zeros((2, 5), jnp.int32),
+                                                 jnp.zeros((2, 5), jnp.int32),
+                                                 kv.init(cfg, 2, 64)))
+  assert out[0].shape == (2, 5, cfg.vocab_size) and out[1].shape == (2, 5, cfg.d_model)
+  assert out[2].k[0].shape == (2 * cfg.n_kv_heads, cfg.head_dim, 64)
+
+
+def test_bfloat16_runs_close_to_float32():
+  cfg = TINY["llama"]
+  m32 = model(cfg)
+  m16 = Transformer(cfg.replace(dtype="bfloat16"), rngs=nnx.Rngs(1))
+  nnx.update(m16, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(m32, nnx.Param)))
+  assert m16.embed[...].dtype == jnp.bfloat16
+  toks, pos = _tokens(2, 6, cfg.vocab_size)
+  a, _, _ = fwd(m32, toks, pos)
+  b, _, _ = fwd(m16, toks, pos, kv.init(m16.config, 2, 8))
+  assert b.dtype == jnp.float32
+  assert float(jnp.max(jnp.abs(a - b))) < 0.05
+
+
+def test_cache_memory_estimate_refuses_what_does_not_fit():
+  cfg = PRESETS["gpt2-small"]
+  per_token = 2 * 12 * 768 * 4
+  assert kv.cache_bytes(cfg, 3, 100) == 3 * 100 * per_token
+  with pytest.raises(ValueError, match="batch=4096"):
+    kv.check_fits(cfg, 4096, 1024, available=8 * 2**30)
+  assert kv.check_fits(cfg, 1, 1024, available=8 * 2**30) == per_token * 1024
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(n_heads=5), "divisible"),
+    (dict(n_kv_heads=3), "divisible"),
+    (dict(norm="batchnorm"), "norm"),
+    (dict(vocab_size=0), "vocab_size"),
+    (dict(dtype="float16"), "dtype"),
+])
+def test_model_config_validation(bad, match):
+  with pytest.raises(ValueError, match=match):
+    TINY["gpt2"].replace(**bad)
+
+
+def test_parse_config_presets_and_overrides():
+  cfg = parse_config("tiny-llama:n_layers=3,rope_theta=1e6")
+  assert cfg.n_layers == 3 and math.isclose(cfg.rope_theta, 1e6)
+  assert parse_config('{"vocab_size": 10, "d_model": 8, "n_layers": 1, "n_heads": 2, '
+                      '"n_kv_heads": 1, "d_ff": 16, "max_len": 32}').n_kv_heads == 1
+  with pytest.raises(ValueError, match="tiny-gpt2"):
+    parse_config("tiny-gtp2")
+  with pytest.raises(ValueError, match="n_layerz"):
+    parse_config("tiny-gpt2:n_layerz=3")
