@@ -17,6 +17,7 @@ COMMANDS = {
     "theory": "specjax.commands.theory",
     "train": "specjax.commands.train",
     "import-hf, export-hf, inspect": "specjax.commands.checkpoints",
+    "run, merge": "specjax.commands.run",
 }
 
 

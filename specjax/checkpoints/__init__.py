@@ -1,0 +1,219 @@
+"""Checkpoints: orbax save/restore (`orbax_io`) and Hugging Face import/export (`hf`).
+
+    model, tokenizer = load_model(path)
+
+`path` may be
+  - a Hugging Face model directory (config.json + safetensors, sharded or not, or GPT-2's
+    flax_model.msgpack),
+  - a checkpoint written by `specjax import-hf` / `save_model` (orbax, kind 'specjax-model'),
+  - a checkpoint written by the trainer (orbax, kind 'specjax-lm').
+The tokenizer is the Hugging Face `tokenizer.json` found there (read with `tokenizers`), the
+specjax tokenizer a trained checkpoint records, or the byte tokenizer when there is none.
+
+A `save_model` checkpoint directory holds one orbax step (params in the model's dtype,
+ModelConfig, metadata: kind, family, the original config.json) plus the tokenizer files. It
+is assembled in a temporary sibling directory and renamed into place, so a failed import
+leaves nothing at the output path.
+
+Everything heavy is imported inside the functions: `specjax.checkpoints.orbax_io` is imported
+by the training code and must not pull in the Hugging Face machinery.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import tempfile
+from typing import Any
+
+MODEL_KIND = "specjax-model"  # written by save_model (import-hf)
+TRAINED_KIND = "specjax-lm"  # written by the trainer (specjax.training.trainer.CHECKPOINT_KIND)
+
+
+def is_hf_dir(path: str | os.PathLike) -> bool:
+  from specjax.checkpoints import hf
+  p = pathlib.Path(path)
+  return (p / "config.json").is_file() and any(
+      (p / n).is_file() for n in (hf.SAFETENSORS, hf.SAFETENSORS_INDEX, hf.FLAX_MSGPACK))
+
+
+def is_orbax_dir(path: str | os.PathLike) -> bool:
+  from specjax.checkpoints import orbax_io
+  return orbax_io.latest_step(path) is not None
+
+
+def _kind(path) -> str | None:
+  from specjax.checkpoints import orbax_io
+  return orbax_io.read_meta(path)["metadata"].get("kind")
+
+
+def save_model(directory: str | os.PathLike, model, *, metadata: dict | None = None,
+               tokenizer_dir: str | os.PathLike | None = None, step: int = 0,
+               overwrite: bool = False) -> pathlib.Path:
+  """Save a Transformer with its ModelConfig as an orbax checkpoint (atomic directory).
+
+  tokenizer_dir: copy the tokenizer files found there (Hugging Face or specjax BPE).
+  metadata: extra JSON-ready fields (the kind 'specjax-model' is added).
+  """
+  from flax import nnx
+
+  from specjax.checkpoints import hf, orbax_io
+  out = hf.prepare_output_dir(directory, overwrite)
+  meta = {**(metadata or {}), "kind": MODEL_KIND}
+  module = model.module() if hasattr(model, "graphdef") else model
+  params = nnx.state(module, nnx.Param)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+  try:
+    orbax_io.save(tmp, step, params=params, config=module.config, metadata=meta, keep=None)
+    if tokenizer_dir is not None:
+      hf.copy_tokenizer_files(tokenizer_dir, tmp)
+    hf.publish_dir(tmp, out)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return out
+
+
+def load_checkpoint(directory: str | os.PathLike, *, config=None, step: int | None = None):
+  """Restore a save_model / trainer checkpoint: (Transformer, metadata).
+
+  config: the expected ModelConfig; a checkpoint saved with another one raises ValueError
+  listing each differing field (orbax_io.restore).
+  """
+  from flax import nnx
+
+  from specjax.checkpoints import orbax_io
+  from specjax.models.transformer import ModelConfig, Transformer
+  directory = pathlib.Path(directory)
+  if not is_orbax_dir(directory):
+    raise ValueError(f"no specjax checkpoint found in {str(directory)!r}")
+  meta = orbax_io.read_meta(directory, step)
+  kind = meta["metadata"].get("kind")
+  if kind == TRAINED_KIND:
+    from specjax.training.models_io import load_trained
+    trained = load_trained(directory, step=step, config=config)
+    return trained.module(), {**trained.metadata, "step": trained.step}
+  stored = orbax_io.config_from_json(meta["config"], ModelConfig)
+  abstract = nnx.eval_shape(lambda: Transformer(stored, rngs=nnx.Rngs(0)))
+  graphdef, target = nnx.split(abstract)
+  restored = orbax_io.restore(directory, params_target=target, config=config or stored,
+                              step=step)
+  return nnx.merge(graphdef, restored.params), {**restored.metadata, "step": restored.step}
+
+
+def load_tokenizer_for(directory: str | os.PathLike, hf_config: dict | None = None) -> Any:
+  """The tokenizer stored in `directory`: a Hugging Face tokenizer.json (HFTokenizer), a
+  specjax tokenizer file, or the byte tokenizer when there is no tokenizer.json."""
+  import json
+
+  from specjax.checkpoints import hf
+  from specjax.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
+  path = pathlib.Path(directory) / "tokenizer.json"
+  if not path.is_file():
+    return ByteTokenizer()
+  try:
+    data = json.loads(path.read_text())
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"cannot read {str(path)!r}: {e}") from e
+  if isinstance(data, dict) and data.get("kind") == "byte":
+    return ByteTokenizer()
+  vocab = {t.get("content") for t in data.get("added_tokens", []) if isinstance(t, dict)}
+  if set(BPETokenizer.SPECIALS) <= vocab:
+    return load_tokenizer(directory)  # a BPE trained by specjax
+  return hf.HFTokenizer.from_dir(directory, hf_config)
+
+
+def load_model(path: str | os.PathLike, *, dtype: str | None = None, config=None,
+               step: int | None = None) -> tuple[Any, Any]:
+  """(Transformer, tokenizer) from a Hugging Face directory or a specjax orbax checkpoint.
+
+  dtype: None keeps the stored precision; 'float32' / 'bfloat16' converts.
+  config: (orbax checkpoints) the expected ModelConfig; a mismatch raises listing fields.
+  """
+  from specjax.checkpoints import hf
+  path = pathlib.Path(path)
+  if not path.is_dir():
+    raise ValueError(f"model path {str(path)!r} is not a directory")
+  if is_hf_dir(path) or (path / "config.json").is_file() and not is_orbax_dir(path):
+    imported = hf.import_hf(path, dtype=dtype)  # names what is missing or broken
+    return imported.model(), load_tokenizer_for(path, imported.hf_config)
+  if is_orbax_dir(path):
+    model, meta = load_checkpoint(path, config=config, step=step)
+    if dtype is not None and dtype != model.config.dtype:
+      model = hf.build_model(model.config.replace(dtype=dtype),
+                             {k: v.astype(_np_dtype(dtype))
+                              for k, v in hf.model_params(model).items()})
+    if meta.get("kind") == TRAINED_KIND:
+      from specjax.data.tokenizer import tokenizer_from_spec
+      return model, tokenizer_from_spec(meta["tokenizer"], path)
+    return model, load_tokenizer_for(path, meta.get("hf_config"))
+  raise ValueError(f"{str(path)!r} is neither a Hugging Face model directory (config.json + "
+                   "model.safetensors / model.safetensors.index.json / flax_model.msgpack) nor a "
+                   "specjax orbax checkpoint")
+
+
+def _np_dtype(dtype: str):
+  import ml_dtypes
+  import numpy as np
+  return np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
+
+
+def describe(path: str | os.PathLike) -> dict:
+  """What `specjax inspect` prints: format, family, config, parameter count, bytes, dtypes."""
+  import math
+
+  from specjax.checkpoints import hf, orbax_io
+  from specjax.models.transformer import ModelConfig
+  path = pathlib.Path(path)
+  if not path.is_dir():
+    raise ValueError(f"checkpoint path {str(path)!r} is not a directory")
+  disk = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+  if is_hf_dir(path) or (path / "config.json").is_file() and not is_orbax_dir(path):
+    hf_config = hf.read_hf_config(path)
+    family, config = hf.config_from_hf(hf_config)
+    headers = {k: v for k, v in hf.tensor_headers(path).items() if not hf._IGNORED.match(k)}
+    sizes = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4}
+    dtypes = sorted({d for _, d in headers.values()})
+    params = sum(math.prod(s) for s, _ in headers.values())
+    nbytes = sum(math.prod(s) * sizes.get(d, 4) for s, d in headers.values())
+    config = config.replace(dtype="bfloat16" if dtypes == ["BF16"] else "float32")
+    return {"format": "huggingface", "layout": hf.checkpoint_layout(path), "family": family,
+            "architecture": (hf_config.get("architectures") or [None])[0],
+            "config": config.to_dict(), "parameters": params, "bytes": nbytes,
+            "dtypes": dtypes, "tensors": len(headers), "disk_bytes": disk}
+  if is_orbax_dir(path):
+    meta = orbax_io.read_meta(path)
+    config = orbax_io.config_from_json(meta["config"], ModelConfig)
+    shapes = _stored_arrays(path, orbax_io.latest_step(path))
+    if shapes:
+      params = sum(math.prod(s) for s, _ in shapes)
+      nbytes = sum(math.prod(s) * d.itemsize for s, d in shapes)
+      dtypes = sorted({str(d) for _, d in shapes})
+    else:  # no array metadata: count from the config
+      from specjax.models.transformer import param_count
+      params = param_count(config)
+      nbytes = params * _np_dtype(config.dtype).itemsize
+      dtypes = [config.dtype]
+    m = meta["metadata"]
+    with orbax_io.Checkpointer(path, keep=None, read_only=True) as ckpt:
+      steps = ckpt.all_steps()
+    return {"format": "orbax", "kind": m.get("kind"), "family": m.get("family"),
+            "steps": steps, "config": config.to_dict(), "parameters": params, "bytes": nbytes,
+            "dtypes": dtypes, "tokenizer": m.get("tokenizer"), "disk_bytes": disk}
+  raise ValueError(f"{str(path)!r} is neither a Hugging Face model directory nor a specjax "
+                   "orbax checkpoint")
+
+
+def _stored_arrays(path: pathlib.Path, step: int) -> list[tuple[tuple, Any]]:
+  """[(shape, dtype)] of the stored parameter arrays, read from orbax metadata only."""
+  import jax
+  import numpy as np
+  import orbax.checkpoint as ocp
+  try:
+    meta = ocp.StandardCheckpointHandler().metadata(path / str(step) / "params")
+    tree = meta.tree if hasattr(meta, "tree") else meta
+    return [(tuple(x.shape), np.dtype(x.dtype)) for x in jax.tree.leaves(tree)]
+  except Exception:  # noqa: BLE001 - metadata layout differs across orbax versions
+    return []

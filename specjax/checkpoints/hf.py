@@ -404,7 +404,10 @@ def hf_config_for(config: ModelConfig, family: str | None = None,
   of, such as token ids, when it is of the same family)."""
   c = config
   family = family or family_for(c)
-  out = dict(base) if base and base.get("model_type") == family else {}
+  base = base or {}
+  token_ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+  out = (dict(base) if base.get("model_type") == family else
+         {k: base[k] for k in token_ids if k in base})
   for stale in ("torch_dtype", "rope_scaling", "transformers_version", "_name_or_path"):
     out.pop(stale, None)
   out.update(architectures=[ARCHITECTURES[family]], model_type=family, vocab_size=c.vocab_size,

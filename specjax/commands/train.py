@@ -259,6 +259,6 @@ def run_measure(args) -> int:
   print(f"teacher-forced greedy agreement on validation text: {tf}")
   print(f"T=0 chain, k={args.k}, {chain['prompts']} prompts x {args.new_tokens} greedy tokens:")
   print(f"  alpha (accepted/drafted)       {chain['alpha']}")
-  print(f"  alpha per token (i.i.d. model) {chain['alpha_token']}")
+  print(f"  alpha_trial (accepted/trials)  {chain['alpha_trial']}")
   print(f"  tau (tokens per verification)  {chain['tau']:.3f}")
   return 0

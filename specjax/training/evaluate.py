@@ -11,7 +11,7 @@ Two greedy acceptance estimates that need no speculative engine:
    agreement vector a_i, and walking it in cycles of k (accept the leading run of ones, emit
    one target token more, restart after it) reproduces the engine's counts:
        alpha (BACKGROUND §8)  = accepted drafted tokens / drafted tokens  (k drafted per cycle)
-       alpha_token            = accepted / (accepted + rejections): the per-token acceptance
+       alpha_trial            = accepted / (accepted + rejections): the per-token acceptance
                                 probability of the i.i.d. model E[tau] = (1-a^(k+1))/(1-a)
        tau                    = tokens emitted per verification, bonus included.
 Intervals: Wilson (treats tokens as independent: too narrow, acceptance is bursty) and a
@@ -164,7 +164,7 @@ def greedy_chain(target: tuple[ModelConfig, nnx.State], draft: tuple[ModelConfig
                  batch: int = 16) -> dict:
   """T=0 chain speculation simulated on the target's greedy continuations of the prompts.
 
-  Returns {"alpha", "alpha_token", "tau"}: Estimates, plus counts.
+  Returns {"alpha", "alpha_trial", "tau"}: Estimates, plus counts.
   """
   if k < 1:
     raise ValueError(f"k must be >= 1, got {k}")
@@ -174,7 +174,7 @@ def greedy_chain(target: tuple[ModelConfig, nnx.State], draft: tuple[ModelConfig
   agree_NG = d_NL[:, p - 1:] == seq_NL[:, p:]                 # [N, new_tokens]
   rows = np.asarray([chain_counts(row, k) for row in agree_NG], np.float64)
   cycles, drafted, accepted, tested = rows.T
-  return {"alpha": _estimate(accepted, drafted), "alpha_token": _estimate(accepted, tested),
+  return {"alpha": _estimate(accepted, drafted), "alpha_trial": _estimate(accepted, tested),
           "tau": float((accepted.sum() + cycles.sum()) / max(cycles.sum(), 1)),
           "cycles": int(cycles.sum()), "drafted": int(drafted.sum()),
           "accepted": int(accepted.sum()), "k": k, "prompts": int(len(prompts_NP)),

@@ -40,12 +40,12 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(
         name="tiny",
-        target=_llama(d_model=96, n_layers=2, n_heads=3, n_kv_heads=3, d_ff=384),
-        draft=_llama(d_model=96, n_layers=1, n_heads=3, n_kv_heads=3, d_ff=256),
+        target=_llama(d_model=96, n_layers=2, n_heads=3, n_kv_heads=3, d_ff=384, mlp="gelu"),
+        draft=_llama(d_model=96, n_layers=1, n_heads=3, n_kv_heads=3, d_ff=256, mlp="gelu"),
         target_train=TrainConfig(steps=250, batch_size=32, seq_len=128, lr=3e-3,
                                  warmup_steps=15, eval_every=0, ckpt_every=50,
                                  eval_windows=128),
-        draft_train=TrainConfig(steps=150, batch_size=32, seq_len=128, lr=3e-3,
+        draft_train=TrainConfig(steps=200, batch_size=32, seq_len=128, lr=3e-3,
                                 warmup_steps=10, eval_every=0, ckpt_every=50,
                                 eval_windows=128, objective="distill"),
         description="target + 1-layer draft, ~3 minutes on a 2-core CPU"),

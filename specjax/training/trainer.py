@@ -507,8 +507,16 @@ class Trainer:
             batch = self.data.train_batch(tc.seed, self.step, tc.batch_size, tc.seq_len,
                                           tc.grad_accum)
             lr = np.float32(learning_rate(tc, self.step))
-            self.params, self.opt_state, metrics = self.train_step(
-                self.params, self.opt_state, batch, teacher_params, lr)
+            try:
+              self.params, self.opt_state, metrics = self.train_step(
+                  self.params, self.opt_state, batch, teacher_params, lr)
+            except jax.errors.JaxRuntimeError as e:
+              if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+                raise
+              raise ValueError(
+                  f"batch_size={tc.batch_size} (micro-batch {tc.micro_batch}) x seq_len="
+                  f"{tc.seq_len} does not fit in the device's memory: lower batch_size or "
+                  f"seq_len, or raise grad_accum ({str(e).splitlines()[0]})") from e
             self.step += 1
             if self.step == first + 1:  # tokens/s from here on: the first step compiles
               float(metrics["loss"])

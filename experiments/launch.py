@@ -1,0 +1,160 @@
+"""`specjax run`: gin config -> Sweep -> validated points -> run directory -> report.
+
+Everything that can be checked is checked before any work starts: the config parses, every
+binding names a real configurable and parameter (with the closest valid names suggested),
+every point's parameters have valid types and ranges, each point fits in memory, and the
+output directory is writable and not another run's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import inspect
+import json
+import pathlib
+import re
+import sys
+from typing import Sequence
+
+import gin
+
+from experiments.common import Sweep
+from specjax import runner
+
+CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+
+def available_configs() -> list[str]:
+  return sorted(p.stem for p in CONFIG_DIR.glob("*.gin")) if CONFIG_DIR.is_dir() else []
+
+
+def resolve_config(config: str) -> pathlib.Path:
+  path = pathlib.Path(config)
+  if path.is_file():
+    return path
+  named = CONFIG_DIR / f"{config.removesuffix('.gin')}.gin"
+  if named.is_file():
+    return named
+  names = available_configs()
+  close = difflib.get_close_matches(path.stem, names, n=3)
+  hint = f" (did you mean {', '.join(close)}?)" if close else ""
+  raise ValueError(f"unknown experiment config {config!r}{hint}; available: "
+                   f"{', '.join(names) or 'none'} (or a path to a .gin file)")
+
+
+def _imports(text: str) -> dict[str, str]:
+  """alias -> module for the `import a.b as c` lines of a gin config."""
+  out = {}
+  for m in re.finditer(r"^\s*import\s+([\w.]+)(?:\s+as\s+(\w+))?\s*$", text, re.M):
+    out[m.group(2) or m.group(1)] = m.group(1)
+  return out
+
+
+def _explain_gin_error(err: Exception, texts: list[str]) -> str:
+  """Adds the closest valid names to gin's message about an unknown binding."""
+  msg = str(err)
+  aliases = {}
+  for t in texts:
+    aliases.update(_imports(t))
+  m = re.search(r"No configurable matching '([\w.]+)'|Couldn't resolve selector ([\w.]+)", msg)
+  if m:
+    candidates = []
+    for alias, module_name in aliases.items():
+      try:
+        module = importlib.import_module(module_name)
+      except ImportError:
+        continue
+      candidates += [f"{alias}.{n}" for n, v in vars(module).items()
+                     if not n.startswith("_") and callable(v)
+                     and getattr(v, "__module__", None) == module.__name__]
+    close = difflib.get_close_matches(m.group(1) or m.group(2), candidates, n=3, cutoff=0.5)
+    if close:
+      msg += f"\nclosest valid names: {', '.join(close)}"
+    return msg
+  m = re.search(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'", msg)
+  if m:
+    alias, _, attr = m.group(1).rpartition(".")
+    try:
+      target = getattr(importlib.import_module(aliases.get(alias, alias)), attr)
+      params = [f.name for f in dataclasses.fields(target)] if dataclasses.is_dataclass(
+          target) else list(inspect.signature(target).parameters)
+      close = difflib.get_close_matches(m.group(2), params, n=3)
+      msg += (f"\nclosest valid names: {', '.join(close)}" if close else "") + (
+          f"\nvalid parameters of {m.group(1)}: {', '.join(params)}")
+    except (ImportError, AttributeError, ValueError, TypeError):
+      pass
+  return msg
+
+
+def load_sweep(config: str, bindings: Sequence[str] = ()) -> tuple[Sweep, str]:
+  """Parses the config (+ command-line bindings) and builds the Sweep it binds."""
+  path = resolve_config(config)
+  gin.clear_config()
+  try:
+    gin.parse_config_files_and_bindings([str(path)], list(bindings))
+    sweep = gin.get_configurable(Sweep)()
+  except (ValueError, TypeError, AttributeError, SyntaxError) as e:
+    raise ValueError(f"bad gin config {str(path)!r}: "
+                     f"{_explain_gin_error(e, [path.read_text(), *bindings])}") from None
+  sweep.check()
+  return sweep, gin.config_str()
+
+
+def plan(sweep: Sweep, shard_index: int = 0, num_shards: int = 1) -> list[runner.Point]:
+  """The points this process runs, validated (types, ranges, memory) before any work."""
+  points = runner.shard(runner.expand(sweep.axes, sweep.fixed), shard_index, num_shards)
+  for p in points:
+    if sweep.validate_fn is not None:
+      try:
+        sweep.validate_fn(p.params)
+      except ValueError as e:
+        raise ValueError(f"sweep point {p.params}: {e}") from None
+  if sweep.memory_fn is not None:
+    from specjax.models import cache as kv
+    available = kv.available_memory_bytes()
+    for p in points:
+      need = int(sweep.memory_fn(p.params))
+      if available is not None and need > 0.9 * available:
+        raise ValueError(f"sweep point {p.params} needs about {need / 2**30:.2f} GiB but only "
+                         f"{available / 2**30:.2f} GiB is available: shrink the sweep")
+  return points
+
+
+def run(config: str, bindings: Sequence[str] = (), out: str | None = None,
+        root: str = "runs", shard_index: int = 0, num_shards: int = 1,
+        progress: bool = True) -> runner.RunSummary:
+  sweep, config_text = load_sweep(config, bindings)
+  points = plan(sweep, shard_index, num_shards)
+  fp = runner.fingerprint(config_text, shard_index, num_shards)
+  run_dir, resumed = runner.resolve_run_dir(root, sweep.name, fp, out)
+  run_dir.mkdir(parents=True, exist_ok=True)
+  if not resumed:
+    (run_dir / "config.gin").write_text(config_text)
+    runner.atomic_write_text(run_dir / "config.json", json.dumps({
+        "name": sweep.name, "fingerprint": fp, "shard_index": shard_index,
+        "num_shards": num_shards, "axes": dict(sweep.axes), "fixed": dict(sweep.fixed),
+        "vectorized": list(sweep.vectorized), "points": len(points)}, indent=2, default=repr))
+  runner.atomic_write_text(run_dir / "environment.json",
+                           json.dumps(runner.environment(sweep.seed), indent=2, default=repr))
+  print(f"specjax run: {sweep.name}: {len(points)} points -> {run_dir}"
+        f"{' (resuming)' if resumed else ''}", file=sys.stderr)
+  skipped, ok, failed = runner.run_points(
+      points, run_dir, lambda group: sweep.run_group([p.params for p in group]),
+      group_key=lambda p: sweep.group_key(p.params), progress=progress)
+  write_report(sweep, run_dir)
+  return runner.RunSummary(run_dir=run_dir, resumed=resumed, total=len(points),
+                           skipped=skipped, ok=ok, failed=failed)
+
+
+def write_report(sweep: Sweep, run_dir: pathlib.Path) -> pathlib.Path:
+  from specjax import report
+  records = list(runner.read_results(run_dir / runner.RESULTS).values())
+  text = report.results_table(sweep.name, records, list(sweep.axes))
+  if sweep.report_fn is not None:
+    ok = [r for r in records if r.get("status") == "ok"]
+    if ok:
+      text += "\n" + sweep.report_fn(ok, run_dir)
+  runner.atomic_write_text(run_dir / "report.md", text)
+  return run_dir / "report.md"

@@ -1,0 +1,152 @@
+"""`specjax import-hf`, `specjax export-hf`, `specjax inspect`: checkpoints in and out.
+
+    specjax import-hf HF_DIR --out CKPT [--dtype float32|bfloat16]
+    specjax export-hf CKPT --out HF_DIR [--dtype ...] [--max-shard-size 5GB]
+    specjax inspect CKPT [--json]
+
+CKPT is a specjax orbax checkpoint (from import-hf or the trainer); export-hf and inspect
+also accept a Hugging Face directory. Outputs are written atomically: on any error nothing
+appears at --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+
+
+def add_parsers(subparsers) -> None:
+  """Adds the three subcommands; each sets `func` (args -> exit code)."""
+  p = subparsers.add_parser(
+      "import-hf", help="import a Hugging Face model directory into a specjax checkpoint",
+      description="Reads config.json + model.safetensors (or a sharded index, or GPT-2's "
+      "flax_model.msgpack) of a GPT-2, Llama, Mistral or Qwen2 model, checks every tensor "
+      "name and shape, and saves the parameters with their ModelConfig (orbax) and the "
+      "tokenizer files.")
+  p.add_argument("src", help="Hugging Face model directory")
+  p.add_argument("--out", required=True, help="checkpoint directory to create")
+  _dtype_flag(p)
+  p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+  p.add_argument("--json", action="store_true", help="print one JSON document")
+  p.set_defaults(func=run_import)
+
+  p = subparsers.add_parser(
+      "export-hf", help="export a specjax checkpoint as a Hugging Face model directory",
+      description="Writes config.json + safetensors that transformers loads "
+      "(GPT2LMHeadModel, LlamaForCausalLM or Qwen2ForCausalLM, chosen from the config), plus "
+      "the tokenizer files when the checkpoint has them.")
+  p.add_argument("ckpt", help="specjax checkpoint (or Hugging Face directory)")
+  p.add_argument("--out", required=True, help="directory to create")
+  _dtype_flag(p)
+  p.add_argument("--max-shard-size", default="5GB",
+                 help="largest safetensors shard, e.g. 5GB, 500MB or bytes (default %(default)s)")
+  p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+  p.set_defaults(func=run_export)
+
+  p = subparsers.add_parser(
+      "inspect", help="show a checkpoint's config, parameter count, bytes and dtype",
+      description="Reads only headers and metadata (no weights).")
+  p.add_argument("ckpt", help="specjax checkpoint or Hugging Face directory")
+  p.add_argument("--json", action="store_true", help="print one JSON document")
+  p.set_defaults(func=run_inspect)
+
+
+def _dtype_flag(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                 help="convert the weights (default: keep the stored precision)")
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+  m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+  if not m or m.group(2).upper() not in _UNITS or float(m.group(1)) <= 0:
+    raise ValueError(f"--max-shard-size must be a positive size like 5GB, 500MB or a byte "
+                     f"count, got {text!r}")
+  return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _human(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if n < 1024 or unit == "TiB":
+      return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+    n /= 1024
+  return str(n)
+
+
+def run_import(args: argparse.Namespace) -> int:
+  from specjax.checkpoints import describe, hf, load_tokenizer_for, save_model
+  src = pathlib.Path(args.src)
+  hf.prepare_output_dir(args.out, args.overwrite)  # fail before reading gigabytes
+  imported = hf.import_hf(src, dtype=args.dtype)
+  tokenizer = load_tokenizer_for(src, imported.hf_config)
+  metadata = {"family": imported.family, "source_layout": imported.layout,
+              "source": src.name, "hf_config": imported.hf_config,
+              "tokenizer": tokenizer.to_spec()}
+  out = save_model(args.out, imported.model(), metadata=metadata, tokenizer_dir=src,
+                   overwrite=args.overwrite)
+  info = describe(out)
+  if args.json:
+    print(json.dumps(info, indent=2))
+  else:
+    print(f"imported {imported.family} ({imported.layout}) from {src} -> {out}: "
+          f"{info['parameters']:,} parameters, {_human(info['bytes'])}, {imported.config.dtype}; "
+          f"tokenizer: {tokenizer!r}")
+  return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+  from specjax.checkpoints import hf, is_hf_dir, load_checkpoint, load_model
+  max_bytes = parse_size(args.max_shard_size)
+  hf.prepare_output_dir(args.out, args.overwrite)
+  src = pathlib.Path(args.ckpt)
+  if is_hf_dir(src):
+    model, tokenizer = load_model(src)
+    base = hf.read_hf_config(src)
+  else:
+    from specjax.checkpoints import load_tokenizer_for
+    model, meta = load_checkpoint(src)
+    base = dict(meta.get("hf_config") or {})
+    if meta.get("kind") == "specjax-lm":
+      from specjax.data.tokenizer import tokenizer_from_spec
+      tokenizer = tokenizer_from_spec(meta["tokenizer"], src)
+    else:
+      tokenizer = load_tokenizer_for(src, base or None)
+  for field in ("bos", "eos", "pad"):  # token ids for transformers' generate, unless recorded
+    value = getattr(tokenizer, f"{field}_id", None)
+    if f"{field}_token_id" not in base and value is not None and value < model.config.vocab_size:
+      base[f"{field}_token_id"] = int(value)
+  out = hf.export_hf(model, args.out, dtype=args.dtype, tokenizer_dir=src, base_config=base,
+                     max_shard_bytes=max_bytes, overwrite=args.overwrite)
+  files = sorted(p.name for p in out.iterdir())
+  print(f"exported {hf.family_for(model.config)} -> {out}: {', '.join(files)}")
+  return 0
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+  from specjax.checkpoints import describe
+  info = describe(args.ckpt)
+  if args.json:
+    print(json.dumps(info, indent=2))
+    return 0
+  c = info["config"]
+  print(f"{args.ckpt}: {info['format']} checkpoint"
+        + (f" ({info['layout']})" if "layout" in info else "")
+        + (f", kind {info['kind']}" if info.get("kind") else "")
+        + (f", steps {info['steps']}" if "steps" in info else ""))
+  if info.get("family") or info.get("architecture"):
+    print(f"  family:      {info.get('family')}  {info.get('architecture') or ''}".rstrip())
+  print(f"  parameters:  {info['parameters']:,}")
+  print(f"  bytes:       {info['bytes']:,} ({_human(info['bytes'])}); on disk "
+        f"{_human(info['disk_bytes'])}")
+  print(f"  dtype:       {', '.join(info['dtypes'])}")
+  if info.get("tokenizer"):
+    print(f"  tokenizer:   {info['tokenizer']}")
+  print("  config:")
+  for key, value in c.items():
+    print(f"    {key:15s} {value}")
+  return 0

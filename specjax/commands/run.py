@@ -1,0 +1,54 @@
+"""`specjax run CONFIG.gin` and `specjax merge RUN_DIR... --out DIR`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parsers(subparsers) -> None:
+  p = subparsers.add_parser(
+      "run", help="run an experiment sweep from a gin config (resumes if re-run)",
+      description="Runs the sweep a gin config binds (configs/NAME.gin or a path). Results go "
+      "to runs/NAME/TIMESTAMP/ (results.jsonl, report.md, plots); re-running the same command "
+      "resumes: finished points are skipped, failed ones retried.")
+  p.add_argument("config", help="a .gin file, or the name of one in configs/")
+  p.add_argument("--gin_param", "--gin-param", action="append", default=[], dest="gin_param",
+                 metavar="BINDING", help="extra gin binding, e.g. 'common.Sweep.seed = 3'")
+  p.add_argument("--out", default=None, help="run directory (default runs/NAME/TIMESTAMP)")
+  p.add_argument("--root", default="runs", help="where run directories go (default runs/)")
+  p.add_argument("--shard-index", type=int, default=0)
+  p.add_argument("--num-shards", type=int, default=1)
+  p.add_argument("--no-progress", action="store_true")
+  p.add_argument("--json", action="store_true", help="print the run summary as JSON")
+  p.set_defaults(func=_run)
+
+  m = subparsers.add_parser("merge", help="join the results of sweep shards",
+                            description="Joins shard run directories of one config into one.")
+  m.add_argument("run_dirs", nargs="+")
+  m.add_argument("--out", required=True)
+  m.set_defaults(func=_merge)
+
+
+def _run(args: argparse.Namespace) -> int:
+  from experiments import launch
+  summary = launch.run(args.config, args.gin_param, out=args.out, root=args.root,
+                       shard_index=args.shard_index, num_shards=args.num_shards,
+                       progress=not args.no_progress)
+  if args.json:
+    print(json.dumps(summary.to_dict(), indent=2))
+  else:
+    print(f"{summary.ok} points finished, {summary.failed} failed, {summary.skipped} already "
+          f"done; report: {summary.run_dir / 'report.md'}")
+  return 1 if summary.failed else 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+  from experiments import launch
+  from specjax import runner
+  from experiments.launch import load_sweep
+  out = runner.merge(args.run_dirs, args.out)
+  sweep, _ = load_sweep(str(out / "config.gin"))
+  launch.write_report(sweep, out)
+  print(f"merged {len(args.run_dirs)} runs into {out}")
+  return 0

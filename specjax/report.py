@@ -1,0 +1,63 @@
+"""Markdown tables and matplotlib plots for run reports (Agg backend, no display needed)."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from typing import Any, Sequence
+
+
+def _fmt(v: Any) -> str:
+  if isinstance(v, bool) or v is None:
+    return str(v)
+  if isinstance(v, float):
+    if math.isnan(v):
+      return "nan"
+    return f"{v:.4g}"
+  if isinstance(v, (list, tuple)):
+    return "[" + ", ".join(_fmt(x) for x in v) + "]"
+  return str(v)
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+  head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+  body = "".join("| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |\n" for r in rows)
+  return head + body
+
+
+def results_table(name: str, records: Sequence[dict], axes: Sequence[str]) -> str:
+  """Every point: its swept parameters, status, and scalar metrics."""
+  ok = [r for r in records if r.get("status") == "ok"]
+  failed = [r for r in records if r.get("status") != "ok"]
+  metric_names: list[str] = []
+  for r in ok:
+    for k, v in r.get("metrics", {}).items():
+      scalar = v is None or isinstance(v, (int, float, bool, str))
+      if scalar and k not in metric_names:
+        metric_names.append(k)
+  rows = [{**{a: r["params"].get(a) for a in axes}, **r.get("metrics", {})}
+          for r in sorted(ok, key=lambda r: r.get("index", 0))]
+  text = f"# {name}\n\n{len(ok)} points finished, {len(failed)} failed.\n\n"
+  if rows:
+    text += markdown_table(rows, list(axes) + metric_names) + "\n"
+  if failed:
+    text += "## Failed points\n\n" + markdown_table(
+        [{**r["params"], "error": r.get("error", "")} for r in failed],
+        list(axes) + ["error"]) + "\n"
+  return text
+
+
+def new_figure(**kwargs):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt.subplots(**kwargs)
+
+
+def save(fig, path: str | pathlib.Path) -> str:
+  path = pathlib.Path(path)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  import matplotlib.pyplot as plt
+  plt.close(fig)
+  return path.name

@@ -1,0 +1,30 @@
+"""Point functions for runner tests (imported by gin configs written inside the tests)."""
+
+import os
+import pathlib
+
+
+def point(x: int, y: str = "a", scale: float = 1.0) -> dict:
+  """Fails at x == 13; hard-kills the process at x == KILL_AT until the marker file exists."""
+  if x == 13:
+    raise ValueError("x = 13 is unlucky")
+  kill_at = os.environ.get("SWEEP_KILL_AT")
+  marker = os.environ.get("SWEEP_KILL_MARKER")
+  if kill_at is not None and x == int(kill_at) and marker and not pathlib.Path(marker).exists():
+    pathlib.Path(marker).write_text("killed once")
+    os._exit(137)  # like SIGKILL: no cleanup, no exception handling
+  return {"value": x * scale, "label": f"{y}{x}"}
+
+
+def validate(params: dict) -> None:
+  if not isinstance(params["x"], int):
+    raise ValueError(f"x must be an int, got {params['x']!r}")
+  if params.get("scale", 1.0) <= 0:
+    raise ValueError(f"scale must be > 0, got {params['scale']!r}")
+
+
+def report(records, run_dir) -> str:
+  from specjax import report as rep
+  fig, ax = rep.new_figure()
+  ax.plot([r["params"]["x"] for r in records], [r["metrics"]["value"] for r in records], "o")
+  return f"![values]({rep.save(fig, run_dir / 'values.png')})\n"
