@@ -1,4 +1,4 @@
-"""Exact acceptance rules for speculative decoding (chains).
+"""Exact acceptance rules for speculative decoding (chains and token trees).
 
 Notation (BACKGROUND.md §3): p = warped target distribution, q = warped draft distribution
 at the same position, x ~ q the drafted token.
@@ -32,6 +32,24 @@ residual at position n if n < k, else from p at position k (the bonus token). Co
 the accepted prefix the target distribution at each position is p_i, so the exactness
 argument applies position by position (p at position i is the target's distribution given
 the drafted prefix, which equals the emitted prefix when we reach position i).
+
+Trees (recursive rejection sampling, SpecInfer / Sequoia). At an accepted node with target
+law p and children c_1..c_m tried in a fixed order (rank order, never one that depends on the
+drawn values): r <- p; for i = 1..m test c_i against r; on acceptance descend into c_i (its
+own children are then tried against the target's p at c_i); on rejection update r; if every
+child is rejected emit a sample of r (a leaf's r is p: the bonus token).
+- Candidates sampled i.i.d. from q: accept c_i with probability min(1, r(c_i)/q(c_i)); on
+  rejection r <- norm(max(0, r - q)). Each step is the single-candidate rule with target r
+  and draft q, so "accept c_i, or fall through to the next step" emits a token ~ r; by
+  induction over the siblings (backwards from the last, whose fall-through samples r), the
+  token emitted at the node is ~ p, and given that it is c_i the cycle continues from c_i
+  exactly as the target would.
+- Deterministic distinct candidates (top-k of the draft, point masses): accept c_i with
+  probability r(c_i); on rejection r <- norm(r with c_i zeroed). The point-mass rule, step
+  by step. (A repeated candidate has r(c) = 0 after its first rejection: never accepted.)
+Sloppy variants (residual not updated between siblings, a rejected point mass left in r, a
+sibling order that depends on the drawn tokens) are not exact; tests/test_tree_acceptance.py
+plants each and shows the statistical test rejecting it.
 """
 
 from __future__ import annotations
@@ -43,6 +61,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.sampling import sample_from_uniforms, uniforms
+from specjax.trees import TreeSpec
 
 
 @flax.struct.dataclass
@@ -221,3 +240,156 @@ def accept_greedy(draft_tokens_BK: jax.Array, target_logits_BKV1: jax.Array) -> 
   n_B = jnp.sum(accepted_BK, axis=1, dtype=jnp.int32)
   next_B = jnp.take_along_axis(target_BK1, n_B[:, None], axis=1)[:, 0]
   return ChainResult(n_accepted=n_B, next_token=next_B, accepted=accepted_BK)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trees.
+# ---------------------------------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class TreeResult:
+  """Outcome of verifying one token tree per row (T = N + 1 nodes, D = max depth, W = width).
+
+  n_accepted: int32 [B], length of the accepted root-to-node path (drafted nodes accepted).
+  next_token: int32 [B], the target's token after the path (correction or bonus).
+  path: int32 [B, D+1], node indices of the path: path[:, 0] = 0 (root), path[:, d] the
+    accepted node at depth d for d <= n, then the deepest accepted node repeated.
+  depth_tried: bool [B, D], depth_tried[:, d-1]: a depth-d candidate was tried (the path
+    reached depth d-1 and that node has children).
+  rank_tried, rank_accepted: int32 [B, W], candidates of each sibling rank tried / accepted
+    in this cycle (at most one accepted per depth).
+  """
+
+  n_accepted: jax.Array
+  next_token: jax.Array
+  path: jax.Array
+  depth_tried: jax.Array
+  rank_tried: jax.Array
+  rank_accepted: jax.Array
+
+
+class _TreeRule(NamedTuple):
+  """The tree rule's pieces, swappable so tests can plant bugs (negative controls).
+
+  update(r, q, last) -> r after a rejected sampled candidate (last: no sibling follows).
+  update_point(r, x, last) -> r after a rejected point-mass candidate x.
+  order(tokens_BW, valid_BW) -> the sibling slots in the order they are tried [B, W]
+    (None: rank order, the exact rule).
+  """
+
+  accept: Callable = accept_test
+  update: Callable = lambda r, q, last: residual(r, q)
+  update_point: Callable = lambda r, x, last: residual_point(r, x)
+  order: Callable | None = None
+  sample: Callable = sample_from_uniforms
+
+
+_EXACT_TREE = _TreeRule()
+
+
+def _chain_as_tree(res: ChainResult, k: int) -> TreeResult:
+  n_B1 = res.n_accepted[:, None]
+  path = jnp.minimum(jnp.arange(k + 1, dtype=jnp.int32)[None], n_B1)
+  depth_tried = jnp.arange(k, dtype=jnp.int32)[None] <= n_B1  # depth d+1 tried iff n >= d
+  return TreeResult(n_accepted=res.n_accepted, next_token=res.next_token, path=path,
+                    depth_tried=depth_tried,
+                    rank_tried=jnp.minimum(n_B1 + 1, k).astype(jnp.int32),
+                    rank_accepted=n_B1.astype(jnp.int32))
+
+
+def _tree_children(tree, batch: int) -> tuple[jax.Array, int, int]:
+  """[B, T, W] children table (-1 padded), depth D and width W of a static or per-row tree."""
+  if isinstance(tree, TreeSpec):
+    c = jnp.asarray(tree.children)
+    return jnp.broadcast_to(c, (batch,) + c.shape), tree.max_depth, tree.max_width
+  children_BTW, depth = tree
+  return children_BTW, int(depth), children_BTW.shape[-1]
+
+
+def _accept_tree(key, tree, tokens_BT, p_BTV, q_BTV, rule: _TreeRule) -> TreeResult:
+  """accept_tree with the rule's pieces as parameters (see accept_tree)."""
+  B, T, V = p_BTV.shape
+  children_BTW, D, W = _tree_children(tree, B)
+  u_BX = uniforms(key, (B, D * W + V))  # D·W tests, then V uniforms for the emitted token
+  tokens_BT = tokens_BT.astype(jnp.int32)
+  p_BTV = p_BTV.astype(jnp.float32)
+  stochastic = q_BTV is not None
+  rows = jnp.arange(B)
+
+  def level(d, carry):
+    cur, alive, r_BV, n, path, depth_tried, rank_tried, rank_acc = carry
+    kids_BW = children_BTW[rows, cur]  # children of the current node, rank order
+    valid_BW = kids_BW >= 0
+    x_BW = jnp.take_along_axis(tokens_BT, jnp.maximum(kids_BW, 0), axis=1)
+    slot_BW = jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (B, W))
+    if rule.order is not None:  # (negative controls only: a value-dependent order)
+      slot_BW = rule.order(x_BW, valid_BW)
+      kids_BW = jnp.take_along_axis(kids_BW, slot_BW, axis=1)
+      valid_BW = jnp.take_along_axis(valid_BW, slot_BW, axis=1)
+      x_BW = jnp.take_along_axis(x_BW, slot_BW, axis=1)
+    q_BV = q_BTV[rows, cur].astype(jnp.float32) if stochastic else None
+    u_BW = jax.lax.dynamic_slice_in_dim(u_BX, d * W, W, axis=1)
+    chosen = jnp.zeros_like(cur)
+    found = jnp.zeros_like(alive)
+    for i in range(W):  # siblings in a fixed order: rank 0 first
+      x = x_BW[:, i]
+      trying = alive & ~found & valid_BW[:, i]
+      r_x = jnp.take_along_axis(r_BV, x[:, None], axis=1)[:, 0]
+      q_x = jnp.take_along_axis(q_BV, x[:, None], axis=1)[:, 0] if stochastic else 1.0
+      ok = rule.accept(u_BW[:, i], r_x, q_x)  # u q(x) < r(x): prob min(1, r(x)/q(x))
+      last = (~valid_BW[:, i + 1] if i + 1 < W else jnp.ones_like(trying))[:, None]
+      rejected = (trying & ~ok)[:, None]
+      if stochastic:  # r <- norm(max(0, r - q))
+        r_BV = jnp.where(rejected, rule.update(r_BV, q_BV, last), r_BV)
+      else:  # r <- norm(r with x zeroed)
+        r_BV = jnp.where(rejected, rule.update_point(r_BV, x, last), r_BV)
+      took = trying & ok
+      chosen = jnp.where(took, kids_BW[:, i], chosen)
+      found = found | took
+      rank = slot_BW[:, i:i + 1] == jnp.arange(W)[None]  # [B, W] one-hot of the rank tried
+      rank_tried = rank_tried + (rank & trying[:, None]).astype(jnp.int32)
+      rank_acc = rank_acc + (rank & took[:, None]).astype(jnp.int32)
+    depth_tried = depth_tried.at[:, d].set(alive & jnp.any(valid_BW, axis=1))
+    # Descend into the accepted child: its children are tested against the target's p there.
+    cur = jnp.where(found, chosen, cur)
+    r_BV = jnp.where(found[:, None], p_BTV[rows, cur], r_BV)
+    n = n + found.astype(jnp.int32)
+    path = path.at[:, d + 1].set(cur)
+    return cur, found, r_BV, n, path, depth_tried, rank_tried, rank_acc
+
+  zeros = jnp.zeros((B,), jnp.int32)
+  init = (zeros, jnp.ones((B,), bool), p_BTV[:, 0], zeros, jnp.zeros((B, D + 1), jnp.int32),
+          jnp.zeros((B, D), bool), jnp.zeros((B, W), jnp.int32), jnp.zeros((B, W), jnp.int32))
+  _, _, r_BV, n, path, depth_tried, rank_tried, rank_acc = jax.lax.fori_loop(0, D, level, init)
+  # r: the residual after the stopping node's rejected children, or p there (bonus token).
+  next_token = rule.sample(u_BX[:, D * W:], r_BV)
+  return TreeResult(n_accepted=n, next_token=next_token, path=path, depth_tried=depth_tried,
+                    rank_tried=rank_tried, rank_accepted=rank_acc)
+
+
+def accept_tree(key: jax.Array, tree, tokens_BT: jax.Array, p_BTV: jax.Array,
+                q_BTV: jax.Array | None = None) -> TreeResult:
+  """Exact speculative acceptance of one token tree per row (recursive rejection sampling).
+
+  key: PRNG key; one draw of [B, D·W + V] uniforms (D = max depth, W = max width).
+  tree: a TreeSpec (static shape), or per row `(children_BTW, max_depth)` with children
+    int32 [B, T, W] (-1 padded, rank order) for dynamic trees.
+  tokens_BT: int [B, T] node tokens (node 0, the root, is ignored).
+  p_BTV: float32 [B, T, V] warped target law of the token after each node's path.
+  q_BTV: float32 [B, T, V], row i = the draft law node i's children were sampled from,
+    i.i.d. (rows of leaves are ignored); or None for deterministic distinct candidates.
+
+  A chain TreeSpec goes through `accept_chain` (the same rule, vectorised with cumprod).
+  Pure, jittable, vmappable; static shapes.
+  """
+  if isinstance(tree, TreeSpec):
+    T = tree.n_nodes
+    if tokens_BT.shape[1:] != (T,) or p_BTV.shape[1] != T:
+      raise ValueError(f"tokens_BT and p_BTV must have {T} nodes for this tree, got shapes "
+                       f"{tokens_BT.shape} and {p_BTV.shape}")
+    if tree.is_chain:
+      k = tree.size
+      res = accept_chain(key, tokens_BT[:, 1:], p_BTV, None if q_BTV is None else q_BTV[:, :k])
+      return _chain_as_tree(res, k)
+  return _accept_tree(key, tree, tokens_BT, p_BTV, q_BTV, _EXACT_TREE)

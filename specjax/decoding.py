@@ -8,13 +8,18 @@ Bookkeeping shared by both loops (per row b of a ragged batch):
   through the (static-shape) computation but commit nothing.
 - Emitted so far = L + 1 - prompt_len.
 
-A speculative cycle: the drafter proposes k tokens d1..dk; the target scores
-[x_L, d1..dk] at positions L..L+k in one pass; `accept_chain` keeps n ≤ k drafts and draws
-one more token (correction or bonus); n + 1 tokens are emitted (fewer if EOS or the budget
-cuts in), both caches commit them by moving their lengths.
+A speculative cycle verifies a token tree (a chain of k drafts is the tree `chain(k)`;
+there is one code path). The drafter proposes N nodes under the root x_L; the target scores
+[x_L, nodes] in one pass, node i at position L + depth[i] under the ancestor mask (a chain:
+a causal block of k+1 tokens); `acceptance.accept_tree` keeps the deepest surviving
+root-to-node path (n nodes) and draws one more token (correction or bonus); n + 1 tokens are
+emitted (fewer if EOS or the budget cuts in). The target's cache moves the path's entries to
+contiguous slots (`cache.gather_block`, skipped for chains, where they already are) and
+commits by moving lengths; the drafter does the same with its own cache.
 
 Runtime values (temperature, top-k, top-p, budgets, EOS id, seed) are arrays: changing
-them reuses the compiled loop. Static: model shapes, batch, prompt bucket, cache length, k.
+them reuses the compiled loop. Static: model shapes, batch, prompt bucket, cache length, the
+tree shape.
 """
 
 from __future__ import annotations
@@ -29,10 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import acceptance, sampling
+from specjax import acceptance, sampling, trees
 from specjax.drafters.base import LM, Context
 from specjax.drafters.model import ModelDrafter
 from specjax.models import cache as kv
+from specjax.trees import DynamicTree, TreeSpec
 
 Array = jax.Array
 
@@ -47,27 +53,54 @@ MIN_BUCKET = 8
 
 @struct.dataclass
 class Stats:
+  """Per-row counters of a speculative run (D = tree depth, W = tree width; chain: D = k).
+
+  cycles, drafted (N nodes per cycle; k for a chain), accepted (accepted path length = drafts
+  accepted), hist[n] (cycles that accepted n), cycle_log (n of each cycle, -1 unused) mean
+  the same for chains as before trees. Trees add: verified (nodes the target verified),
+  depth_tried / depth_accepted [B, D] (cycles that tried / accepted a depth-d node),
+  rank_tried / rank_accepted [B, W] (candidates of sibling rank r tried / accepted).
+  """
+
   cycles: Array  # int32 [B] verification passes
-  drafted: Array  # int32 [B] drafted tokens (k per cycle)
-  accepted: Array  # int32 [B] accepted drafted tokens
-  hist: Array  # int32 [B, k+1] cycles by number of accepted drafts
-  cycle_log: Array  # int8 [B, C] accepted drafts of each cycle, -1 where unused
+  drafted: Array  # int32 [B] drafted nodes
+  accepted: Array  # int32 [B] accepted drafted nodes (path lengths)
+  hist: Array  # int32 [B, D+1] cycles by accepted path length
+  cycle_log: Array  # int8 [B, C] accepted path length of each cycle, -1 where unused
+  verified: Array  # int32 [B] nodes verified by the target
+  depth_tried: Array  # int32 [B, D]
+  depth_accepted: Array  # int32 [B, D]
+  rank_tried: Array  # int32 [B, W]
+  rank_accepted: Array  # int32 [B, W]
 
   @classmethod
-  def zeros(cls, batch: int, k: int, max_cycles: int) -> "Stats":
+  def zeros(cls, batch: int, depth: int, max_cycles: int, width: int = 1) -> "Stats":
     z = jnp.zeros((batch,), jnp.int32)
-    return cls(cycles=z, drafted=z, accepted=z, hist=jnp.zeros((batch, k + 1), jnp.int32),
-               cycle_log=jnp.full((batch, max_cycles), -1, jnp.int8))
+    return cls(cycles=z, drafted=z, accepted=z, hist=jnp.zeros((batch, depth + 1), jnp.int32),
+               cycle_log=jnp.full((batch, max_cycles), -1, jnp.int8), verified=z,
+               depth_tried=jnp.zeros((batch, depth), jnp.int32),
+               depth_accepted=jnp.zeros((batch, depth), jnp.int32),
+               rank_tried=jnp.zeros((batch, width), jnp.int32),
+               rank_accepted=jnp.zeros((batch, width), jnp.int32))
 
-  def record(self, active_B, n_accepted_B, k: int) -> "Stats":
+  def record(self, active_B, result: acceptance.TreeResult, nodes: int) -> "Stats":
     act = active_B.astype(jnp.int32)
+    n = result.n_accepted
     rows = jnp.arange(act.shape[0])
-    log = self.cycle_log.at[rows, jnp.minimum(self.cycles, self.cycle_log.shape[1] - 1)].set(
-        jnp.where(active_B, n_accepted_B.astype(jnp.int8), self.cycle_log[rows, jnp.minimum(
-            self.cycles, self.cycle_log.shape[1] - 1)]))
-    return Stats(cycles=self.cycles + act, drafted=self.drafted + k * act,
-                 accepted=self.accepted + n_accepted_B * act,
-                 hist=self.hist.at[rows, n_accepted_B].add(act), cycle_log=log)
+    at = jnp.minimum(self.cycles, self.cycle_log.shape[1] - 1)
+    log = self.cycle_log.at[rows, at].set(
+        jnp.where(active_B, n.astype(jnp.int8), self.cycle_log[rows, at]))
+    depth = self.depth_tried.shape[1]
+    reached = (jnp.arange(1, depth + 1, dtype=jnp.int32)[None] <= n[:, None]).astype(jnp.int32)
+    a1 = act[:, None]
+    return Stats(cycles=self.cycles + act, drafted=self.drafted + nodes * act,
+                 accepted=self.accepted + n * act,
+                 hist=self.hist.at[rows, n].add(act), cycle_log=log,
+                 verified=self.verified + nodes * act,
+                 depth_tried=self.depth_tried + result.depth_tried.astype(jnp.int32) * a1,
+                 depth_accepted=self.depth_accepted + reached * a1,
+                 rank_tried=self.rank_tried + result.rank_tried * a1,
+                 rank_accepted=self.rank_accepted + result.rank_accepted * a1)
 
 
 @struct.dataclass
@@ -133,32 +166,66 @@ def generate_loop(target: LM, prompt_BP, prompt_len_B, budget_B, eos, sampler, k
   return jax.lax.while_loop(_not_finished, body, init)
 
 
+def _verify_layout(tree, proposal, length_B):
+  """Positions [B, T], block mask (None / [T, T] / [B, T, T]) and the acceptance's tree
+  argument for one verify pass."""
+  if isinstance(tree, TreeSpec):
+    positions = length_B[:, None] + jnp.asarray(tree.depth)[None]
+    mask = None if tree.is_chain else jnp.asarray(tree.ancestors)
+    return positions, mask, tree
+  parents_BT, depth_BT = proposal.parents, proposal.depth
+  b, t = parents_BT.shape
+  rows = jnp.arange(b)[:, None]
+  nodes = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  # Ancestor-or-self mask by pointer jumping: D steps up from every node.
+  mask = nodes[:, :, None] == nodes[:, None, :]
+  up = nodes
+  for _ in range(tree.max_depth):
+    up = jnp.maximum(jnp.take_along_axis(parents_BT, up, axis=1), 0)
+    mask = mask | (up[:, :, None] == nodes[:, None, :])
+  # children[b, i, r] = the r-th node (index order) whose parent is i.
+  same = parents_BT[:, :, None] == parents_BT[:, None, :]  # [B, T, T]
+  earlier = nodes[:, None, :] < nodes[:, :, None]
+  rank = jnp.sum(same & earlier, axis=2)  # [B, T]
+  par = jnp.where(parents_BT >= 0, parents_BT, t)  # the root's entry goes out of range
+  children = jnp.full((b, t, tree.max_width), -1, jnp.int32).at[rows, par, rank].set(
+      nodes, mode="drop")
+  return length_B[:, None] + depth_BT, mask, (children, tree.max_depth)
+
+
 def speculative_loop(target: LM, drafter, prompt_BP, prompt_len_B, budget_B, eos, sampler,
-                     key, *, k: int, cache_len: int):
-  """Chain speculative decoding (pure, jittable, vmappable). Returns the final LoopState."""
+                     key, *, k: int | None = None, tree=None, cache_len: int):
+  """Speculative decoding of a chain (k) or a token tree (tree), pure, jittable, vmappable.
+
+  Exactly one of k / tree; k = K means tree = trees.chain(K). Returns the final LoopState.
+  """
   TRACE_COUNTS["speculative"] += 1
+  tree = _resolve_tree(k, tree)
   b = prompt_BP.shape[0]
+  nodes, depth = tree.size, tree.max_depth
   key, first_key = jax.random.split(key)
   tokens, cache, first = _start(target, prompt_BP, prompt_len_B, sampler, first_key, cache_len)
   length = prompt_len_B.astype(jnp.int32)
   done = _finished(jnp.ones_like(length), budget_B, first == eos)
-  steps = jnp.arange(k + 1, dtype=jnp.int32)
+  steps = jnp.arange(depth + 1, dtype=jnp.int32)
 
   def body(s: LoopState) -> LoopState:
     key, draft_key, accept_key = jax.random.split(s.key, 3)
-    drafts_BK, q_BKV, draft = drafter.propose(s.draft, s.context(), k, sampler, draft_key)
+    proposal, draft = drafter.propose(s.draft, s.context(), tree, sampler, draft_key)
 
-    # One target pass over [x_L, d1..dk] at positions L..L+k.
+    # One target pass over [x_L, nodes] at positions L + depth, ancestor mask.
     cur = jnp.take_along_axis(s.tokens, s.length[:, None], axis=1)
-    verify_BT = jnp.concatenate([cur, drafts_BK], axis=1)
-    logits, _, cache = target(verify_BT, s.length[:, None] + steps[None], s.cache)
+    verify_BT = jnp.concatenate([cur, proposal.tokens], axis=1)
+    positions, mask, shape = _verify_layout(tree, proposal, s.length)
+    logits, _, cache = target(verify_BT, positions, s.cache, mask)
     p_BTV = sampling.warp(logits, sampler)
-    result = acceptance.accept_chain(accept_key, drafts_BK, p_BTV, q_BKV)
+    result = acceptance.accept_tree(accept_key, shape, verify_BT, p_BTV, proposal.q)
     n = result.n_accepted
 
-    # Emitted this cycle: d1..dn then the target's token; cut at EOS and at the budget.
-    drafts_BT = jnp.concatenate([drafts_BK, drafts_BK[:, :1]], axis=1)  # pad to k+1
-    emitted_BT = jnp.where(steps[None] < n[:, None], drafts_BT, result.next_token[:, None])
+    # Emitted this cycle: the path's n nodes then the target's token; cut at EOS and budget.
+    path_tokens = jnp.take_along_axis(verify_BT, result.path, axis=1)  # [B, D+1], root first
+    path_tokens = jnp.concatenate([path_tokens[:, 1:], path_tokens[:, :1]], axis=1)
+    emitted_BT = jnp.where(steps[None] < n[:, None], path_tokens, result.next_token[:, None])
     active = ~s.done
     room = budget_B - (s.length + 1 - prompt_len_B)
     m = jnp.minimum(n + 1, room)
@@ -171,15 +238,30 @@ def speculative_loop(target: LM, drafter, prompt_BP, prompt_len_B, budget_B, eos
     length = s.length + m
     done = s.done | (active & (hit_eos | (m >= room)))
     ctx = Context(tokens=tokens, length=length)
+    if not tree.is_chain:  # the path's entries to [L, L + n]; a chain's are in place
+      cache = kv.gather_block(cache, result.path, tree.n_nodes)
     return s.replace(tokens=tokens, length=length, done=done, key=key,
                      cache=kv.set_lengths(cache, length),
-                     draft=drafter.commit(draft, ctx, n),
-                     stats=s.stats.record(active, n, k))
+                     draft=drafter.commit(draft, ctx, tree, result.path, n),
+                     stats=s.stats.record(active, result, nodes))
 
   init = LoopState(tokens=tokens, length=length, done=done, cache=cache, key=key,
-                   draft=drafter.init(prompt_BP, prompt_len_B, cache_len),
-                   stats=Stats.zeros(b, k, cache_len))
+                   draft=drafter.init(prompt_BP, prompt_len_B, cache_len, tree),
+                   stats=Stats.zeros(b, depth, cache_len, tree.max_width))
   return jax.lax.while_loop(_not_finished, body, init)
+
+
+def _resolve_tree(k, tree):
+  """The tree of a speculative call: exactly one of k (a chain) or tree."""
+  if (k is None) == (tree is None):
+    got = "neither" if k is None else f"both k={k!r} and tree={tree!r}"
+    raise ValueError(f"speculative decoding needs exactly one of k (chain length) or tree "
+                     f"(a trees.TreeSpec or trees.DynamicTree), got {got}")
+  if tree is None:
+    return trees.chain(_check_int("k", k, 1))
+  if not isinstance(tree, (TreeSpec, DynamicTree)):
+    raise ValueError(f"tree must be a trees.TreeSpec or trees.DynamicTree, got {tree!r}")
+  return tree
 
 
 def _write_rows(tokens_BS, start_B, values_BT, count_B):
@@ -195,7 +277,7 @@ def _write_rows(tokens_BS, start_B, values_BT, count_B):
 
 
 _generate_jit = jax.jit(generate_loop, static_argnames=("cache_len",))
-_speculative_jit = jax.jit(speculative_loop, static_argnames=("k", "cache_len"))
+_speculative_jit = jax.jit(speculative_loop, static_argnames=("k", "tree", "cache_len"))
 
 
 # ----------------------------------------------------------------------------- host API
@@ -206,8 +288,11 @@ class Generation:
   """What a generate call produced, on the host.
 
   `tokens[b]` are the emitted tokens of row b (EOS included when hit); `stats` is None for
-  plain decoding, else per-row arrays: cycles, drafted, accepted, hist [B, k+1] and
-  cycle_log [B, C] (-1 = unused) for metrics.summarize.
+  plain decoding, else per-row arrays (see `Stats`): cycles, drafted, accepted, hist
+  [B, D+1], cycle_log [B, C] (-1 = unused) for metrics.summarize, and the tree counters
+  verified, depth_tried / depth_accepted [B, D], rank_tried / rank_accepted [B, W] for
+  `tree_summary`. `k` is the number of drafted nodes per cycle (a chain's k); `tree` the
+  shape that was verified (`trees.chain(k)` for a chain).
   """
 
   tokens: list[list[int]]
@@ -215,20 +300,33 @@ class Generation:
   stats: dict[str, np.ndarray] | None
   seconds: float  # wall time of the call, compilation included on a first call
   k: int = 0
+  tree: Any = None
 
   @property
   def emitted(self) -> int:
     return sum(len(t) for t in self.tokens)
 
   def summary(self):
-    """α (with interval), τ, histogram and burstiness over all rows (metrics.summarize)."""
+    """α (with interval), τ, histogram and burstiness over all rows (metrics.summarize).
+
+    For trees α = accepted / drafted nodes is the node utilisation and the run lengths are
+    accepted path lengths 0..depth (`tree_summary` has the per-depth and per-rank view).
+    """
     if self.stats is None:
       raise ValueError("plain generation has no speculative statistics")
     from specjax import metrics
     emitted = np.asarray([len(t) for t in self.tokens])
+    depth = self.tree.max_depth if self.tree is not None else self.k
     return metrics.summarize(cycles=self.stats["cycles"], drafted=self.stats["drafted"],
                              accepted=self.stats["accepted"], emitted=emitted - 1,
-                             cycle_log=self.stats["cycle_log"], k=self.k)
+                             cycle_log=self.stats["cycle_log"], k=depth)
+
+  def tree_summary(self) -> trees.TreeSummary:
+    """τ, node utilisation, acceptance by depth and by candidate rank (trees.summarize_tree)."""
+    if self.stats is None:
+      raise ValueError("plain generation has no speculative statistics")
+    emitted = np.asarray([len(t) for t in self.tokens]) - 1  # the prefill's token excluded
+    return trees.summarize_tree(self.stats, emitted)
 
 
 def _bucket(n: int, cap: int) -> int:
@@ -259,8 +357,10 @@ def prepare_batch(prompts: Sequence[Sequence[int]], *, vocab_size: int, max_len:
                   positions_limited: bool = True) -> Batch:
   """Validates prompts and budgets at the Python boundary and pads to a length bucket.
 
-  The cache needs `bucket + max budget + k + 1` slots; by default the cache length is that
-  rounded up to a power of two, so budgets that change within it do not recompile.
+  The cache needs `bucket + max budget + k + 1` slots, k + 1 being the slots one cycle
+  writes from the pending token (a chain: k + 1; a tree: its nodes or the drafter's extent);
+  by default the cache length is that rounded up to a power of two, so budgets that change
+  within it do not recompile.
   """
   if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) and not isinstance(
       prompts, np.ndarray):
@@ -324,7 +424,8 @@ def _eos(eos_id, vocab_size: int) -> Array:
   return jnp.asarray(eos_id, jnp.int32)
 
 
-def _collect(state: LoopState, batch: Batch, seconds: float, k: int) -> Generation:
+def _collect(state: LoopState, batch: Batch, seconds: float, k: int,
+             tree: Any = None) -> Generation:
   tokens = np.asarray(state.tokens)
   length = np.asarray(state.length)
   out = [tokens[b, p:l + 1].tolist() for b, (p, l) in enumerate(zip(batch.prompt_len_B, length))]
@@ -333,7 +434,7 @@ def _collect(state: LoopState, batch: Batch, seconds: float, k: int) -> Generati
     stats = {f.name: np.asarray(getattr(state.stats, f.name))
              for f in dataclasses.fields(state.stats)}
   return Generation(tokens=out, prompt_lengths=batch.prompt_len_B.tolist(), stats=stats,
-                    seconds=seconds, k=k)
+                    seconds=seconds, k=k, tree=tree)
 
 
 def _positions_limited(config) -> bool:
@@ -365,21 +466,36 @@ def as_drafter(draft):
   return ModelDrafter.of(draft)
 
 
-def speculative_generate(target, draft, prompts, *, k: int, max_new_tokens, sampler=None,
-                         seed=0, eos_id=None, cache_len: int | None = None) -> Generation:
-  """Chain speculative decoding with k drafted tokens per verification."""
+def speculative_generate(target, draft, prompts, *, k: int | None = None,
+                         tree: TreeSpec | DynamicTree | None = None, max_new_tokens,
+                         sampler=None, seed=0, eos_id=None,
+                         cache_len: int | None = None) -> Generation:
+  """Speculative decoding of a chain of k drafts, or of a token tree (exactly one of them).
+
+  tree: a `trees.TreeSpec` (static shape, e.g. trees.branching((3, 2, 1)),
+  trees.optimal(16, rank_probs)) or a `trees.DynamicTree` (EAGLE-2 style, deterministic
+  candidates). k = K is tree = trees.chain(K): the same compiled code path.
+  """
   target = LM.of(target)
   drafter = as_drafter(draft)
   cfg = target.config
-  k = _check_int("k", k, 1)
+  tree = _resolve_tree(k, tree)
+  width = tree.max_width
+  if width > cfg.vocab_size:
+    raise ValueError(f"tree has a node with {width} candidates (width {width}) but the "
+                     f"vocabulary has only {cfg.vocab_size} tokens: width must be <= "
+                     f"{cfg.vocab_size}")
   draft_cfg = getattr(drafter, "config", None)
   if draft_cfg is not None and draft_cfg.vocab_size != cfg.vocab_size:
     raise ValueError(f"draft vocabulary ({draft_cfg.vocab_size}) must match the target's "
                      f"({cfg.vocab_size})")
   limited = _positions_limited(cfg) or (draft_cfg is not None and _positions_limited(draft_cfg))
   max_len = min(cfg.max_len, draft_cfg.max_len) if draft_cfg is not None else cfg.max_len
+  slots = tree.n_nodes
+  if hasattr(drafter, "slots_needed"):
+    slots = max(slots, drafter.slots_needed(tree))
   batch = prepare_batch(prompts, vocab_size=cfg.vocab_size, max_len=max_len,
-                        max_new_tokens=max_new_tokens, k=k, cache_len=cache_len,
+                        max_new_tokens=max_new_tokens, k=slots - 1, cache_len=cache_len,
                         positions_limited=limited)
   b = len(batch.budget_B)
   extra = kv.cache_bytes(draft_cfg, b, batch.cache_len) if draft_cfg is not None else 0
@@ -388,6 +504,6 @@ def speculative_generate(target, draft, prompts, *, k: int, max_new_tokens, samp
   start = time.perf_counter()
   state = _speculative_jit(target, drafter, batch.prompt_BP, batch.prompt_len_B,
                            batch.budget_B, _eos(eos_id, cfg.vocab_size), sampler, _key(seed),
-                           k=k, cache_len=batch.cache_len)
+                           tree=tree, cache_len=batch.cache_len)
   state = jax.block_until_ready(state)
-  return _collect(state, batch, time.perf_counter() - start, k)
+  return _collect(state, batch, time.perf_counter() - start, tree.size, tree)

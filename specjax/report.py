@@ -16,7 +16,7 @@ def _fmt(v: Any) -> str:
     return f"{v:.4g}"
   if isinstance(v, (list, tuple)):
     return "[" + ", ".join(_fmt(x) for x in v) + "]"
-  return str(v)
+  return " ".join(str(v).split()).replace("|", "\\|")  # one table cell: no newlines or pipes
 
 
 def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:

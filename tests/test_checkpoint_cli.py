@@ -200,6 +200,29 @@ def test_load_model_hf_dir_and_checkpoint_generate_the_same(tmp_path):
   assert g1.tokens == g2.tokens and all(len(t) == 6 for t in g1.tokens)
 
 
+def test_trainer_checkpoint_loads_and_exports(tmp_path):
+  """A checkpoint in the trainer's format (float32 params, kind 'specjax-lm', tokenizer spec
+  in the metadata, tokenizer.json beside it) goes through load_model and export-hf."""
+  from flax import nnx
+
+  from specjax.checkpoints import orbax_io
+  from specjax.data.tokenizer import ByteTokenizer
+  config, params = CONFIGS["gpt2"], random_params(CONFIGS["gpt2"], seed=5)
+  state = nnx.state(hf.build_model(config, params), nnx.Param)
+  orbax_io.save(tmp_path / "run", 7, params=state, config=config,
+                metadata={"kind": "specjax-lm", "tokenizer": {"kind": "byte"}})
+  ByteTokenizer().save(tmp_path / "run")
+  model, tokenizer = load_model(tmp_path / "run")
+  assert isinstance(tokenizer, ByteTokenizer) and model.config == config
+  assert_params_equal(hf.model_params(model), params)
+  assert describe(tmp_path / "run")["steps"] == [7]
+  cli("export-hf", tmp_path / "run", "--out", tmp_path / "out")
+  written = json.loads((tmp_path / "out" / "config.json").read_text())
+  assert (written["bos_token_id"], written["eos_token_id"]) == (256, 257)
+  assert not (tmp_path / "out" / "tokenizer.json").exists()  # the byte marker is not HF's
+  assert_params_equal(hf.import_hf(tmp_path / "out").params, params)
+
+
 def test_hf_tokenizer_is_loaded_and_copied(tmp_path):
   tokenizers = pytest.importorskip("tokenizers")
   tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))

@@ -11,8 +11,14 @@ def add_parser(subparsers) -> None:
       "generate", help="generate text with plain and speculative decoding and compare",
       description="Runs plain autoregressive decoding and chain speculative decoding on the "
       "same prompts and prints the text, α, τ and tokens/s of both (compiled once, timed on "
-      "a second call). Models are randomly initialised from --target-config/--draft-config "
-      "unless the embedded default models are asked for with --default-models.")
+      "a second call). Models come from --target/--draft (the trained embedded default pair, "
+      "a Hugging Face directory or a specjax checkpoint) or are randomly initialised from "
+      "--target-config/--draft-config.")
+  p.add_argument("--target", default=None, metavar="default|DIR",
+                 help="'default' (embedded trained tiny target; trained on first use), a "
+                 "Hugging Face model directory or a specjax checkpoint directory")
+  p.add_argument("--draft", default=None, metavar="default|self|DIR",
+                 help="'default' (the embedded distilled draft), 'self', or a directory")
   p.add_argument("--target-config", default="tiny-gpt2",
                  help="preset name, NAME:field=value,..., a JSON object or JSON file "
                  "(default: %(default)s)")
@@ -34,33 +40,58 @@ def add_parser(subparsers) -> None:
   p.set_defaults(func=run)
 
 
+def _models(args):
+  """(target, draft, tokenizer) as the flags ask; validated before anything is built."""
+  from flax import nnx
+
+  from specjax.data.tokenizer import ByteTokenizer
+  from specjax.models.presets import parse_config
+  from specjax.models.transformer import Transformer
+
+  pair = None
+  if "default" in (args.target, args.draft):
+    from specjax.training.defaults import load_default_pair
+    pair = load_default_pair("tiny", "code")
+  if args.target == "default":
+    target, tok = pair.target_module(), pair.tokenizer
+  elif args.target is not None:
+    from specjax.checkpoints import load_model
+    target, tok = load_model(args.target)
+  else:
+    tok = ByteTokenizer()
+    target = Transformer(parse_config(args.target_config, vocab_size=tok.vocab_size),
+                         rngs=nnx.Rngs(args.seed))
+  draft_spec = args.draft or ("self" if args.draft_config == "self" else None)
+  if draft_spec == "self":
+    draft = target
+  elif draft_spec == "default":
+    draft = pair.draft_module()
+  elif draft_spec is not None:
+    from specjax.checkpoints import load_model
+    draft, _ = load_model(draft_spec)
+  else:
+    draft = Transformer(parse_config(args.draft_config, vocab_size=target.config.vocab_size),
+                        rngs=nnx.Rngs(args.seed + 1))
+  return target, draft, tok
+
+
 DEFAULT_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
 
 def run(args: argparse.Namespace) -> int:
   import jax
   import numpy as np
-  from flax import nnx
 
   from specjax import decoding, sampling
-  from specjax.data.tokenizer import ByteTokenizer
   from specjax.drafters.model import ModelDrafter
-  from specjax.models.presets import parse_config
-  from specjax.models.transformer import Transformer
 
   if args.batch < 1:
     raise ValueError(f"--batch must be >= 1, got {args.batch}")
   if args.repeats < 1:
     raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
   sampler = sampling.make_sampler(args.temperature, args.top_k, args.top_p)
-  tok = ByteTokenizer()
-  target_cfg = parse_config(args.target_config, vocab_size=tok.vocab_size)
-  target = Transformer(target_cfg, rngs=nnx.Rngs(args.seed))
-  if args.draft_config == "self":
-    draft = target
-  else:
-    draft = Transformer(parse_config(args.draft_config, vocab_size=tok.vocab_size),
-                        rngs=nnx.Rngs(args.seed + 1))
+  target, draft, tok = _models(args)
+  target_cfg = target.config
   drafter = ModelDrafter.of(draft, deterministic=args.deterministic_draft)
   texts = (args.prompt or [DEFAULT_PROMPT]) * args.batch
   prompts = [tok.encode(t, bos=True) for t in texts]

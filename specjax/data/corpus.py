@@ -88,7 +88,8 @@ def split_documents(name: str, docs: Iterator[Document], *, val_fraction: float 
   """
   _check_fraction(val_fraction)
   _check_max_bytes(max_bytes)
-  val_cap = None if max_bytes is None else max(1, int(max_bytes * val_fraction / (1 - val_fraction)))
+  val_cap = (None if max_bytes is None
+             else max(1, int(max_bytes * val_fraction / (1 - val_fraction))))
   train: list[Document] = []
   val: list[Document] = []
   n_train = n_val = 0

@@ -4,18 +4,22 @@ A drafter is a pytree: its arrays (weights) are leaves, its static description (
 definition, flags) is auxiliary data, so it passes through `jax.jit` as an ordinary
 argument and a different drafter of the same kind and shape does not recompile.
 
-Protocol (all pure and jittable; B = batch, K = drafted tokens per cycle, V = vocabulary):
+Protocol (all pure and jittable; B = batch, N = drafted nodes per cycle, T = N + 1 nodes
+with the root, V = vocabulary; `tree` is a static `trees.TreeSpec` or `trees.DynamicTree`,
+a chain of k drafts being `trees.chain(k)`):
 
-    state = drafter.init(prompt_BP, prompt_len_B, cache_len)
-    tokens_BK, q_BKV | None, state = drafter.propose(state, ctx, k, sampler, key)
-    state = drafter.commit(state, ctx_after, n_accepted_B)
+    state = drafter.init(prompt_BP, prompt_len_B, cache_len, tree)
+    proposal, state = drafter.propose(state, ctx, tree, sampler, key)
+    state = drafter.commit(state, ctx_after, tree, path_BP, n_accepted_B)
+    drafter.slots_needed(tree) -> int   (cache slots the drafter writes from L, optional)
 
 `ctx` is the committed context the engine sees: the token buffer `tokens_BS` and per row
 `length_B` = L, the index of the pending token. Tokens `[0, L)` are in the target's cache;
-token L (the last one emitted) is not yet. `q = None` means deterministic candidates
-(point masses); the acceptance rule then treats them exactly (accept x with probability
-p(x); on rejection remove x from p). `commit` receives the context after the cycle (new L)
-and the number of draft tokens the target accepted.
+token L (the last one emitted, the tree's root) is not yet. `Proposal.q = None` means
+deterministic distinct candidates (point masses); the acceptance rule then treats them
+exactly (accept x with probability r(x); on rejection remove x from r). `commit` receives
+the context after the cycle (new L), the accepted root-to-node path (node indices, root
+first, padded by repeating the deepest node) and the number of drafted nodes accepted.
 """
 
 from __future__ import annotations
@@ -37,16 +41,34 @@ class Context:
   length: Array  # int32 [B] index of the pending token L (= the target's committed length)
 
 
+@struct.dataclass
+class Proposal:
+  """What a drafter proposes for one cycle.
+
+  tokens: int32 [B, N], the drafted nodes 1..N (node 0, the root, is the pending token).
+  q: float32 [B, T, V] or None. Row i is the draft law node i's children were sampled from,
+    i.i.d. (rows of leaves are unused); None = deterministic distinct candidates.
+  parents, depth: int32 [B, T] for trees whose shape differs per row and cycle (dynamic
+    trees), None for a static TreeSpec.
+  """
+
+  tokens: Array
+  q: Array | None = None
+  parents: Array | None = None
+  depth: Array | None = None
+
+
 class Drafter(Protocol):
 
-  def init(self, prompt_BP: Array, prompt_len_B: Array, cache_len: int) -> Any:
+  def init(self, prompt_BP: Array, prompt_len_B: Array, cache_len: int, tree: Any) -> Any:
     ...
 
-  def propose(self, state: Any, ctx: Context, k: int, sampler: Any,
-              key: Array) -> tuple[Array, Array | None, Any]:
+  def propose(self, state: Any, ctx: Context, tree: Any, sampler: Any,
+              key: Array) -> tuple[Proposal, Any]:
     ...
 
-  def commit(self, state: Any, ctx: Context, n_accepted_B: Array) -> Any:
+  def commit(self, state: Any, ctx: Context, tree: Any, path_BP: Array,
+             n_accepted_B: Array) -> Any:
     ...
 
 

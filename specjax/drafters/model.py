@@ -1,40 +1,142 @@
-"""A separate (small, ideally distilled) draft model with its own KV cache.
+"""A separate (small, ideally distilled) draft model with its own KV cache, drafting chains,
+static token trees and dynamic (EAGLE-2 style) trees.
 
-Cache bookkeeping. With L the index of the pending token, the draft's cache is kept
-committed to L - 1 entries: token L - 1 and the pending token L are fed together as the
-first step of every proposal. That single rule covers both catch-up cases of the chain
-loop: after a rejection the bonus/correction token is the new pending token, and after a
-full accept the last draft token d_k (never fed to the draft) is token L - 1. Re-feeding
-token L - 1 rewrites a slot that may already hold it, with the same values.
+Cache bookkeeping. With L the index of the pending token (the tree's root), the draft's
+cache is kept committed to L - 1 entries between cycles. Every proposal starts by feeding
+token L - 1 and the root L together (positions L-1, L): that single rule covers both
+catch-up cases. After a rejection the correction token is the new root; after the deepest
+node of the accepted path was accepted (a leaf never fed to the draft: d_k of a chain after
+a full accept), that node is token L - 1 of the next cycle. Re-feeding token L - 1 rewrites
+a slot that may already hold it, with the same values. The nodes the draft needs to keep
+after a cycle (the root and the accepted path except its deepest node) always have a child
+on the path, so they were fed.
 
-Every draft step therefore feeds two tokens `[x_{j-1}, x_j]` at positions `[j-1, j]`;
-on XLA:CPU a 2-row step costs the same as a 1-row one (PERF_NOTES trap 3), and one shape
-means one compiled step inside the `lax.scan`.
+Tree drafting, level by level. The tree occupies the draft cache from slot L (the root) in
+breadth-first order: level d's nodes are contiguous. Level d (1 <= d < depth) is one
+forward pass of its nodes (padded to the widest level, so every level has one shape and one
+compiled step inside a `lax.scan`) written at L + start_d with `lengths = L + start_d` and a
+window mask (`cache.attention_mask`): each node sees the committed prefix and, among the
+earlier levels, its own ancestors. Children are the top-k of the draft's logits at their
+parent (deterministic, distinct) or i.i.d. samples of the warped draft law q there. The
+deepest level is never fed. A chain is the same with one node a level and a causal mask.
+
+After the cycle `commit` moves the accepted path to slots [L, L + n] (`cache.gather_block`)
+and sets the committed length to L' - 1 (the new root is L').
+
+Dynamic trees (EAGLE-2): the root's top-`width` tokens form level 1; each later level feeds
+the `width` newest candidates with the highest cumulative draft log-probability (log q
+summed along the path, q the draft's softmax at temperature 1: a confidence, independent of
+the sampler) and scores their top-`width` children. The `budget` best candidates overall are
+verified, ancestors first (a child's score never exceeds its parent's, ties go to the older
+node), numbered in creation order (topological).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specjax import sampling
-from specjax.drafters.base import LM, Context
+from specjax.drafters.base import LM, Context, Proposal
 from specjax.models import cache as kv
+from specjax.trees import DynamicTree, TreeSpec
+
+Array = jax.Array
 
 
 @struct.dataclass
 class ModelDraftState:
   cache: kv.KVCache
+  node_slots: Array | None = None  # int32 [B, T] draft-cache slot (from L) of each node (dynamic)
+
+
+# ----------------------------------------------------------------------------- static plans
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Numpy tables for drafting a static TreeSpec level by level (see module doc)."""
+
+  depth: int  # D
+  width: int  # W: rows fed per level step (the widest fed level 1..D-1), 0 if D == 1
+  gen_width: int  # M: children produced per generation (the widest level 1..D)
+  child_width: int  # top-k width needed for deterministic children (max children)
+  lookback: int  # Rb: window columns before the fed block
+  starts: np.ndarray  # [D+1] breadth-first start of each level
+  masks: np.ndarray | None  # [D-1, W, Rb+W] window masks of levels 1..D-1 (None: chain)
+  gen_parent_row: np.ndarray  # [D, M] parent's row in the fed block of level g
+  gen_rank: np.ndarray  # [D, M] child's rank
+  node_gen: np.ndarray  # [N] generation (= depth - 1) of nodes 1..N
+  node_slot: np.ndarray  # [N] slot within its generation
+  q_row: np.ndarray  # [T] row of node i's q in [root, level-1 rows, ...] (leaves: 0)
+  extent: int  # draft-cache slots written from L
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(tree: TreeSpec) -> _Plan:
+  D, T = tree.max_depth, tree.n_nodes
+  sizes = tree.level_sizes
+  starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+  W = int(sizes[1:D].max()) if D > 1 else 0
+  M = int(sizes[1:].max())
+  bfs, pos = tree.bfs_order, tree.bfs_pos
+  lookback = int(starts[D - 1]) if D > 1 else 0
+  masks = None
+  if not tree.is_chain and D > 1:
+    masks = np.zeros((D - 1, W, lookback + W), bool)
+    for d in range(1, D):
+      for w in range(W):
+        for c in range(lookback + W):
+          ri = c - lookback + starts[d]
+          if ri < 0:
+            masks[d - 1, w, c] = True
+          elif w < sizes[d]:
+            masks[d - 1, w, c] = ri < T and tree.ancestors[bfs[starts[d] + w], bfs[ri]]
+          else:
+            masks[d - 1, w, c] = ri == starts[d] + w  # padding row: prefix and itself
+  gen_parent_row = np.zeros((D, M), np.int32)
+  gen_rank = np.zeros((D, M), np.int32)
+  for g in range(D):
+    for j in range(int(sizes[g + 1])):
+      node = bfs[starts[g + 1] + j]
+      gen_parent_row[g, j] = pos[tree.parents[node]] - starts[g]
+      gen_rank[g, j] = tree.ranks[node]
+  nodes = np.arange(1, T)
+  node_gen = tree.depth[nodes] - 1
+  node_slot = pos[nodes] - starts[tree.depth[nodes]]
+  q_row = np.zeros(T, np.int32)
+  for i in range(T):
+    d = tree.depth[i]
+    if 0 < d < D:
+      q_row[i] = 1 + (d - 1) * W + pos[i] - starts[d]
+  extent = max(T, max((int(starts[d]) + W for d in range(1, D)), default=0))
+  return _Plan(depth=D, width=W, gen_width=M, child_width=tree.max_width, lookback=lookback,
+               starts=starts, masks=masks, gen_parent_row=gen_parent_row, gen_rank=gen_rank,
+               node_gen=node_gen.astype(np.int32), node_slot=node_slot.astype(np.int32),
+               q_row=q_row, extent=extent)
+
+
+def _gather_rows(x_BRX: Array, rows: np.ndarray) -> Array:
+  """x[:, rows] for a static index table (no gather when it is the identity)."""
+  rows = np.asarray(rows)
+  if rows.ndim == 1 and rows.shape[0] == x_BRX.shape[1] and np.all(rows == np.arange(len(rows))):
+    return x_BRX
+  return jnp.take(x_BRX, jnp.asarray(rows), axis=1)
 
 
 @struct.dataclass
 class ModelDrafter:
-  """Proposes k tokens autoregressively from its own model.
+  """Proposes chains and trees from its own model.
 
-  deterministic=False: samples from the warped draft distribution q and returns q (exact
-  rule min(1, p/q)). deterministic=True: proposes the draft's argmax and returns q=None
-  (point-mass rule).
+  deterministic=False: children are i.i.d. samples of the warped draft law q, returned as
+  `Proposal.q` (rule min(1, r/q), residual updates between siblings).
+  deterministic=True: children are the top-k of the draft's logits (the argmax for a chain)
+  and q = None (point-mass rule). Dynamic trees are always deterministic.
   """
 
   lm: LM
@@ -48,36 +150,176 @@ class ModelDrafter:
   def config(self):
     return self.lm.config
 
-  def init(self, prompt_BP, prompt_len_B, cache_len: int) -> ModelDraftState:
+  def slots_needed(self, tree) -> int:
+    """Cache slots written from L (the root) in one cycle."""
+    if isinstance(tree, DynamicTree):
+      return max(tree.n_nodes, tree.region)
+    return _plan(tree).extent
+
+  def init(self, prompt_BP, prompt_len_B, cache_len: int, tree=None) -> ModelDraftState:
     cache = kv.init(self.lm.config, prompt_BP.shape[0], cache_len)
     _, cache = self.lm.prefill(cache, prompt_BP, prompt_len_B)
-    return ModelDraftState(cache=kv.set_lengths(cache, prompt_len_B - 1))
+    slots = None
+    if isinstance(tree, DynamicTree):
+      slots = jnp.zeros((prompt_BP.shape[0], tree.n_nodes), jnp.int32)
+    return ModelDraftState(cache=kv.set_lengths(cache, prompt_len_B - 1), node_slots=slots)
 
-  def propose(self, state: ModelDraftState, ctx: Context, k: int, sampler, key):
+  # -- the shared first step: [x_{L-1}, x_L] at positions [L-1, L]
+  def _root(self, state: ModelDraftState, ctx: Context):
     length = ctx.length  # [B]
-    prev = jnp.take_along_axis(ctx.tokens, (length - 1)[:, None], axis=1)[:, 0]
-    cur = jnp.take_along_axis(ctx.tokens, length[:, None], axis=1)[:, 0]
+    prev = jnp.take_along_axis(ctx.tokens, (length - 1)[:, None], axis=1)
+    cur = jnp.take_along_axis(ctx.tokens, length[:, None], axis=1)
+    cache = kv.set_lengths(state.cache, length - 1)
+    pos = (length - 1)[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
+    logits, _, cache = self.lm(jnp.concatenate([prev, cur], axis=1), pos, cache)
+    return logits[:, -1], kv.set_lengths(cache, length)  # the root is at slot L
 
-    def step(carry, step_key):
-      cache, prev, cur = carry
-      pos = cache.lengths[:, None] + jnp.arange(2, dtype=jnp.int32)[None]  # [B, 2]
-      logits, _, cache = self.lm(jnp.stack([prev, cur], axis=1), pos, cache)
-      logits = logits[:, -1]
-      if self.deterministic:
-        q = None
-        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  def _children(self, logits_BRV, q_BRV, parent_row, rank, width: int, key) -> Array:
+    """Tokens [B, M] of one generation: child j of block row parent_row[j], rank rank[j]."""
+    if self.deterministic:
+      if width == 1:
+        top = jnp.argmax(logits_BRV, axis=-1)[..., None]  # [B, R, 1]
       else:
-        q = sampling.warp(logits, sampler)
-        token = sampling.sample(step_key, q)
-      cache = kv.commit(cache, jnp.ones_like(cache.lengths))  # token `prev` is now in
-      return (cache, cur, token), (token, q)
+        top = jax.lax.top_k(logits_BRV, width)[1]  # [B, R, W] distinct, best first
+      return top[:, parent_row, rank].astype(jnp.int32)
+    return sampling.sample(key, q_BRV[:, parent_row]).astype(jnp.int32)
 
-    keys = jax.random.split(key, k)
-    (cache, _, _), (tokens_KB, q_KBV) = jax.lax.scan(step, (state.cache, prev, cur), keys)
-    q = None if q_KBV is None else q_KBV.transpose(1, 0, 2)
-    return tokens_KB.T, q, state.replace(cache=cache)
+  def propose(self, state: ModelDraftState, ctx: Context, tree, sampler, key):
+    if isinstance(tree, DynamicTree):
+      return self._propose_dynamic(state, ctx, tree, key)
+    return self._propose_static(state, ctx, tree, sampler, key)
 
-  def commit(self, state: ModelDraftState, ctx: Context, n_accepted_B) -> ModelDraftState:
+  def _propose_static(self, state, ctx, tree: TreeSpec, sampler, key):
+    plan = _plan(tree)
+    D, W = plan.depth, plan.width
+    length = ctx.length
+    keys = jax.random.split(key, D)
+    root_logits_BV, cache = self._root(state, ctx)
+    warp = (lambda x: None) if self.deterministic else (lambda x: sampling.warp(x, sampler))
+    root_q_BV = warp(root_logits_BV)
+    gen0 = self._children(root_logits_BV[:, None], None if root_q_BV is None else
+                          root_q_BV[:, None], plan.gen_parent_row[0], plan.gen_rank[0],
+                          plan.child_width, keys[0])  # level 1: [B, M]
+    gens, q_rows = [gen0[None]], [None if root_q_BV is None else root_q_BV[:, None]]
+    if D > 1:
+      masks = None if plan.masks is None else jnp.asarray(plan.masks)
+
+      def level(carry, xs):
+        cache, feed_BW = carry
+        t, step_key = xs  # level d = t + 1
+        start = jnp.asarray(plan.starts)[t + 1].astype(jnp.int32)
+        cache = kv.set_lengths(cache, length + start)
+        pos = jnp.broadcast_to((length + t + 1)[:, None], feed_BW.shape)
+        mask = None if masks is None else masks[t]
+        logits_BWV, _, cache = self.lm(feed_BW, pos, cache, mask)
+        q_BWV = warp(logits_BWV)
+        parent_row = jnp.asarray(plan.gen_parent_row)[t + 1]
+        rank = jnp.asarray(plan.gen_rank)[t + 1]
+        kids_BM = self._children(logits_BWV, q_BWV, parent_row, rank, plan.child_width,
+                                 step_key)
+        return (cache, kids_BM[:, :W]), (kids_BM, q_BWV)
+
+      xs = (jnp.arange(D - 1, dtype=jnp.int32), keys[1:])
+      (cache, _), (kids_GBM, q_GBWV) = jax.lax.scan(level, (cache, gen0[:, :W]), xs)
+      gens.append(kids_GBM)
+      if q_GBWV is not None:
+        q_rows.append(q_GBWV.transpose(1, 0, 2, 3).reshape(q_GBWV.shape[1], -1,
+                                                           q_GBWV.shape[-1]))
+    gens_GBM = jnp.concatenate(gens, axis=0)
+    tokens_BN = gens_GBM[jnp.asarray(plan.node_gen), :, jnp.asarray(plan.node_slot)].T
+    q = None
+    if root_q_BV is not None:
+      q = _gather_rows(jnp.concatenate(q_rows, axis=1), plan.q_row)  # [B, T, V]
+    cache = kv.set_lengths(cache, length)
+    return Proposal(tokens=tokens_BN, q=q), state.replace(cache=cache)
+
+  def _propose_dynamic(self, state, ctx, tree: DynamicTree, key):
+    del key  # deterministic candidates
+    K, D, N = tree.width, tree.depth, tree.budget
+    P = 1 + tree.pool_size
+    R = tree.region
+    lookback = 1 + (D - 2) * K if D > 1 else 0
+    length = ctx.length
+    b = length.shape[0]
+    rows = jnp.arange(b)[:, None]
+    root_logits_BV, cache = self._root(state, ctx)
+    logp, tok = jax.lax.top_k(jax.nn.log_softmax(root_logits_BV, axis=-1), K)  # [B, K]
+    neg = jnp.full((b, P), -jnp.inf, jnp.float32)
+    pool_tok = jnp.zeros((b, P), jnp.int32).at[:, 1:1 + K].set(tok.astype(jnp.int32))
+    pool_score = neg.at[:, 0].set(0.0).at[:, 1:1 + K].set(logp)
+    pool_parent = jnp.zeros((b, P), jnp.int32)
+    pool_depth = jnp.zeros((b, P), jnp.int32).at[:, 1:1 + K].set(1)
+    pool_slot = jnp.full((b, P), -1, jnp.int32).at[:, 0].set(0)
+    if D > 1:
+      reg_anc = jnp.zeros((b, R, R), bool).at[:, 0, 0].set(True)
+      cand_idx = jnp.zeros((b, K * K), jnp.int32).at[:, :K].set(1 + jnp.arange(K))
+      cand_score = jnp.full((b, K * K), -jnp.inf).at[:, :K].set(logp)
+
+      def level(carry, t):  # expand the best K candidates of level d = t + 1
+        cache, pool, reg_anc, cand_idx, cand_score = carry
+        pool_tok, pool_score, pool_parent, pool_depth, pool_slot = pool
+        _, best = jax.lax.top_k(cand_score, K)
+        f_idx = jnp.take_along_axis(cand_idx, best, axis=1)  # [B, K] pool indices
+        slots = 1 + t * K + jnp.arange(K, dtype=jnp.int32)  # region slots of the frontier
+        pool_slot = pool_slot.at[rows, f_idx].set(jnp.broadcast_to(slots, (b, K)))
+        parent_slot = jnp.take_along_axis(
+            pool_slot, jnp.take_along_axis(pool_parent, f_idx, axis=1), axis=1)
+        own = jax.nn.one_hot(slots, R, dtype=jnp.bool_)[None]  # [1, K, R]
+        anc = jnp.take_along_axis(reg_anc, parent_slot[:, :, None], axis=1) | own  # [B, K, R]
+        reg_anc = reg_anc.at[rows, jnp.broadcast_to(slots, (b, K))].set(anc)
+        start = 1 + t * K
+        ri = jnp.arange(lookback + K, dtype=jnp.int32) - lookback + start  # window columns
+        mask = (ri < 0)[None, None] | jnp.take(anc, jnp.clip(ri, 0, R - 1), axis=2)
+        cache = kv.set_lengths(cache, length + start)
+        feed = jnp.take_along_axis(pool_tok, f_idx, axis=1)
+        pos = jnp.broadcast_to((length + t + 1)[:, None], (b, K))
+        logits_BKV, _, cache = self.lm(feed, pos, cache, mask)
+        logp, kid_tok = jax.lax.top_k(jax.nn.log_softmax(logits_BKV, axis=-1), K)  # [B, K, K]
+        score = (jnp.take_along_axis(pool_score, f_idx, axis=1)[:, :, None] + logp)
+        score = score.reshape(b, K * K)
+        base = 1 + K + t * K * K
+        new_idx = base + jnp.arange(K * K, dtype=jnp.int32)
+        upd = lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, base, axis=1)
+        pool = (upd(pool_tok, kid_tok.reshape(b, K * K).astype(jnp.int32)),
+                upd(pool_score, score),
+                upd(pool_parent, jnp.repeat(f_idx, K, axis=1)),
+                upd(pool_depth, jnp.full((b, K * K), t + 2, jnp.int32)),
+                pool_slot)
+        return (cache, pool, reg_anc, jnp.broadcast_to(new_idx, (b, K * K)), score), None
+
+      pool = (pool_tok, pool_score, pool_parent, pool_depth, pool_slot)
+      carry = (cache, pool, reg_anc, cand_idx, cand_score)
+      (cache, pool, _, _, _), _ = jax.lax.scan(level, carry, jnp.arange(D - 1, dtype=jnp.int32))
+      pool_tok, pool_score, pool_parent, pool_depth, pool_slot = pool
+    # The N best candidates (ties: lower pool index, i.e. ancestors first), in pool order.
+    _, sel = jax.lax.top_k(pool_score[:, 1:], N)
+    sel = jnp.sort(sel + 1, axis=1)  # [B, N] pool indices, topological
+    node_of_pool = jnp.zeros((b, P), jnp.int32).at[rows, sel].set(
+        jnp.broadcast_to(jnp.arange(1, N + 1, dtype=jnp.int32), (b, N)))
+    parent_pool = jnp.take_along_axis(pool_parent, sel, axis=1)
+    parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32),
+                               jnp.take_along_axis(node_of_pool, parent_pool, axis=1)], axis=1)
+    depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
+                             jnp.take_along_axis(pool_depth, sel, axis=1)], axis=1)
+    node_slots = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
+                                  jnp.take_along_axis(pool_slot, sel, axis=1)], axis=1)
+    proposal = Proposal(tokens=jnp.take_along_axis(pool_tok, sel, axis=1), q=None,
+                        parents=parents, depth=depth)
+    return proposal, state.replace(cache=kv.set_lengths(cache, length), node_slots=node_slots)
+
+  def commit(self, state: ModelDraftState, ctx: Context, tree, path_BP, n_accepted_B
+             ) -> ModelDraftState:
+    """Moves the accepted path to slots [L, L + n] and commits L' - 1 entries (module doc).
+
+    Only the path's fed nodes matter (all but possibly its deepest node); the rest of the
+    moved window lies beyond the committed length.
+    """
     del n_accepted_B  # the context length says it all
-    return state.replace(cache=kv.set_lengths(state.cache, ctx.length - 1))
-
+    cache = state.cache  # lengths = L, the old root's slot
+    if isinstance(tree, DynamicTree):  # unfed nodes have slot -1: never needed, clip
+      slots = jnp.maximum(jnp.take_along_axis(state.node_slots, path_BP, axis=1), 0)
+      cache = kv.gather_block(cache, slots, tree.region)
+    elif not tree.is_chain:  # a chain's path is already in place
+      slots = jnp.take(jnp.asarray(tree.bfs_pos), path_BP)
+      cache = kv.gather_block(cache, slots, tree.n_nodes)
+    return state.replace(cache=kv.set_lengths(cache, ctx.length - 1))

@@ -6,8 +6,12 @@ Contract (everything outside this file relies on this and nothing else):
 - `write` puts T new keys/values at slots `[lengths[b], lengths[b] + T)` of each row without
   moving `lengths`; committing is `commit` (or `set_lengths`), rollback is moving the index
   back. Rejected entries are never erased: they lie beyond `lengths` and get overwritten.
-- `gather_block` moves selected entries of the newest block into contiguous slots (used by
-  token trees to compact the accepted path).
+- A block mask may be wider than the block: `block_mask[T, R]` (or per row `[B, T, R]`)
+  with R >= T covers the R - T slots just before `lengths` and then the T new ones, so a
+  token-tree level written at `lengths` sees only its ancestors among the earlier levels
+  (slots before the window are committed and always visible). R == T is the plain block.
+- `gather_block` moves selected entries of a block into contiguous slots starting at
+  `lengths` (token trees compact the accepted path with it); `lengths` is unchanged.
 
 Buffer layout (private, chosen by measurement, see PERF_NOTES.md and BUILD_NOTES.md): one
 buffer per layer, batch and KV heads merged, K stored transposed:
@@ -134,26 +138,70 @@ def write(cache: KVCache, layer: int, k_BTHD: Array, v_BTHD: Array) -> KVCache:
   return cache.replace(k=ks, v=vs)
 
 
-def attention_mask(lengths_B: Array, t: int, s: int, block_mask_TT: Array | None) -> Array:
+def attention_mask(lengths_B: Array, t: int, s: int, block_mask: Array | None) -> Array:
   """mask[b, i, j]: query i (at slot lengths[b] + i) may attend to slot j.
 
-  Slot j is visible if it is committed (j < lengths[b]) or it is new token j - lengths[b]
-  and block_mask[i, j - lengths[b]] (causal if block_mask is None).
+  block_mask None: causal over the new block, every slot before lengths[b] visible.
+  block_mask [T, R] or [B, T, R], R >= T: column c is slot lengths[b] - (R - T) + c (the
+  last T columns are the new tokens). Slot j is visible if it lies before the window
+  (committed) or block_mask[i, j - lengths[b] + R - T] is True.
   """
   slots = jnp.arange(s, dtype=jnp.int32)[None, :]  # [1, S]
-  rel = slots - lengths_B[:, None]  # [B, S] index of the slot within the new block
-  committed = rel < 0
-  in_block = (rel >= 0) & (rel < t)
-  rel = jnp.clip(rel, 0, t - 1)
-  if block_mask_TT is None:
+  if block_mask is None:
+    rel = slots - lengths_B[:, None]  # [B, S] index of the slot within the new block
     allowed = rel[:, None, :] <= jnp.arange(t, dtype=jnp.int32)[None, :, None]  # [B, T, S]
-  else:
-    allowed = jnp.take(block_mask_TT, rel, axis=1).transpose(1, 0, 2)  # [B, T, S]
-  return committed[:, None, :] | (in_block[:, None, :] & allowed)
+    return allowed | (rel < 0)[:, None, :]
+  r = block_mask.shape[-1]
+  rel = slots - lengths_B[:, None] + (r - t)  # [B, S] column of the slot in the window
+  committed = rel < 0
+  in_window = (rel >= 0) & (rel < r)
+  rel = jnp.clip(rel, 0, r - 1)
+  if block_mask.ndim == 2:
+    allowed = jnp.take(block_mask, rel, axis=1).transpose(1, 0, 2)  # [B, T, S]
+  else:  # per-row masks [B, T, R]
+    b = lengths_B.shape[0]
+    allowed = jnp.take_along_axis(block_mask, jnp.broadcast_to(rel[:, None, :], (b, t, s)),
+                                  axis=2)
+  return committed[:, None, :] | (in_window[:, None, :] & allowed)
+
+
+def gather_block(cache: KVCache, index_BP: Array, span: int) -> KVCache:
+  """Slot lengths[b] + j receives the entry at slot lengths[b] + index[b, j], j < P.
+
+  Reads come from the buffer before the move, so overlapping sources are fine. Only the
+  `span` slots from lengths[b] are touched (index < span, span static). Token trees use it to
+  compact the accepted root-to-node path of a verified block to contiguous slots; the
+  other entries stay beyond `lengths`, masked, to be overwritten. `lengths` is unchanged.
+  """
+  b, p = index_BP.shape
+  h = cache.n_kv_heads
+  idx = jnp.repeat(index_BP.astype(jnp.int32), h, axis=0)  # [B·Hkv, P]
+  offsets = _row_offsets(cache)
+  zero = jnp.zeros((), jnp.int32)
+
+  def move_k(buf, i, o):  # buf (hd, S)
+    window = jax.lax.dynamic_slice_in_dim(buf, o, span, axis=1)
+    return jax.lax.dynamic_update_slice(buf, jnp.take(window, i, axis=1), (zero, o))
+
+  def move_v(buf, i, o):  # buf (S, hd)
+    window = jax.lax.dynamic_slice_in_dim(buf, o, span, axis=0)
+    return jax.lax.dynamic_update_slice(buf, jnp.take(window, i, axis=0), (o, zero))
+
+  ks = tuple(jax.vmap(move_k)(k, idx, offsets) for k in cache.k)
+  vs = tuple(jax.vmap(move_v)(v, idx, offsets) for v in cache.v)
+  return cache.replace(k=ks, v=vs)
+
+
+def compact(cache: KVCache, path_BP: Array, span: int, new_lengths_B: Array) -> KVCache:
+  """Moves each row's accepted path (block-relative slots path[b, :]) to
+  [lengths[b], lengths[b] + P) and sets lengths to new_lengths (`gather_block` + commit)."""
+  return set_lengths(gather_block(cache, path_BP, span), new_lengths_B)
 
 
 def attend(cache: KVCache, layer: int, q_BTHD: Array, block_mask_TT: Array | None) -> Array:
-  """Attention of T queries over the committed prefix and the new block. Returns [B,T,H,D]."""
+  """Attention of T queries over the committed prefix and the new block. Returns [B,T,H,D].
+
+  block_mask_TT: None (causal), [T, R] or [B, T, R] (see attention_mask)."""
   b, t, h, d = q_BTHD.shape
   hkv = cache.n_kv_heads
   g = h // hkv

@@ -1,6 +1,6 @@
 """Load a model trained by specjax (an orbax checkpoint written by the Trainer).
 
-    model = load_trained(ckpt_dir)            # TrainedModel(config, params, tokenizer, metadata, step)
+    model = load_trained(ckpt_dir)   # TrainedModel(config, params, tokenizer, metadata, step)
     module = model.module()                   # nnx.Transformer with those parameters
 
 Parameters are stored in float32; they come back cast to config.dtype.

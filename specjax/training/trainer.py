@@ -51,7 +51,7 @@ class Teacher:
   config: ModelConfig
   params: nnx.State
 
-  @property
+  @functools.cached_property
   def fingerprint(self) -> str:
     return params_fingerprint(self.params)
 

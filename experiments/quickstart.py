@@ -1,0 +1,196 @@
+"""The quickstart: plain vs chain vs tree speculative decoding on the embedded models.
+
+Each point is one (mode, batch): the same prompts (held-out code from the embedded corpus)
+are decoded with plain `generate` and with speculative decoding, alternately, `repeats`
+times; medians give tokens/s of both and their ratio (the speedup, measured side by side).
+The analytic prediction beside it uses what the point measured itself:
+
+    predicted speedup = τ_pred / (k·c + v(k+1))      τ_pred = E[τ](α_trial, k) for chains,
+                                                     the measured τ for trees,
+
+where c = draft step ÷ target decode step and v(T) = target forward of T tokens ÷ one-token
+decode, both timed in the same process. Efficiency = measured ÷ predicted speedup.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import decoding, sampling, theory
+from specjax.drafters.base import LM
+from specjax.models import cache as kv
+
+MODES = ("chain", "tree")
+
+
+def validate(params: dict) -> None:
+  if params.get("mode") not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {params.get('mode')!r}")
+  for name, lo in (("batch", 1), ("k", 1), ("max_new_tokens", 1), ("repeats", 1),
+                   ("prompt_len", 8)):
+    v = params.get(name, lo)
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+      raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+  if params.get("models", "default") not in ("default", "random"):
+    raise ValueError(f"models must be 'default' or 'random', got {params.get('models')!r}")
+  t = params.get("temperature", 0.0)
+  if not isinstance(t, (int, float)) or t < 0:
+    raise ValueError(f"temperature must be a number >= 0, got {t!r}")
+
+
+@functools.lru_cache(maxsize=2)
+def _models(which: str):
+  """(target, draft, tokenizer, prompt texts)."""
+  if which == "default":
+    from specjax.data.corpus import load_corpus
+    from specjax.training.defaults import load_default_pair
+    pair = load_default_pair("tiny", "code")
+    texts = [d.text for d in load_corpus("code").validation[:64]]  # held out from training
+    return pair.target_module(), pair.draft_module(), pair.tokenizer, texts
+  from flax import nnx
+
+  from specjax.data.tokenizer import ByteTokenizer
+  from specjax.models.presets import PRESETS
+  from specjax.models.transformer import Transformer
+  tok = ByteTokenizer()
+  cfg = PRESETS["tiny-llama"].replace(vocab_size=tok.vocab_size)
+  return (Transformer(cfg, rngs=nnx.Rngs(0)), Transformer(cfg.replace(n_layers=1),
+                                                           rngs=nnx.Rngs(1)), tok, None)
+
+
+FALLBACK_TEXT = '''def _check(name, value, lo):
+    if not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+    return value
+
+
+class Counter:
+    """Counts things."""
+
+    def __init__(self):
+        self.counts = {}
+
+    def add(self, key):
+        self.counts[key] = self.counts.get(key, 0) + 1
+'''
+
+
+def _prompts(tok, texts, batch: int, prompt_len: int) -> list[list[int]]:
+  source = "\n".join(texts) if texts else FALLBACK_TEXT * 8
+  ids = tok.encode(source)
+  stride = max(1, (len(ids) - prompt_len) // max(batch, 1))
+  return [ids[i * stride:i * stride + prompt_len] for i in range(batch)]
+
+
+@jax.jit
+def _forward(lm, tokens, positions, cache):
+  logits, _, cache = lm(tokens, positions, cache)
+  return logits[:, -1]
+
+
+def _forward_seconds(lm, batch, t, context, cache_len, repeats):
+  cache = kv.set_lengths(kv.init(lm.config, batch, cache_len),
+                         jnp.full((batch,), context, jnp.int32))
+  toks = jnp.zeros((batch, t), jnp.int32)
+  pos = context + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
+  jax.block_until_ready(_forward(lm, toks, pos, cache))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(_forward(lm, toks, pos, cache))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 1),
+          max_new_tokens: int = 64, prompt_len: int = 64, temperature: float = 0.0,
+          repeats: int = 3, models: str = "default", seed: int = 0) -> dict:
+  target, draft, tok, texts = _models(models)
+  prompts = _prompts(tok, texts, batch, prompt_len)
+  sampler = sampling.make_sampler(temperature)
+  spec_kwargs = {"k": k}
+  n_drafted = k
+  if mode == "tree":
+    from specjax import trees
+    tree = trees.branching(tuple(tree_widths))
+    spec_kwargs = {"tree": tree}
+    n_drafted = tree.size
+  common = dict(max_new_tokens=max_new_tokens, sampler=sampler, seed=seed)
+
+  def plain():
+    return decoding.generate(target, prompts, **common)
+
+  def spec():
+    return decoding.speculative_generate(target, draft, prompts, **spec_kwargs, **common)
+
+  plain(), spec()  # compile both
+  plain_runs, spec_runs = [], []
+  for _ in range(repeats):  # alternate: drift hits both alike
+    plain_runs.append(plain())
+    spec_runs.append(spec())
+  plain_s = statistics.median(r.seconds for r in plain_runs)
+  spec_s = statistics.median(r.seconds for r in spec_runs)
+  plain_tok_s = plain_runs[0].emitted / plain_s
+  spec_tok_s = spec_runs[0].emitted / spec_s
+  summary = spec_runs[0].summary()
+
+  # Costs measured in this process: verification and draft step against one decode step.
+  lm_t, lm_d = LM.of(target), LM.of(draft)
+  cache_len = 2 * (prompt_len + max_new_tokens + n_drafted + 1)
+  context = prompt_len + max_new_tokens // 2
+  t1 = _forward_seconds(lm_t, batch, 1, context, cache_len, repeats)
+  tv = _forward_seconds(lm_t, batch, n_drafted + 1, context, cache_len, repeats)
+  td = _forward_seconds(lm_d, batch, 2, context, cache_len, repeats)
+  c, v = td / t1, tv / t1
+  # Draft passes per cycle: k for a chain, one per tree level (a level's nodes share a pass).
+  draft_steps = k if mode == "chain" else len(tree_widths)
+  if mode == "chain":
+    alpha = summary.alpha_trial
+    tau_pred = float(theory.expected_tokens(alpha, k))
+  else:
+    alpha = summary.alpha
+    tau_pred = summary.tau
+  predicted = tau_pred / (draft_steps * c + v)
+  measured = spec_tok_s / plain_tok_s
+  return {
+      "plain_tok_s": plain_tok_s, "spec_tok_s": spec_tok_s, "speedup": measured,
+      "alpha": summary.alpha, "alpha_trial": summary.alpha_trial,
+      "alpha_ci": list(summary.alpha_ci), "tau": summary.tau, "tau_predicted": tau_pred,
+      "c": c, "verify_cost": v, "predicted_speedup": predicted,
+      "efficiency": measured / predicted if predicted > 0 else float("nan"),
+      "identical_to_plain": (plain_runs[0].tokens == spec_runs[0].tokens
+                             if temperature == 0 else None),
+      "drafted_per_cycle": n_drafted, "alpha_used_for_prediction": alpha,
+      "backend": jax.default_backend(),
+  }
+
+
+def report(records: list[dict], run_dir) -> str:
+  from specjax import report as rep
+  fig, ax = rep.new_figure(figsize=(5.5, 3.5))
+  for mode in MODES:
+    rows = sorted((r for r in records if r["params"]["mode"] == mode),
+                  key=lambda r: r["params"]["batch"])
+    if not rows:
+      continue
+    b = [r["params"]["batch"] for r in rows]
+    line, = ax.plot(b, [r["metrics"]["speedup"] for r in rows], "o-", label=f"{mode} measured")
+    ax.plot(b, [r["metrics"]["predicted_speedup"] for r in rows], "x--", color=line.get_color(),
+            label=f"{mode} predicted")
+  ax.axhline(1.0, color="gray", lw=0.8)
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("batch")
+  ax.set_ylabel("speedup vs plain")
+  ax.legend(fontsize=8)
+  name = rep.save(fig, run_dir / "quickstart_speedup.png")
+  lines = ["## Quickstart", "",
+           "Speedup = speculative ÷ plain tokens/s, measured side by side; predicted from the "
+           "measured α, c and verification cost (see experiments/quickstart.py).", "",
+           f"![speedup vs batch]({name})", ""]
+  return "\n".join(lines)
