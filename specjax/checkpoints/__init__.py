@@ -173,11 +173,11 @@ def describe(path: str | os.PathLike) -> dict:
   if is_hf_dir(path) or (path / "config.json").is_file() and not is_orbax_dir(path):
     hf_config = hf.read_hf_config(path)
     family, config = hf.config_from_hf(hf_config)
-    headers = {k: v for k, v in hf.tensor_headers(path).items() if not hf._IGNORED.match(k)}
-    sizes = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4}
+    headers = {k: v for k, v in hf.tensor_headers(path).items()
+               if not hf.IGNORED_BUFFERS.match(k)}
     dtypes = sorted({d for _, d in headers.values()})
     params = sum(math.prod(s) for s, _ in headers.values())
-    nbytes = sum(math.prod(s) * sizes.get(d, 4) for s, d in headers.values())
+    nbytes = sum(math.prod(s) * hf.itemsize(d) for s, d in headers.values())
     config = config.replace(dtype="bfloat16" if dtypes == ["BF16"] else "float32")
     return {"format": "huggingface", "layout": hf.checkpoint_layout(path), "family": family,
             "architecture": (hf_config.get("architectures") or [None])[0],

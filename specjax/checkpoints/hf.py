@@ -63,6 +63,11 @@ _ST_CODES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 _MAX_HEADER = 100 * 2**20
 
 
+def itemsize(code: str) -> int:
+  """Bytes per element of a safetensors dtype code (or a numpy dtype name)."""
+  return np.dtype(_ST_DTYPES.get(code, code)).itemsize
+
+
 def _bad_file(path, what: str) -> ValueError:
   return ValueError(f"corrupted or truncated safetensors file {pathlib.Path(path).name!r}: {what}")
 
@@ -408,7 +413,8 @@ def hf_config_for(config: ModelConfig, family: str | None = None,
   token_ids = ("bos_token_id", "eos_token_id", "pad_token_id")
   out = (dict(base) if base.get("model_type") == family else
          {k: base[k] for k in token_ids if k in base})
-  for stale in ("torch_dtype", "rope_scaling", "transformers_version", "_name_or_path"):
+  for stale in ("torch_dtype", "rope_scaling", "layer_types", "transformers_version",
+                "_name_or_path"):
     out.pop(stale, None)
   out.update(architectures=[ARCHITECTURES[family]], model_type=family, vocab_size=c.vocab_size,
              tie_word_embeddings=c.tie_embeddings, dtype=c.dtype)
@@ -536,7 +542,7 @@ def rules_for(family: str, config: ModelConfig, layout: str = "safetensors") -> 
 
 _PREFIX = {"gpt2": "transformer.", "llama": "model.", "mistral": "model.", "qwen2": "model."}
 # Non-parameter buffers older checkpoints carry (causal-mask and rotary tables).
-_IGNORED = re.compile(r"^((transformer\.)?h\.\d+\.attn\.(masked_)?bias"
+IGNORED_BUFFERS = re.compile(r"^((transformer\.)?h\.\d+\.attn\.(masked_)?bias"
                       r"|(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq)$")
 _TIED_HEAD = ("lm_head.weight", "lm_head.kernel")
 
@@ -603,7 +609,7 @@ def convert_in(rules: list[Rule], tensors: Mapping[str, np.ndarray], config: Mod
         if h.shape != out["embed"].shape or not np.array_equal(h.astype(target), out["embed"]):
           problems.append(f"tensor {head!r} differs from the embedding but the config ties them "
                           "(tie_word_embeddings=true)")
-  unexpected = sorted(n for n in set(tensors) - used if not _IGNORED.match(n))
+  unexpected = sorted(n for n in set(tensors) - used if not IGNORED_BUFFERS.match(n))
   problems += [f"unexpected tensor {n!r} (shape {tuple(tensors[n].shape)}): not part of a "
                f"{family} model with this config" for n in unexpected]
   if problems:

@@ -139,10 +139,20 @@ class Dense(nnx.Module):
 
   def __call__(self, x: Array) -> Array:
     w = self.kernel[...]
-    y = jnp.einsum("...i,io->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    y = _one_row_safe_matmul("...i,io->...o", x.astype(w.dtype), w)
     if self.bias is not None:
       y = y + _bcast(self.bias[...].astype(jnp.float32), y)
     return y
+
+
+def _one_row_safe_matmul(spec: str, x: Array, w: Array) -> Array:
+  """einsum with f32 accumulation; a single bf16 row is padded to two (PERF_NOTES trap 3:
+  XLA:CPU's one-row bf16 product takes a ~10x slower path; the duplicate row is dropped)."""
+  if w.dtype == jnp.bfloat16 and x.ndim >= 2 and math.prod(x.shape[:-1]) == 1:
+    y = jnp.einsum(spec, jnp.concatenate([x, x], axis=-2), w,
+                   preferred_element_type=jnp.float32)
+    return y[..., :1, :]
+  return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
 
 
 def _bcast(v_D: Array, like: Array) -> Array:
@@ -280,5 +290,4 @@ class Transformer(nnx.Module):
     if self.lm_head is not None:
       return self.lm_head(hidden_BTD)
     w = self.embed[...]
-    return jnp.einsum("btd,vd->btv", hidden_BTD.astype(w.dtype), w,
-                      preferred_element_type=jnp.float32)
+    return _one_row_safe_matmul("btd,vd->btv", hidden_BTD.astype(w.dtype), w)
