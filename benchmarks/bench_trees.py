@@ -94,10 +94,14 @@ def make_pair(args):
     from specjax.training.defaults import load_default_pair
     pair = load_default_pair(args.preset, "code")
     target, draft = pair.target_module(), pair.draft_module()
-    text = "def fibonacci(n):\n    if n < 2:\n        return n\n    return "
-    ids = pair.tokenizer.encode(text)
-    prompts = [ids[:args.context]] * args.batch
-    return target, draft, prompts
+    texts = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)",
+             "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser(",
+             "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self",
+             "for i in range(10):\n    for j in range(i):\n        if (i + j) % 3 == 0:\n"]
+    prompts = [pair.tokenizer.encode(texts[b % len(texts)])[:args.context]
+               for b in range(args.batch)]
+    width = min(len(p) for p in prompts)
+    return target, draft, [p[:width] for p in prompts]
   cfg = PRESETS[args.target].replace(dtype=args.dtype)
   target = random_target(cfg, mix=args.mix)
   if args.pair == "truncated":

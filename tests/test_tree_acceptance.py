@@ -319,11 +319,14 @@ def test_greedy_acceptance_is_the_greedy_walk_static_and_per_row():
   p = warp_jit(jnp.asarray(logits), make_sampler(0.0))
   q = jax.nn.one_hot(jnp.asarray(argmax), Vg)  # any q works at T = 0
   children = jnp.broadcast_to(jnp.asarray(tree.children), (B,) + tree.children.shape)
-  f = jax.jit(accept_tree, static_argnums=1)
-  g = jax.jit(lambda key, ch, tok, p, q: accept_tree(key, (ch, tree.max_depth), tok, p, q))
-  outs = [f(jax.random.key(1), tree, jnp.asarray(tokens), p, None),
-          f(jax.random.key(2), tree, jnp.asarray(tokens), p, q),
-          g(jax.random.key(1), children, jnp.asarray(tokens), p, None)]
+
+  @jax.jit  # one compiled program for the three variants
+  def three(tokens, p, q, children):
+    return (accept_tree(jax.random.key(1), tree, tokens, p, None),
+            accept_tree(jax.random.key(2), tree, tokens, p, q),
+            accept_tree(jax.random.key(1), (children, tree.max_depth), tokens, p, None))
+
+  outs = three(jnp.asarray(tokens), p, q, children)
   ns = []
   for b in range(B):
     path, nxt = _greedy_walk(tree, tokens[b], argmax[b])
