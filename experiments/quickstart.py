@@ -14,17 +14,13 @@ decode, both timed in the same process. Efficiency = measured ÷ predicted speed
 
 from __future__ import annotations
 
-import functools
 import statistics
-import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
+from experiments import measure
 from specjax import decoding, sampling, theory
 from specjax.drafters.base import LM
-from specjax.models import cache as kv
 
 MODES = ("chain", "tree")
 
@@ -44,75 +40,11 @@ def validate(params: dict) -> None:
     raise ValueError(f"temperature must be a number >= 0, got {t!r}")
 
 
-@functools.lru_cache(maxsize=2)
-def _models(which: str):
-  """(target, draft, tokenizer, prompt texts)."""
-  if which == "default":
-    from specjax.data.corpus import load_corpus
-    from specjax.training.defaults import load_default_pair
-    pair = load_default_pair("tiny", "code")
-    texts = [d.text for d in load_corpus("code").validation[:64]]  # held out from training
-    return pair.target_module(), pair.draft_module(), pair.tokenizer, texts
-  from flax import nnx
-
-  from specjax.data.tokenizer import ByteTokenizer
-  from specjax.models.presets import PRESETS
-  from specjax.models.transformer import Transformer
-  tok = ByteTokenizer()
-  cfg = PRESETS["tiny-llama"].replace(vocab_size=tok.vocab_size)
-  return (Transformer(cfg, rngs=nnx.Rngs(0)), Transformer(cfg.replace(n_layers=1),
-                                                           rngs=nnx.Rngs(1)), tok, None)
-
-
-FALLBACK_TEXT = '''def _check(name, value, lo):
-    if not isinstance(value, int) or value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-    return value
-
-
-class Counter:
-    """Counts things."""
-
-    def __init__(self):
-        self.counts = {}
-
-    def add(self, key):
-        self.counts[key] = self.counts.get(key, 0) + 1
-'''
-
-
-def _prompts(tok, texts, batch: int, prompt_len: int) -> list[list[int]]:
-  source = "\n".join(texts) if texts else FALLBACK_TEXT * 8
-  ids = tok.encode(source)
-  stride = max(1, (len(ids) - prompt_len) // max(batch, 1))
-  return [ids[i * stride:i * stride + prompt_len] for i in range(batch)]
-
-
-@jax.jit
-def _forward(lm, tokens, positions, cache):
-  logits, _, cache = lm(tokens, positions, cache)
-  return logits[:, -1]
-
-
-def _forward_seconds(lm, batch, t, context, cache_len, repeats):
-  cache = kv.set_lengths(kv.init(lm.config, batch, cache_len),
-                         jnp.full((batch,), context, jnp.int32))
-  toks = jnp.zeros((batch, t), jnp.int32)
-  pos = context + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
-  jax.block_until_ready(_forward(lm, toks, pos, cache))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(_forward(lm, toks, pos, cache))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 1),
           max_new_tokens: int = 64, prompt_len: int = 64, temperature: float = 0.0,
           repeats: int = 3, models: str = "default", seed: int = 0) -> dict:
-  target, draft, tok, texts = _models(models)
-  prompts = _prompts(tok, texts, batch, prompt_len)
+  target, draft, tok, texts = measure.models(models)
+  prompts = measure.prompts(tok, texts, batch, prompt_len)
   sampler = sampling.make_sampler(temperature)
   spec_kwargs = {"k": k}
   n_drafted = k
@@ -144,9 +76,9 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
   lm_t, lm_d = LM.of(target), LM.of(draft)
   cache_len = 2 * (prompt_len + max_new_tokens + n_drafted + 1)
   context = prompt_len + max_new_tokens // 2
-  t1 = _forward_seconds(lm_t, batch, 1, context, cache_len, repeats)
-  tv = _forward_seconds(lm_t, batch, n_drafted + 1, context, cache_len, repeats)
-  td = _forward_seconds(lm_d, batch, 2, context, cache_len, repeats)
+  t1 = measure.forward_seconds(lm_t, batch, 1, context, cache_len, repeats)
+  tv = measure.forward_seconds(lm_t, batch, n_drafted + 1, context, cache_len, repeats)
+  td = measure.forward_seconds(lm_d, batch, 2, context, cache_len, repeats)
   c, v = td / t1, tv / t1
   # Draft passes per cycle: k for a chain, one per tree level (a level's nodes share a pass).
   draft_steps = k if mode == "chain" else len(tree_widths)

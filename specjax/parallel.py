@@ -1,8 +1,9 @@
 """Spreading independent work over all local devices (data parallel, no collectives).
 
-`device_map(fn, *stacked)` runs `fn` on every row of its stacked inputs: rows are split
-over a one-axis mesh of the local devices with `jax.shard_map` and vectorised with
-`jax.vmap` inside each device. With one device it is a jitted vmap. The row count is padded
+`device_map(fn, *stacked, shared=())` runs `fn(*shared, *row)` on every row of its stacked
+inputs: rows are split over a one-axis mesh of the local devices with `jax.shard_map` and
+vectorised with `jax.vmap` inside each device; `shared` arguments (model weights, prompts)
+are replicated, not mapped. With one device it is a jitted vmap. The row count is padded
 to a multiple of the device count (the padding repeats the last row and is dropped).
 """
 
@@ -17,19 +18,21 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 
 @functools.lru_cache(maxsize=None)
-def _mapped(fn, n_devices: int):
-  vfn = jax.vmap(fn)
+def _mapped(fn, n_devices: int, n_shared: int, n_stacked: int):
+  vfn = jax.vmap(fn, in_axes=(None,) * n_shared + (0,) * n_stacked)
   if n_devices == 1:
     return jax.jit(vfn)
   mesh = Mesh(np.array(jax.local_devices()[:n_devices]), ("points",))
   # check_vma=False: loop carries start as device-invariant constants and become per-device
   # values; the computation is plain data parallelism.
-  return jax.jit(jax.shard_map(vfn, mesh=mesh, in_specs=P("points"), out_specs=P("points"),
+  specs = (P(),) * n_shared + (P("points"),) * n_stacked
+  return jax.jit(jax.shard_map(vfn, mesh=mesh, in_specs=specs, out_specs=P("points"),
                                check_vma=False))
 
 
-def device_map(fn, *stacked, n_devices: int | None = None):
-  """fn applied to each row of the stacked pytrees `stacked`, rows spread over devices.
+def device_map(fn, *stacked, shared: tuple = (), n_devices: int | None = None):
+  """fn(*shared, *row) for each row of the stacked pytrees `stacked`, rows spread over
+  devices; `shared` pytrees are passed whole to every row (replicated).
 
   `fn` must be a hashable callable (a module-level function or functools.partial of one) so
   the compiled program is reused across calls.
@@ -43,5 +46,5 @@ def device_map(fn, *stacked, n_devices: int | None = None):
   if pad:
     stacked = jax.tree.map(
         lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)], axis=0), stacked)
-  out = _mapped(fn, n)(*stacked)
+  out = _mapped(fn, n, len(shared), len(stacked))(*shared, *stacked)
   return jax.tree.map(lambda x: x[:rows], out)

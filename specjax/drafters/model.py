@@ -174,6 +174,10 @@ class ModelDrafter:
     logits, _, cache = self.lm(jnp.concatenate([prev, cur], axis=1), pos, cache)
     return logits[:, -1], kv.set_lengths(cache, length)  # the root is at slot L
 
+  def draft_law(self, logits: Array, sampler) -> Array:
+    """The law q [..., V] the children of a node are sampled from (stochastic drafting)."""
+    return sampling.warp(logits, sampler)
+
   def _children(self, logits_BRV, q_BRV, parent_row, rank, width: int, key) -> Array:
     """Tokens [B, M] of one generation: child j of block row parent_row[j], rank rank[j]."""
     if self.deterministic:
@@ -195,7 +199,7 @@ class ModelDrafter:
     length = ctx.length
     keys = jax.random.split(key, D)
     root_logits_BV, cache = self._root(state, ctx)
-    warp = (lambda x: None) if self.deterministic else (lambda x: sampling.warp(x, sampler))
+    warp = (lambda x: None) if self.deterministic else (lambda x: self.draft_law(x, sampler))
     root_q_BV = warp(root_logits_BV)
     gen0 = self._children(root_logits_BV[:, None], None if root_q_BV is None else
                           root_q_BV[:, None], plan.gen_parent_row[0], plan.gen_rank[0],
