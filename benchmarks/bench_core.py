@@ -12,14 +12,18 @@ machine. Everything is timed in one process, variants alternated, medians over r
    the streaming bandwidth `roofline.calibrate` measures;
 3. `speculative_generate` at T=0 with (a) a copy of the target as draft (every draft
    accepted) and (b) a 2-layer width-256 draft, against the prediction from the measured
-   forward times: tok/s = τ / (k · t_draft_step + t_verify(k+1)); efficiency = measured /
-   predicted. The draft step time is measured for the 2-token step the drafter runs.
+   forward times: tok/s = τ / (d(2) + (k − 1)·d(1) + t_verify(k+1)), d(T) the draft's
+   forward of T tokens (its first pass of a cycle feeds 2 tokens, the catch-up rule, the
+   others 1); efficiency = measured / predicted.
+Standalone forwards donate the cache and feed it back (as the loop does), so no timing
+includes a cache copy.
 Also checks the compiled decode step for cache-sized copies (PERF_NOTES trap 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import statistics
@@ -47,20 +51,25 @@ def median_time(fn, repeats: int) -> float:
   return statistics.median(times)
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnums=(3,))
 def _forward(lm, tokens, positions, cache):
   logits, _, cache = lm(tokens, positions, cache)
   return logits[:, -1], cache
 
 
 def forward_times(lm: LM, context: int, cache_len: int, ts, repeats: int) -> dict[int, float]:
-  cache = kv.init(lm.config, 1, cache_len)
-  cache = kv.set_lengths(cache, jnp.array([context], jnp.int32))
+  caches = {}
   fns = {}
   for t in ts:
     toks = jnp.zeros((1, t), jnp.int32)
     pos = context + jnp.arange(t, dtype=jnp.int32)[None]
-    fns[t] = (lambda toks=toks, pos=pos: _forward(lm, toks, pos, cache))
+    caches[t] = kv.set_lengths(kv.init(lm.config, 1, cache_len),
+                               jnp.array([context], jnp.int32))
+
+    def fn(t=t, toks=toks, pos=pos):
+      out, caches[t] = _forward(lm, toks, pos, caches[t])  # donated and fed back
+      return out
+    fns[t] = fn
   for fn in fns.values():
     jax.block_until_ready(fn())
   samples = {t: [] for t in ts}
@@ -76,7 +85,7 @@ def cache_copies(lm: LM, cache_len: int) -> list[str]:
   """Copies of cache-sized buffers in the compiled one-token decode step."""
   cache = kv.init(lm.config, 1, cache_len)
   toks = jnp.zeros((1, 1), jnp.int32)
-  hlo = jax.jit(_forward, donate_argnums=(3,)).lower(lm, toks, toks, cache).compile().as_text()
+  hlo = _forward.lower(lm, toks, toks, cache).compile().as_text()
   shape = f"{lm.config.head_dim},{cache_len}"
   return [line.strip()[:160] for line in hlo.splitlines()
           if re.search(r"\bcopy\(", line) and shape in line]
@@ -120,9 +129,7 @@ def run(dtype: str, args) -> dict:
 
   # Speculative generation at T=0.
   k = args.k
-  for name, d, t_step in (("self_draft", target, None), ("draft_2l", draft, draft_fwd[2])):
-    if t_step is None:
-      t_step = forward_times(lm, args.context, cache_len, (2,), args.repeats)[2]
+  for name, d, d_fwd in (("self_draft", target, fwd), ("draft_2l", draft, draft_fwd)):
     runs = [decoding.speculative_generate(target, d, prompt, k=k, max_new_tokens=n,
                                           cache_len=cache_len) for _ in range(args.repeats + 1)]
     runs = runs[1:]
@@ -130,7 +137,7 @@ def run(dtype: str, args) -> dict:
     s = statistics.median(r.seconds for r in runs)
     summary = runs[0].summary()
     cycles = int(runs[0].stats["cycles"].sum())
-    cycle_s = k * t_step + fwd[k + 1]
+    cycle_s = d_fwd[2] + (k - 1) * d_fwd[1] + fwd[k + 1]
     predicted = (n - 1) / cycles / cycle_s  # tokens from verification cycles per second
     measured = (n - 1) / s
     out[name] = {"tok_s": n / s, "alpha": summary.alpha, "tau": summary.tau,

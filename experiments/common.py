@@ -38,6 +38,7 @@ class Sweep:
   validate_fn: Callable[[dict], None] | None = None
   memory_fn: Callable[[dict], int] | None = None
   report_fn: Callable[..., str] | None = None
+  summary_columns: Sequence[str] = ()  # metrics `specjax run` prints when the sweep ends
   seed: int = 0
 
   def parameters(self) -> list[str]:

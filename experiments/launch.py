@@ -145,7 +145,19 @@ def run(config: str, bindings: Sequence[str] = (), out: str | None = None,
       group_key=lambda p: sweep.group_key(p.params), progress=progress)
   write_report(sweep, run_dir)
   return runner.RunSummary(run_dir=run_dir, resumed=resumed, total=len(points),
-                           skipped=skipped, ok=ok, failed=failed)
+                           skipped=skipped, ok=ok, failed=failed,
+                           table=summary_table(sweep, run_dir))
+
+
+def summary_table(sweep: Sweep, run_dir: pathlib.Path) -> str:
+  """The sweep's axes and `summary_columns` of every finished point, as a markdown table."""
+  if not sweep.summary_columns:
+    return ""
+  from specjax import report
+  records = [r for r in runner.read_results(run_dir / runner.RESULTS).values()
+             if r.get("status") == "ok"]
+  rows = [{**r["params"], **r["metrics"]} for r in sorted(records, key=lambda r: r.get("index", 0))]
+  return report.markdown_table(rows, list(sweep.axes) + list(sweep.summary_columns))
 
 
 def write_report(sweep: Sweep, run_dir: pathlib.Path) -> pathlib.Path:

@@ -5,11 +5,14 @@ are decoded with plain `generate` and with speculative decoding, alternately, `r
 times; medians give tokens/s of both and their ratio (the speedup, measured side by side).
 The analytic prediction beside it uses what the point measured itself:
 
-    predicted speedup = τ_pred / (k·c + v(k+1))      τ_pred = E[τ](α_trial, k) for chains,
+    predicted speedup = τ_pred / (D·c + v(N+1))      τ_pred = E[τ](α_trial, k) for chains,
                                                      the measured τ for trees,
 
-where c = draft step ÷ target decode step and v(T) = target forward of T tokens ÷ one-token
-decode, both timed in the same process. Efficiency = measured ÷ predicted speedup.
+with D draft passes per cycle (k for a chain, one per level for a tree), N drafted nodes,
+c = the draft's cost per pass in target decode steps, measured as (d(2) + (D − 1)·d(W)) ÷
+(D·t_1) — the first pass feeds 2 tokens (the catch-up rule), later passes W (1 for a chain,
+the widest level for a tree) — and v(T) = target forward of T tokens ÷ one-token decode t_1,
+all timed in the same process. Efficiency = measured ÷ predicted speedup.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import jax
 from experiments import measure
 from specjax import decoding, sampling, theory
 from specjax.drafters.base import LM
+from specjax.drafters.model import ModelDrafter
 
 MODES = ("chain", "tree")
 
@@ -58,8 +62,12 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
   def plain():
     return decoding.generate(target, prompts, **common)
 
+  # Trees draft distinct top-k candidates (the point-mass rule): i.i.d. sampled siblings
+  # would all be the argmax at T = 0 and the tree would degenerate into its chain.
+  drafter = ModelDrafter.of(draft, deterministic=(mode == "tree"))
+
   def spec():
-    return decoding.speculative_generate(target, draft, prompts, **spec_kwargs, **common)
+    return decoding.speculative_generate(target, drafter, prompts, **spec_kwargs, **common)
 
   plain(), spec()  # compile both
   plain_runs, spec_runs = [], []
@@ -78,10 +86,14 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
   context = prompt_len + max_new_tokens // 2
   t1 = measure.forward_seconds(lm_t, batch, 1, context, cache_len, repeats)
   tv = measure.forward_seconds(lm_t, batch, n_drafted + 1, context, cache_len, repeats)
-  td = measure.forward_seconds(lm_d, batch, 2, context, cache_len, repeats)
-  c, v = td / t1, tv / t1
+  td2 = measure.forward_seconds(lm_d, batch, 2, context, cache_len, repeats)
   # Draft passes per cycle: k for a chain, one per tree level (a level's nodes share a pass).
   draft_steps = k if mode == "chain" else len(tree_widths)
+  width = 1 if mode == "chain" else int(max(tree.level_sizes[1:draft_steps], default=1))
+  tdw = (measure.forward_seconds(lm_d, batch, width, context, cache_len, repeats)
+         if draft_steps > 1 else 0.0)
+  c = (td2 + (draft_steps - 1) * tdw) / (draft_steps * t1)
+  v = tv / t1
   if mode == "chain":
     alpha = summary.alpha_trial
     tau_pred = float(theory.expected_tokens(alpha, k))

@@ -60,7 +60,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import sample_from_uniforms, uniforms
+from specjax.sampling import sample_from_uniforms, uniforms_for
 from specjax.trees import TreeSpec
 
 
@@ -173,7 +173,7 @@ def _accept_chain(key: jax.Array, draft_tokens_BK: jax.Array, p_BKV1: jax.Array,
   B, K, V = _check_chain_shapes(draft_tokens_BK, p_BKV1, q_BKV)
   # All randomness in one draw: K test uniforms and V uniforms for the emitted token's
   # Gumbel-max sample, per row, all independent.
-  u_BW = uniforms(key, (B, K + V))  # W = k + V
+  u_BW = uniforms_for(key, (B, K + V), p_BKV1)  # W = k + V (constant when p is greedy)
   u_BK, u_BV = u_BW[:, :K], u_BW[:, K:]
   draft_BK = draft_tokens_BK.astype(jnp.int32)
   p_BKV1 = p_BKV1.astype(jnp.float32)
@@ -311,7 +311,7 @@ def _accept_tree(key, tree, tokens_BT, p_BTV, q_BTV, rule: _TreeRule) -> TreeRes
   """accept_tree with the rule's pieces as parameters (see accept_tree)."""
   B, T, V = p_BTV.shape
   children_BTW, D, W = _tree_children(tree, B)
-  u_BX = uniforms(key, (B, D * W + V))  # D·W tests, then V uniforms for the emitted token
+  u_BX = uniforms_for(key, (B, D * W + V), p_BTV)  # D·W tests, then V for the emitted token
   tokens_BT = tokens_BT.astype(jnp.int32)
   p_BTV = p_BTV.astype(jnp.float32)
   stochastic = q_BTV is not None

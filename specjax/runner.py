@@ -227,6 +227,7 @@ class RunSummary:
   skipped: int  # already finished before this run
   ok: int  # finished in this run
   failed: int  # failed in this run
+  table: str = ""  # the experiment's headline columns, markdown (empty if it names none)
 
   def to_dict(self) -> dict:
     d = dataclasses.asdict(self)

@@ -201,6 +201,23 @@ def uniforms(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
                             maxval=1.0)
 
 
+def point_masses(probs_NV: jax.Array) -> jax.Array:
+  """True iff every row of probs [..., V] has exactly one positive entry (a T = 0 law)."""
+  return jnp.all(jnp.sum(probs_NV > 0.0, axis=-1) == 1)
+
+
+def _argmax(probs_NV: jax.Array) -> jax.Array:
+  return jnp.argmax(probs_NV, axis=-1).astype(jnp.int32)
+
+
+def _gumbel_max(u_NV: jax.Array, probs_NV: jax.Array) -> jax.Array:
+  g_NV = -jnp.log(-jnp.log(u_NV.astype(jnp.float32)))
+  p_NV = probs_NV.astype(jnp.float32)
+  positive_NV = p_NV > 0.0
+  score_NV = jnp.where(positive_NV, jnp.log(jnp.where(positive_NV, p_NV, 1.0)) + g_NV, -jnp.inf)
+  return jnp.argmax(score_NV, axis=-1).astype(jnp.int32)
+
+
 def sample_from_uniforms(u_NV: jax.Array, probs_NV: jax.Array) -> jax.Array:
   """Categorical sample [...] from probabilities [..., V] given i.i.d. U(0, 1) noise [..., V].
 
@@ -211,17 +228,33 @@ def sample_from_uniforms(u_NV: jax.Array, probs_NV: jax.Array) -> jax.Array:
   that is far below anything a test or a decode could observe. A row of zeros returns 0.
   Taking the noise as an argument lets a caller draw all its randomness in one call (one
   threefry kernel to compile instead of several).
+
+  When every row is a point mass (greedy decoding), the result is the hot index whatever the
+  noise: a `lax.cond` skips the two logarithms over V (~3 ms per 50k-token row on a CPU).
+  Same result either way; under vmap with a batched predicate both branches run.
   """
-  g_NV = -jnp.log(-jnp.log(u_NV.astype(jnp.float32)))
-  p_NV = probs_NV.astype(jnp.float32)
-  positive_NV = p_NV > 0.0
-  score_NV = jnp.where(positive_NV, jnp.log(jnp.where(positive_NV, p_NV, 1.0)) + g_NV, -jnp.inf)
-  return jnp.argmax(score_NV, axis=-1).astype(jnp.int32)
+  return jax.lax.cond(point_masses(probs_NV), lambda u, p: _argmax(p), _gumbel_max, u_NV,
+                      probs_NV)
 
 
 def sample(key: jax.Array, probs_NV: jax.Array) -> jax.Array:
   """Categorical sample from probabilities [..., V] -> int32 tokens [...].
 
   Exact argmax for a one-hot; never a zero-probability token (see sample_from_uniforms).
+  When every row is a point mass no noise is drawn (`lax.cond`): greedy decoding skips V
+  uniforms and two logarithms over V per row.
   """
-  return sample_from_uniforms(uniforms(key, probs_NV.shape), probs_NV)
+  return jax.lax.cond(point_masses(probs_NV), lambda k, p: _argmax(p),
+                      lambda k, p: _gumbel_max(uniforms(k, p.shape), p), key, probs_NV)
+
+
+def uniforms_for(key: jax.Array, shape: tuple[int, ...], probs: jax.Array) -> jax.Array:
+  """`uniforms(key, shape)`, or a constant 0.5 when every row of `probs` is a point mass.
+
+  For the acceptance rules: with a point-mass target law every test u·q(x) < p(x) (p(x) in
+  {0, 1}, residuals renormalised) and every Gumbel-max sample has the same outcome for any u
+  in (0, 1), so greedy decoding skips drawing V uniforms per row (~2 ms per 50k-token row
+  on a CPU) and stays bit-identical; sampled decoding draws exactly what it drew before.
+  """
+  return jax.lax.cond(point_masses(probs), lambda k: jnp.full(shape, 0.5, jnp.float32),
+                      lambda k: uniforms(k, shape), key)

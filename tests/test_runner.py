@@ -148,6 +148,33 @@ def test_shards_cover_the_sweep_and_merge_into_one_run(config, tmp_path):
     runner.shard(runner.expand({"x": [1]}), 3, 3)
 
 
+def test_two_process_jax_distributed_sweep_splits_and_merges(config, tmp_path):
+  """`--coordinator/--num-processes/--process-id`: jax.distributed across two processes,
+  each running its shard of the sweep; merged, they are the whole sweep."""
+  import socket
+  with socket.socket() as sock:
+    sock.bind(("localhost", 0))
+    port = sock.getsockname()[1]
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "specjax.cli", "run", str(config), "--no-progress", "--json",
+       "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i),
+       "--out", str(tmp_path / f"p{i}")], env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True) for i in range(2)]
+  outs = [p.communicate(timeout=300) for p in procs]
+  for p, (out, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  counts = [len(runner.read_results(tmp_path / f"p{i}" / runner.RESULTS)) for i in range(2)]
+  assert sorted(counts) == [5, 5]
+  for i in range(2):
+    env_rec = json.loads((tmp_path / f"p{i}" / "environment.json").read_text())
+    assert (env_rec["process_index"], env_rec["process_count"]) == (i, 2)
+  assert main(["merge", str(tmp_path / "p0"), str(tmp_path / "p1"),
+               "--out", str(tmp_path / "m")]) == 0
+  assert len(runner.read_results(tmp_path / "m" / runner.RESULTS)) == 10
+  assert main(["run", str(config), "--coordinator", "localhost:1", "--process-id", "0"]) == 2
+
+
 def test_torn_last_line_is_ignored_and_fenced(tmp_path):
   path = tmp_path / runner.RESULTS
   runner.append_result(path, {"id": "a", "status": "ok"})

@@ -19,6 +19,12 @@ def add_parsers(subparsers) -> None:
   p.add_argument("--root", default="runs", help="where run directories go (default runs/)")
   p.add_argument("--shard-index", type=int, default=0)
   p.add_argument("--num-shards", type=int, default=1)
+  p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                 help="multi-host: jax.distributed coordinator address; every process runs "
+                 "the shard --process-id of --num-processes on its local devices (join the "
+                 "shard directories with `specjax merge`)")
+  p.add_argument("--num-processes", type=int, default=None)
+  p.add_argument("--process-id", type=int, default=None)
   p.add_argument("--no-progress", action="store_true")
   p.add_argument("--json", action="store_true", help="print the run summary as JSON")
   p.set_defaults(func=_run)
@@ -30,14 +36,39 @@ def add_parsers(subparsers) -> None:
   m.set_defaults(func=_merge)
 
 
+def _distributed(args: argparse.Namespace) -> None:
+  """jax.distributed for a sweep spanning hosts: process i of n runs shard i of n."""
+  given = [args.coordinator is not None, args.num_processes is not None,
+           args.process_id is not None]
+  if not any(given):
+    return
+  if not all(given):
+    raise ValueError("multi-host runs need all of --coordinator, --num-processes and "
+                     "--process-id")
+  if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+    raise ValueError(f"--process-id must be in [0, --num-processes={args.num_processes}), "
+                     f"got {args.process_id}")
+  if args.num_shards != 1 and (args.num_shards, args.shard_index) != (
+      args.num_processes, args.process_id):
+    raise ValueError("with --coordinator the shard is the process: leave --shard-index and "
+                     "--num-shards unset")
+  import jax
+  jax.distributed.initialize(coordinator_address=args.coordinator,
+                             num_processes=args.num_processes, process_id=args.process_id)
+  args.num_shards, args.shard_index = args.num_processes, args.process_id
+
+
 def _run(args: argparse.Namespace) -> int:
   from experiments import launch
+  _distributed(args)
   summary = launch.run(args.config, args.gin_param, out=args.out, root=args.root,
                        shard_index=args.shard_index, num_shards=args.num_shards,
                        progress=not args.no_progress)
   if args.json:
     print(json.dumps(summary.to_dict(), indent=2))
   else:
+    if summary.table:
+      print(summary.table)
     print(f"{summary.ok} points finished, {summary.failed} failed, {summary.skipped} already "
           f"done; report: {summary.run_dir / 'report.md'}")
   return 1 if summary.failed else 0

@@ -1,0 +1,206 @@
+"""The batch_breakeven experiment: a tiny run through the runner (random models), the pure
+break-even / best-k analysis on synthetic records, validation and planning without models."""
+
+import math
+
+import pytest
+
+from experiments import batch_breakeven as bb
+from experiments import launch, measure
+from specjax import roofline, runner
+from specjax.models import cache as kv
+from specjax.training.presets import PRESETS
+
+CONFIG = "configs/batch_breakeven.gin"
+# Two points (each compiles its own plain and speculative loops, ~25 s on 2 cores); the
+# multi-k analysis is covered on synthetic records below.
+TINY = [
+    'common.Sweep.axes = {"batch": [1, 4], "k": [2]}',
+    'common.Sweep.fixed = {"max_new_tokens": 8, "prompt_len": 16, "repeats": 1, '
+    '"models": "random"}',
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("bb") / "run"
+  summary = launch.run(CONFIG, TINY, out=str(out), progress=False)
+  return summary, out
+
+
+def test_tiny_run_metrics_are_present_and_sane(tiny_run):
+  summary, out = tiny_run
+  assert (summary.total, summary.ok, summary.failed) == (2, 2, 0)
+  records = list(runner.read_results(out / runner.RESULTS).values())
+  assert sorted((r["params"]["batch"], r["params"]["k"]) for r in records) == [(1, 2), (4, 2)]
+  for r in records:
+    m = r["metrics"]
+    for name in ("plain_tok_s", "spec_tok_s", "speedup", "c", "verify_cost",
+                 "t_plain_step_ms", "predicted_speedup", "roofline_gain"):
+      assert math.isfinite(m[name]) and m[name] > 0, (name, m[name])
+    assert m["speedup"] == pytest.approx(m["spec_tok_s"] / m["plain_tok_s"])
+    assert 0.0 <= m["alpha_trial"] <= 1.0 and 0.0 <= m["alpha"] <= 1.0
+    assert 1.0 <= m["tau"] <= r["params"]["k"] + 1
+    assert m["identical_to_plain"] is True  # greedy: speculation changes no token
+    assert m["cache_len"] == 32 and m["context_len"] == 16 + 8 // 2
+    hw = roofline.Hardware(**m["hardware"])
+    wl = roofline.Workload(**m["workload"])
+    assert m["roofline_gain"] == pytest.approx(roofline.gain(
+        hw, wl, r["params"]["batch"], m["alpha_trial"], r["params"]["k"], m["c"]))
+
+
+def test_tiny_run_report_has_break_even_lines_table_and_plot(tiny_run):
+  _, out = tiny_run
+  report = (out / "report.md").read_text()
+  assert "2 points finished, 0 failed" in report
+  assert "## Batch break-even" in report
+  assert "- Measured break-even batch" in report
+  assert "- Predicted break-even batch (roofline, draft_cost = full)" in report
+  assert "| batch | measured best k |" in report
+  assert "overhead-bound" in report
+  assert "![gain vs batch](batch_breakeven_gain.png)" in report
+  assert (out / "batch_breakeven_gain.png").stat().st_size > 5000
+
+
+# ----------------------------------------------------------------------------- pure analysis
+
+
+def test_break_even_interpolates_on_log_batch():
+  be = bb.break_even({1: 1.5, 2: 1.2, 4: 0.8, 8: 0.5})
+  assert be.status == "crossed" and be.between == (2.0, 4.0)
+  assert be.batch == pytest.approx(2 ** 1.5)  # halfway on log2 between 2 and 4
+  assert bb.break_even({1: 1.2, 2: 1.0, 4: 0.8}).batch == pytest.approx(2.0)  # 1 still pays
+  assert bb.break_even({1: 1.0, 16: 0.0}).batch == pytest.approx(1.0)
+  assert "B ≈ 2.83" in be.text()
+
+
+def test_break_even_not_reached_and_below_everywhere():
+  nr = bb.break_even({4: 1.1, 1: 1.3, 16: 1.0})
+  assert nr.status == "not reached" and nr.batch is None
+  assert "not reached" in nr.text(16) and "16" in nr.text(16)
+  below = bb.break_even({1: 0.9, 4: 0.7, 2: 0.99})
+  assert below.status == "below 1 everywhere" and below.batch is None
+  assert "below 1 everywhere" in below.text()
+
+
+def test_break_even_non_monotone_and_bad_input():
+  be = bb.break_even({1: 0.95, 2: 1.1, 4: 0.9})
+  assert be.status == "crossed" and be.between == (2.0, 4.0) and "batch 1" in be.note
+  late = bb.break_even({1: 0.9, 2: 1.1, 4: 1.2})
+  assert late.status == "not reached" and "batch 1" in late.note
+  with pytest.raises(ValueError, match="at least one batch"):
+    bb.break_even({1: float("nan")})
+  with pytest.raises(ValueError, match="batch sizes must be >= 1"):
+    bb.break_even({0.5: 1.2, 2: 0.8})
+
+
+HW = {"name": "cpu-test", "bandwidth": 100e9, "flops": 2e11, "memory": 1e10,
+      "peak_flops": None}
+WL = roofline.Workload.from_model_config(PRESETS["tiny"].target, 96).to_dict()
+
+
+def _record(batch, k, speedup, alpha=0.8, c=0.3, predicted=None):
+  return {"params": {"batch": batch, "k": k, "draft_cost": "full"}, "status": "ok",
+          "metrics": {"speedup": speedup, "alpha_trial": alpha, "c": c,
+                      "predicted_speedup": speedup if predicted is None else predicted,
+                      "hardware": HW, "workload": WL}}
+
+
+SYNTH = [  # k = 2 pays longer than k = 4; the best over k crosses 1 between batch 8 and 16
+    _record(1, 2, 1.4), _record(4, 2, 1.2), _record(8, 2, 1.05), _record(16, 2, 0.9),
+    _record(1, 4, 1.6), _record(4, 4, 1.1), _record(8, 4, 0.95), _record(16, 4, 0.7),
+]
+
+
+def test_best_by_batch_and_measured_break_even_use_the_best_k():
+  best = bb.best_by_batch(SYNTH)
+  assert best == {1: (4, 1.6), 4: (2, 1.2), 8: (2, 1.05), 16: (2, 0.9)}
+  tie = bb.best_by_batch([_record(1, 4, 1.3), _record(1, 2, 1.3)])
+  assert tie == {1: (2, 1.3)}  # smallest k on ties
+  be = bb.measured_break_even(SYNTH)
+  assert be.status == "crossed" and be.between == (8.0, 16.0)
+  assert be.batch == pytest.approx(2 ** (3 + 0.05 / 0.15))
+
+
+def test_predicted_break_even_is_the_largest_roofline_break_even_over_k():
+  hw, wl = bb.model_of(SYNTH)
+  overall, per_k = bb.predicted_break_even(SYNTH)
+  assert set(per_k) == {2, 4}
+  for k, b in per_k.items():
+    assert b == pytest.approx(roofline.break_even_batch(hw, wl, 0.8, k, 0.3))
+    assert roofline.gain(hw, wl, b, 0.8, k, 0.3) == pytest.approx(1.0, abs=1e-6)
+  assert overall.status == "crossed" and overall.batch == pytest.approx(max(per_k.values()))
+  never = [_record(1, 2, 0.5, alpha=0.0), _record(4, 2, 0.5, alpha=0.0)]
+  assert bb.predicted_break_even(never)[0].status == "below 1 everywhere"
+
+
+def test_best_k_table_against_roofline_best_k():
+  rows = bb.best_k_table(SYNTH)
+  assert [r["batch"] for r in rows] == [1, 4, 8, 16]
+  assert [r["measured best k"] for r in rows] == [4, 2, 2, 0]  # 0: off at batch 16
+  assert [r["at k"] for r in rows] == [4, 2, 2, 2]
+  hw, wl = bb.model_of(SYNTH)
+  for r in rows:
+    kb, gb = roofline.best_k(hw, wl, r["batch"], 0.8, 0.3, k_max=4)
+    assert (r["roofline.best_k"], r["best_k gain"]) == (kb, pytest.approx(gb))
+    g = {k: roofline.gain(hw, wl, r["batch"], 0.8, k, 0.3) for k in (2, 4)}
+    best = max(g, key=lambda k: (g[k], -k))
+    assert r["roofline best swept k"] == (best if g[best] >= 1 else 0)
+
+
+def test_report_on_synthetic_records(tmp_path):
+  text = bb.report(SYNTH, tmp_path)
+  assert "- Measured break-even batch (best speedup over k = [2, 4]): B ≈ 10.1" in text
+  assert "between batch 8 and 16" in text
+  assert "- Predicted break-even batch (roofline, draft_cost = full):" in text
+  assert "k=2:" in text and "k=4:" in text
+  assert "| 16 | 0 | 0.9 | 2 |" in text
+  assert (tmp_path / "batch_breakeven_gain.png").stat().st_size > 5000
+
+
+# ----------------------------------------------------------------------------- validation, plan
+
+
+GOOD = {"batch": 4, "k": 2, "max_new_tokens": 8, "prompt_len": 16, "temperature": 0.0,
+        "repeats": 1, "models": "random", "draft_cost": "full", "seed": 0}
+
+
+@pytest.mark.parametrize("name,value,pattern", [
+    ("batch", 0, r"batch must be an int in \[1, 4096\], got 0"),
+    ("batch", 2.0, r"batch must be an int in \[1, 4096\], got 2.0"),
+    ("batch", True, r"batch must be an int"),
+    ("k", 0, r"k must be an int in \[1, 64\], got 0"),
+    ("k", "4", r"k must be an int in \[1, 64\], got '4'"),
+    ("temperature", -0.5, r"temperature must be a finite number >= 0, got -0.5"),
+    ("temperature", float("inf"), r"temperature must be a finite number >= 0"),
+    ("temperature", "hot", r"temperature must be a finite number >= 0, got 'hot'"),
+    ("repeats", 0, r"repeats must be an int in \[1, 1000\], got 0"),
+    ("models", "huge", r"models must be one of \('default', 'random'\), got 'huge'"),
+    ("draft_cost", "free", r"draft_cost must be one of"),
+    ("prompt_len", 4, r"prompt_len must be an int in \[8, "),
+])
+def test_validate_rejects_bad_values_naming_the_parameter(name, value, pattern):
+  bb.validate(GOOD)
+  with pytest.raises(ValueError, match=pattern):
+    bb.validate({**GOOD, name: value})
+
+
+def test_plan_of_the_default_config_loads_no_model(monkeypatch):
+  def boom(which):
+    raise AssertionError(f"plan loaded models {which!r}")
+  monkeypatch.setattr(measure, "models", boom)
+  sweep, _ = launch.load_sweep(CONFIG)
+  points = launch.plan(sweep)
+  assert sweep.name == "batch_breakeven" and len(points) == 7 * 4
+  assert {p.params["models"] for p in points} == {"default"}
+  with pytest.raises(ValueError, match=r"sweep point .*k must be an int in \[1, 64\], got 0"):
+    launch.plan(launch.load_sweep(CONFIG, ['common.Sweep.axes = {"batch": [1], "k": [0]}'])[0])
+
+
+def test_memory_estimate_is_the_tiny_presets_kv_caches():
+  tiny = PRESETS["tiny"]
+  n = bb.cache_len(64, 64, 8)
+  assert n == 256  # bucket(64) + 64 + 8 + 1 = 137 -> 256
+  expected = 4 * (kv.cache_bytes(tiny.target, 64, n) + kv.cache_bytes(tiny.draft, 64, n))
+  assert bb.memory({"batch": 64, "k": 8, "prompt_len": 64, "max_new_tokens": 64}) == expected
+  assert bb.memory({"batch": 1, "k": 1}) < expected

@@ -1,0 +1,87 @@
+"""The quickstart (reduced: fewer tokens, one repeat) and the α × k sweep, end to end through
+the runner: every point finishes, metrics are sane, report and plots are written.
+
+The quickstart uses the embedded trained pair when it is already cached (CI runs the main
+job first, which trains it) and random tiny models otherwise, so a lone test run does not
+train for minutes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments import alpha_k_sweep, launch, quickstart
+from specjax import runner
+from specjax.training import defaults
+
+
+def _models() -> str:
+  return "default" if defaults.entry_dir("tiny", "code").exists() else "random"
+
+
+def test_quickstart_reduced_end_to_end(tmp_path):
+  models = _models()
+  s = launch.run("quickstart", out=str(tmp_path / "qs"), progress=False, bindings=[
+      'common.Sweep.axes = {"mode": ["chain", "tree"], "batch": [1, 2]}',
+      f'common.Sweep.fixed = {{"k": 3, "tree_widths": (2, 1, 1), "max_new_tokens": 16, '
+      f'"prompt_len": 16, "temperature": 0.0, "repeats": 1, "models": "{models}"}}'])
+  assert (s.total, s.ok, s.failed) == (4, 4, 0)
+  records = runner.read_results(tmp_path / "qs" / runner.RESULTS).values()
+  for r in records:
+    m = r["metrics"]
+    assert m["identical_to_plain"] is True, r  # greedy: speculative output == plain output
+    assert 1.0 <= m["tau"] <= 4.0 and 0.0 <= m["alpha"] <= 1.0
+    assert m["speedup"] > 0 and m["predicted_speedup"] > 0 and m["c"] > 0
+  report = (tmp_path / "qs" / "report.md").read_text()
+  assert "4 points finished, 0 failed" in report
+  assert (tmp_path / "qs" / "quickstart_speedup.png").stat().st_size > 1000
+
+
+def test_alpha_k_sweep_runs_vectorised_and_tracks_the_dial(tmp_path):
+  s = launch.run("alpha_k_sweep", out=str(tmp_path / "ak"), progress=False,
+                 bindings=['common.Sweep.axes = {"alpha": [0.3, 0.9], "k": [3]}',
+                           'common.Sweep.fixed = {"models": "random", "max_new_tokens": 48, '
+                           '"batch": 4, "repeats": 1, "mc_cycles": 2000, "temperature": 1.0}'])
+  assert (s.total, s.ok, s.failed) == (2, 2, 0)
+  records = sorted(runner.read_results(tmp_path / "ak" / runner.RESULTS).values(),
+                   key=lambda r: r["params"]["alpha"])
+  for r in records:
+    m = r["metrics"]
+    assert abs(m["z_alpha"]) < 4.0, m  # measured α agrees with the dial
+    assert abs(m["z_tau"]) < 4.0, m  # measured τ agrees with E[τ]
+    assert m["cost"] == "measured" and m["speedup"] > 0 and m["speedup_formula"] > 0
+    assert sum(m["histogram"]) == m["cycles"]
+  assert records[1]["metrics"]["tau_cycle"] > records[0]["metrics"]["tau_cycle"]
+  for png in ("alpha_k_speedup", "alpha_k_tau", "alpha_k_heatmap", "alpha_k_run_lengths"):
+    assert (tmp_path / "ak" / f"{png}.png").stat().st_size > 1000, png
+  assert "## α × k" in (tmp_path / "ak" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"alpha": 1.2}, "alpha must lie in"),
+    ({"alpha": [0.5]}, "alpha must be one number per point"),
+    ({"k": 0}, "k must be an int >= 1"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"c": "cheap"}, "c must be None"),
+    ({"draft": "huge"}, "draft must be 'default'"),
+    ({"models": "gpt5"}, "models must be"),
+])
+def test_alpha_k_sweep_validation(change, match):
+  with pytest.raises(ValueError, match=match):
+    alpha_k_sweep.validate({"alpha": 0.5, "k": 2, **change})
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"mode": "beam"}, "mode must be one of"),
+    ({"batch": 0}, "batch must be an int >= 1"),
+    ({"models": "x"}, "models must be"),
+])
+def test_quickstart_validation(change, match):
+  with pytest.raises(ValueError, match=match):
+    quickstart.validate({"mode": "chain", **change})
+
+
+def test_all_configs_plan_without_loading_models():
+  for name in launch.available_configs():
+    sweep, _ = launch.load_sweep(name)
+    assert launch.plan(sweep), name

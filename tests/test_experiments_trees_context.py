@@ -1,0 +1,138 @@
+"""The tree-shapes and long-context experiments: their configs plan without loading models,
+tiny runs through the runner give sane metrics and a report with plots, and validation
+rejects bad values naming the parameter.
+
+Compilation dominates: the tiny settings share one prompt bucket (16) and cache length (64)
+across both experiments, so plain decoding and the forward timings compile once, and each
+tree test compiles at most one new tree shape (optimal on random models is the chain).
+"""
+
+import pytest
+
+from experiments import launch, long_context, measure, tree_shapes
+from specjax import runner
+
+
+def _records(run_dir):
+  records = list(runner.read_results(run_dir / runner.RESULTS).values())
+  assert records and all(r["status"] == "ok" for r in records), records
+  return records
+
+
+@pytest.mark.parametrize("name", ["tree_shapes", "long_context"])
+def test_config_parses_and_plans_without_loading_models(name, monkeypatch):
+  def refuse(which):
+    raise AssertionError(f"planning loaded models {which!r}")
+  monkeypatch.setattr(measure, "models", refuse)
+  sweep, _ = launch.load_sweep(f"configs/{name}.gin")
+  points = launch.plan(sweep)
+  assert len(points) == (24 if name == "tree_shapes" else 4)
+  assert all(sweep.memory_fn(p.params) > 0 for p in points)
+
+
+BUDGET = 6  # calib_widths (2, 2) is the 6-node branching tree: one compile for both
+
+
+def _run_trees(tmp_path, shapes):
+  """A tiny tree_shapes sweep at N = BUDGET, T = 0; checks what every shape must satisfy."""
+  out = tmp_path / "run"
+  s = launch.run("tree_shapes", [
+      f'common.Sweep.axes = {{"shape": {shapes!r}, "budget": [{BUDGET}], "temperature": [0.0]}}'
+      .replace("'", '"'),
+      'common.Sweep.fixed = {"max_new_tokens": 8, "prompt_len": 16, "repeats": 1, '
+      '"calib_widths": (2, 2), "models": "random"}'], out=str(out), progress=False)
+  assert (s.total, s.ok, s.failed) == (len(shapes), len(shapes), 0)
+  by_shape = {r["params"]["shape"]: r["metrics"] for r in _records(out)}
+  for shape, m in by_shape.items():
+    assert m["tau"] >= 1.0 and 0.0 <= m["alpha"] <= 1.0, (shape, m)
+    assert m["identical_to_plain"] is True, shape
+    assert m["nodes_per_cycle"] == BUDGET, shape  # every shape verifies exactly N nodes
+    assert m["plain_tok_s"] > 0 and m["spec_tok_s"] > 0 and m["speedup"] > 0
+    assert m["predicted_speedup"] > 0 and m["efficiency"] > 0
+    assert 1 <= len(m["depth_acceptance"]) == m["depth"]
+  report = (out / "report.md").read_text()
+  for png in ("tree_shapes_tau.png", "tree_shapes_speedup.png", "tree_shapes_depth.png"):
+    assert f"]({png})" in report and (out / png).stat().st_size > 1000
+  assert "## Tree shapes at equal node budgets" in report
+  return by_shape, report
+
+
+def test_tree_shapes_chain(tmp_path):
+  by_shape, report = _run_trees(tmp_path, ["chain"])
+  assert by_shape["chain"]["parents"] == list(range(-1, BUDGET))
+  assert by_shape["chain"]["rank_probs"] is None and "| chain | 6 |" in report
+
+
+def test_tree_shapes_branching_and_optimal(tmp_path):
+  by_shape, report = _run_trees(tmp_path, ["branching", "optimal"])
+  assert by_shape["branching"]["parents"] == [-1, 0, 0, 1, 1, 2, 2]  # exactly N nodes
+  assert by_shape["branching"]["pretty"].startswith("root") and "branching (N = 6):" in report
+  assert len(by_shape["optimal"]["parents"]) == BUDGET + 1
+  assert len(by_shape["optimal"]["rank_probs"]) == 2  # calibrated on the (2, 2) tree
+  assert "rank probabilities" in report
+  assert tree_shapes.calibration.cache_info().currsize == 1  # once per process and setting
+
+
+def test_tree_shapes_dynamic(tmp_path):
+  by_shape, _ = _run_trees(tmp_path, ["dynamic"])
+  assert by_shape["dynamic"]["parents"] is None and "budget=6" in by_shape["dynamic"]["pretty"]
+
+
+def test_long_context_speedup_vs_context_and_report(tmp_path):
+  out = tmp_path / "run"
+  s = launch.run("long_context", [
+      'common.Sweep.axes = {"context_len": [12, 16]}',  # one prompt bucket: one compile
+      'common.Sweep.fixed = {"batch": 1, "k": 2, "max_new_tokens": 32, "repeats": 2, '
+      '"models": "random"}'], out=str(out), progress=False)  # decode phase >> prefill
+  assert (s.total, s.ok, s.failed) == (2, 2, 0)
+  records = _records(out)
+  for r in records:
+    m = r["metrics"]
+    assert m["tau"] >= 1.0 and m["identical_to_plain"] is True
+    assert m["speedup"] > 0 and m["predicted_speedup"] > 0 and m["predicted_speedup_timed"] > 0
+    assert m["memory_bound_factor"] > 0 and m["roofline_step_ms"] > 0 and m["c"] > 0
+    assert 0 < m["kv_share"] < 1 and m["cache_len"] == 64
+    assert m["speedup_e2e"] > 0 and m["prefill_ms"] > 0 and 0 < m["decode_share"] < 1
+  report = (out / "report.md").read_text()
+  assert "](long_context.png)" in report and (out / "long_context.png").stat().st_size > 1000
+  assert long_context.hardware.cache_info().currsize == 1  # calibrated once per process
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"shape": "star"}, "shape must be one of"),
+    ({"budget": 0}, r"budget must be an int in \[1, 64\], got 0"),
+    ({"budget": 65}, r"budget must be an int in \[1, 64\], got 65"),
+    ({"temperature": -1.0}, "temperature must be a number >= 0"),
+    ({"prompt_len": 4}, "prompt_len must be an int >= 8"),
+    ({"calib_widths": (1, 1)}, "calib_widths must have a width >= 2"),
+    ({"calib_widths": ()}, "calib_widths must be a non-empty sequence"),
+    ({"models": "huge"}, "models must be 'default' or 'random'"),
+])
+def test_tree_shapes_validate_rejects_bad_values(change, match):
+  with pytest.raises(ValueError, match=match):
+    tree_shapes.validate({"shape": "chain", "budget": 4, **change})
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"context_len": 4}, r"context_len must be an int in \[8, 65536\], got 4"),
+    ({"context_len": 1 << 17}, "context_len must be an int in"),
+    ({"context_len": "long"}, "context_len must be an int"),
+    ({"batch": 0}, "batch must be an int >= 1, got 0"),
+    ({"k": 0}, r"k must be an int in \[1, 32\], got 0"),
+    ({"max_new_tokens": 1}, "max_new_tokens must be an int >= 2, got 1"),  # decode phase
+    ({"temperature": "hot"}, "temperature must be a number >= 0"),
+    ({"models": "huge"}, "models must be 'default' or 'random'"),
+])
+def test_long_context_validate_rejects_bad_values(change, match):
+  with pytest.raises(ValueError, match=match):
+    long_context.validate({"context_len": 64, **change})
+
+
+def test_bad_value_in_a_binding_fails_before_any_work(tmp_path):
+  with pytest.raises(ValueError, match="sweep point .*budget must be an int"):
+    launch.run("tree_shapes", ['common.Sweep.axes = {"shape": ["chain"], "budget": [0]}'],
+               out=str(tmp_path / "run"), progress=False)
+  with pytest.raises(ValueError, match="sweep point .*k must be an int"):
+    launch.run("long_context", ['common.Sweep.fixed = {"k": 0}'], out=str(tmp_path / "run"),
+               progress=False)
+  assert not (tmp_path / "run").exists()
