@@ -10,6 +10,8 @@
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# `specjax run` keeps a persistent XLA cache in the user cache dir; tests must not write there.
+os.environ.setdefault("SPECJAX_NO_COMPILATION_CACHE", "1")
 # Tests compile many small programs and run each briefly: LLVM optimisation level 0 halves
 # XLA:CPU compile time. Benchmarks and real runs keep the default level.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):

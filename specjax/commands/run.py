@@ -58,9 +58,28 @@ def _distributed(args: argparse.Namespace) -> None:
   args.num_shards, args.shard_index = args.num_processes, args.process_id
 
 
+def _compilation_cache() -> None:
+  """JAX's persistent compilation cache under $SPECJAX_CACHE_DIR/xla (~/.cache/specjax/xla):
+  a re-run of an experiment (or the next experiment with the same shapes) loads its compiled
+  programs instead of compiling them again. SPECJAX_NO_COMPILATION_CACHE=1 turns it off."""
+  import os
+  if os.environ.get("SPECJAX_NO_COMPILATION_CACHE"):
+    return
+  import jax
+  from specjax.training.defaults import cache_dir
+  try:
+    path = cache_dir() / "xla"
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+  except OSError:  # an unwritable cache only costs compile time
+    pass
+
+
 def _run(args: argparse.Namespace) -> int:
   from experiments import launch
   _distributed(args)
+  _compilation_cache()
   summary = launch.run(args.config, args.gin_param, out=args.out, root=args.root,
                        shard_index=args.shard_index, num_shards=args.num_shards,
                        progress=not args.no_progress)
