@@ -44,6 +44,18 @@ def validate(params: dict) -> None:
     raise ValueError(f"temperature must be a number >= 0, got {t!r}")
 
 
+def memory(params: dict) -> int:
+  """KV bytes of one point (target + draft caches of plain and speculative runs and of the
+  forward timings), from the embedded pair's preset configs: no model is loaded."""
+  from specjax.models import cache as kv
+  from specjax.training.presets import PRESETS
+  pair = PRESETS["tiny"]
+  b = params.get("batch", 1)
+  n = 2 * (params.get("prompt_len", 64) + params.get("max_new_tokens", 64)
+           + max(params.get("k", 4), 16) + 1)
+  return 3 * (kv.cache_bytes(pair.target, b, n) + kv.cache_bytes(pair.draft, b, n))
+
+
 def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 1),
           max_new_tokens: int = 64, prompt_len: int = 64, temperature: float = 0.0,
           repeats: int = 3, models: str = "default", seed: int = 0) -> dict:

@@ -85,3 +85,10 @@ def test_all_configs_plan_without_loading_models():
   for name in launch.available_configs():
     sweep, _ = launch.load_sweep(name)
     assert launch.plan(sweep), name
+
+
+def test_sweep_larger_than_memory_is_refused_before_work(tmp_path):
+  with pytest.raises(ValueError, match="GiB but only .* GiB is available"):
+    launch.run("quickstart", out=str(tmp_path / "big"), progress=False,
+               bindings=['common.Sweep.axes = {"mode": ["chain"], "batch": [10000000]}'])
+  assert not (tmp_path / "big").exists()
