@@ -169,26 +169,32 @@ def warp(logits_NV: jax.Array, sampler: SamplerParams) -> jax.Array:
           probs = softmax(s)                        (renormalised over the kept set)
   T == 0: probs = one_hot(argmax(logits))           (first index on ties, as jnp.argmax)
 
-  The top-k / top-p cuts (a bisection each, see _filter_top_k_top_p) run under `lax.cond`,
-  so a jitted caller skips a filter that is off at run time (with both off, the common case,
-  warp is a plain softmax); under vmap with a batched sampler the conds become selects and
-  every branch runs (still exact).
+  T == 0 and the top-k / top-p cuts (a bisection each, see _filter_top_k_top_p) run under
+  `lax.cond`, so a jitted caller skips the softmax when greedy and a filter that is off at
+  run time (with both off, the common case, warp is a plain softmax); under vmap with a
+  batched sampler the conds become selects and every branch runs (still exact).
   Assumes at least one finite logit per row. Tokens with logit -inf get probability 0.
   """
   V = logits_NV.shape[-1]
-  x_NV = logits_NV.astype(jnp.float32)
   t = jnp.asarray(sampler.temperature, jnp.float32)
   top_k = jnp.asarray(sampler.top_k, jnp.int32)
   top_p = jnp.asarray(sampler.top_p, jnp.float32)
   greedy = t <= 0.0
-  # Subtracting the max first keeps s finite for tiny T (no overflow to inf - inf).
-  s_NV = (x_NV - jnp.max(x_NV, axis=-1, keepdims=True)) / jnp.where(greedy, 1.0, t)
-  k_eff = jnp.where((top_k <= 0) | (top_k >= V), V, top_k)
-  filtering = (~greedy) & ((k_eff < V) | (top_p < 1.0))
-  s_NV = jax.lax.cond(filtering, _filter_top_k_top_p, lambda s, k, p: s, s_NV, k_eff, top_p)
-  probs_NV = jax.nn.softmax(s_NV, axis=-1)
-  one_hot_NV = jax.nn.one_hot(jnp.argmax(logits_NV, axis=-1), V, dtype=jnp.float32)
-  return jnp.where(greedy, one_hot_NV, probs_NV)
+
+  def sampled(logits):
+    x_NV = logits.astype(jnp.float32)
+    # Subtracting the max first keeps s finite for tiny T (no overflow to inf - inf).
+    s_NV = (x_NV - jnp.max(x_NV, axis=-1, keepdims=True)) / jnp.where(greedy, 1.0, t)
+    k_eff = jnp.where((top_k <= 0) | (top_k >= V), V, top_k)
+    filtering = (k_eff < V) | (top_p < 1.0)
+    s_NV = jax.lax.cond(filtering, _filter_top_k_top_p, lambda s, k, p: s, s_NV, k_eff, top_p)
+    return jax.nn.softmax(s_NV, axis=-1)
+
+  def point_mass(logits):
+    return jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+
+  # Greedy skips the softmax over V (a runtime branch: T stays a traced value).
+  return jax.lax.cond(greedy, point_mass, sampled, logits_NV)
 
 
 def uniforms(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:

@@ -66,7 +66,15 @@ def test_per_row_alpha_broadcasts():
 @struct.dataclass
 class _NaiveMixture(OracleDrafter):
   """Planted bug: q = α·p + (1 − α)·δ_argmax p, the naive mixture (no p(y) correction, point
-  mass on the likeliest token): acceptance α + (1 − α)·p_max > α."""
+  mass on the likeliest token): acceptance α + (1 − α)·p_max > α.
+
+  The extra static field matters: jax 0.10 compares two dataclass pytree definitions of the
+  same field names as equal even when their classes differ (only their hashes differ), so a
+  subclass with identical fields can be served the parent's compiled program from a jit
+  cache on a hash-bucket collision (seen once in CI).
+  """
+
+  planted: bool = struct.field(pytree_node=False, default=True)
 
   def draft_law(self, logits, sampler):
     p = sampling.warp(logits, sampler)
