@@ -120,12 +120,10 @@ def _costs(k: int, batch: int, max_new_tokens: int, prompt_len: int, temperature
   lm_t, lm_d = LM.of(target), LM.of(draft_model)
   cache_len = 2 * (prompt_len + max_new_tokens + k + 1)
   context = prompt_len + max_new_tokens // 2
-  t1 = measure.forward_seconds(lm_t, batch, 1, context, cache_len, repeats)
-  tv = measure.forward_seconds(lm_t, batch, k + 1, context, cache_len, repeats)
-  td = measure.forward_seconds(lm_d, batch, 2, context, cache_len, repeats)
+  fwd = measure.step_costs(lm_t, lm_d, batch, k + 1, k, 1, context, cache_len, repeats)
   return {"t_step": plain_s / max_new_tokens,
           "t_cycle_real": spec_s / int(np.max(spec.stats["cycles"])),
-          "t1": t1, "v": tv / t1, "c_measured": td / t1,
+          "t1": fwd["t1"], "v": fwd["v"], "c_measured": fwd["c"],
           "real_draft_alpha": spec.summary().alpha_trial}
 
 

@@ -99,6 +99,23 @@ def forward_seconds(lm, batch, t, context, cache_len, repeats, min_sample_s: flo
   return statistics.median(times)
 
 
+def step_costs(lm_t, lm_d, batch, n_verify, draft_passes, width, context, cache_len,
+               repeats) -> dict:
+  """The costs every prediction here uses, timed standalone at `context`:
+
+  t1 = one-token target step; v = target forward of n_verify tokens ÷ t1;
+  c  = draft cost per pass ÷ t1 = (d(2) + (D − 1)·d(W)) / (D·t1), D = draft_passes: the
+       first pass of a cycle feeds 2 tokens (the catch-up rule), later passes W tokens
+       (1 for a chain, the widest fed level for a tree).
+  """
+  t1 = forward_seconds(lm_t, batch, 1, context, cache_len, repeats)
+  tv = forward_seconds(lm_t, batch, n_verify, context, cache_len, repeats)
+  d2 = forward_seconds(lm_d, batch, 2, context, cache_len, repeats)
+  dw = (forward_seconds(lm_d, batch, width, context, cache_len, repeats)
+        if draft_passes > 1 else 0.0)
+  return {"t1": t1, "v": tv / t1, "c": (d2 + (draft_passes - 1) * dw) / (draft_passes * t1)}
+
+
 def median_alternating(fns: dict, repeats: int) -> dict:
   """{name: (median seconds, last result)} of each callable, alternated within every repeat
   after one warm-up call each (compilation excluded)."""

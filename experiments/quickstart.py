@@ -96,16 +96,12 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
   lm_t, lm_d = LM.of(target), LM.of(draft)
   cache_len = 2 * (prompt_len + max_new_tokens + n_drafted + 1)
   context = prompt_len + max_new_tokens // 2
-  t1 = measure.forward_seconds(lm_t, batch, 1, context, cache_len, repeats)
-  tv = measure.forward_seconds(lm_t, batch, n_drafted + 1, context, cache_len, repeats)
-  td2 = measure.forward_seconds(lm_d, batch, 2, context, cache_len, repeats)
   # Draft passes per cycle: k for a chain, one per tree level (a level's nodes share a pass).
   draft_steps = k if mode == "chain" else len(tree_widths)
   width = 1 if mode == "chain" else int(max(tree.level_sizes[1:draft_steps], default=1))
-  tdw = (measure.forward_seconds(lm_d, batch, width, context, cache_len, repeats)
-         if draft_steps > 1 else 0.0)
-  c = (td2 + (draft_steps - 1) * tdw) / (draft_steps * t1)
-  v = tv / t1
+  costs = measure.step_costs(lm_t, lm_d, batch, n_drafted + 1, draft_steps, width, context,
+                             cache_len, repeats)
+  c, v = costs["c"], costs["v"]
   if mode == "chain":
     alpha = summary.alpha_trial
     tau_pred = float(theory.expected_tokens(alpha, k))
