@@ -336,6 +336,15 @@ def _bucket(n: int, cap: int) -> int:
   return min(b, cap) if cap >= n else b
 
 
+def cache_len_for(prompt_len: int, max_new_tokens: int, slots: int = 1) -> int:
+  """The engine's cache-length rule: the prompt's bucket + the token budget + the `slots`
+  one cycle writes from the pending token (1 for plain decoding, k + 1 for a chain of k, a
+  tree's nodes or its drafter's extent), rounded up to a power of two, so budgets that change
+  within it do not recompile. Experiments use this rule too, so what they time is what the
+  engine runs."""
+  return _bucket(_bucket(prompt_len, 1 << 62) + max_new_tokens + slots, 1 << 62)
+
+
 def _check_int(name: str, value, lo: int) -> int:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
     raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
@@ -391,7 +400,7 @@ def prepare_batch(prompts: Sequence[Sequence[int]], *, vocab_size: int, max_len:
   bucket = _bucket(longest, cache_len or (1 << 62))
   need = bucket + max(budgets) + k + 1
   if cache_len is None:
-    cache_len = _bucket(need, 1 << 62)
+    cache_len = cache_len_for(longest, max(budgets), k + 1)
     if positions_limited:
       cache_len = min(cache_len, max_len)
   else:
