@@ -17,7 +17,8 @@ machine. Everything is timed in one process, variants alternated, medians over r
    others 1); efficiency = measured / predicted.
 Standalone forwards donate the cache and feed it back (as the loop does), so no timing
 includes a cache copy.
-Also checks the compiled decode step for cache-sized copies (PERF_NOTES trap 1).
+Also checks the compiled decode step for cache-sized copies (XLA copying the whole KV cache
+every step instead of updating it in place; docs/xla_notes.md, trap 1).
 """
 
 from __future__ import annotations

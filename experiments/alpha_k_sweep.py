@@ -4,7 +4,8 @@ One point = (α, k). The drafter (`specjax.drafters.oracle.OracleDrafter`) propo
 target's own law mixed with a point mass so that every draft is accepted with probability
 exactly α; the target is the embedded trained tiny model (or a random one for smoke runs).
 All α values of one k share static shapes and run as one vectorised program, spread over
-the local devices (`specjax.parallel.device_map`; α is a runtime leaf, one compile per k).
+the local devices (`specjax.sweeps.parallel.device_map`; α is a runtime leaf, one compile
+per k).
 
 Per point:
   alpha_trial   accepted ÷ trials (a chain's drafts up to the first rejection): ≈ α
@@ -13,11 +14,12 @@ Per point:
                 with a z-score, and a Monte Carlo simulation of the same chain alongside
   speedup       with the draft's time cost either
                   measured (c = None): a real draft model of the chosen size (`draft`) runs
-                  the same k in the real loop, timed side by side with plain decoding:
-                  speedup = τ · t_step / t_cycle, t_step = plain call ÷ tokens per row,
-                  t_cycle = speculative call ÷ its cycles (prefill amortised in both);
+                  the same k in the real loop, timed side by side with plain decoding
+                  (`measure.compare`): speedup = τ · t_step / t_cycle, t_step = plain call ÷
+                  tokens per row, t_cycle = speculative call ÷ its cycles (prefill amortised
+                  in both);
                   modelled (c = a number): t_cycle = k·c·t_1 + t_verify(k + 1), both target
-                  forwards timed here;
+                  forwards timed here (`measure.step_costs`);
                 and the formula with the same costs: E[τ] / (k·c + v), v = t_verify ÷ t_1.
 
 The oracle's own wall time is not a speedup (its drafts run the target) and is not reported.
@@ -32,9 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import measure
-from specjax import decoding, metrics, parallel, sampling, theory, trees
+from specjax import decoding, loop, metrics, sampling, theory, trees
 from specjax.drafters.base import LM
 from specjax.drafters.oracle import OracleDrafter, check_alpha
+from specjax.sweeps import parallel
 
 
 def validate(params: dict) -> None:
@@ -43,19 +46,13 @@ def validate(params: dict) -> None:
     raise ValueError(f"alpha must be one number per point, got {params.get('alpha')!r}")
   for name, lo in (("k", 1), ("batch", 1), ("max_new_tokens", 2), ("prompt_len", 8),
                    ("repeats", 1), ("mc_cycles", 100)):
-    v = params.get(name, lo)
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-      raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    measure.check_int(params, name, lo, lo)
   if params.get("k", 1) > 32:
     raise ValueError(f"k must be <= 32, got {params['k']}")
-  t = params.get("temperature", 1.0)
-  if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
-    raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
-  if params.get("models", "default") not in ("default", "random"):
-    raise ValueError(f"models must be 'default' or 'random', got {params.get('models')!r}")
-  c = params.get("c")
-  if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or c < 0):
-    raise ValueError(f"c must be None (measure a real draft) or a number >= 0, got {c!r}")
+  measure.check_number(params, "temperature", 1.0, 0)
+  measure.check_choice(params, "models", "default", measure.MODELS)
+  measure.check_number(params, "c", None, 0, allow_none=True,
+                       note=" (None: measure a real draft)")
   draft = params.get("draft", "default")
   from specjax.models.presets import PRESETS
   if draft != "default" and draft not in PRESETS:
@@ -65,22 +62,19 @@ def validate(params: dict) -> None:
 
 def memory(params: dict) -> int:
   """KV bytes of one point: the target's cache twice (target + oracle) and a real draft's."""
-  from specjax.models import cache as kv
-  from specjax.training.presets import PRESETS
-  pair = PRESETS["tiny"]
-  cache_len = 2 * (params.get("prompt_len", 64) + params.get("max_new_tokens", 64)
-                   + params.get("k", 4) + 1)
-  b = params.get("batch", 1)
-  return (2 * kv.cache_bytes(pair.target, b, cache_len)
-          + kv.cache_bytes(pair.draft, b, cache_len))
+  cache_len = decoding.cache_len_for(params.get("prompt_len", 64),
+                                     params.get("max_new_tokens", 64), params.get("k", 4) + 1)
+  target, draft = measure.cache_bytes(params.get("models", "default"), params.get("batch", 1),
+                                      cache_len)
+  return 2 * target + draft
 
 
 def _oracle_run(target: LM, prompt_BP, prompt_len_B, budget_B, sampler, alpha, key, *, k: int,
                 cache_len: int):
   drafter = OracleDrafter(lm=target, deterministic=False, alpha=alpha)
-  s = decoding.speculative_loop(target, drafter, prompt_BP, prompt_len_B, budget_B,
-                                jnp.asarray(-1, jnp.int32), sampler, key, k=k,
-                                cache_len=cache_len)
+  s = loop.speculative_loop(target, drafter, prompt_BP, prompt_len_B, budget_B,
+                            jnp.asarray(-1, jnp.int32), sampler, key, tree=trees.chain(k),
+                            cache_len=cache_len)
   return s.length, s.stats
 
 
@@ -89,42 +83,20 @@ def _run_fn(k: int, cache_len: int):
   return functools.partial(_oracle_run, k=k, cache_len=cache_len)
 
 
-def _draft_model(name: str, models: str, target):
-  if name == "default":
-    return measure.models(models)[1]
-  from flax import nnx
-
-  from specjax.models.presets import PRESETS
-  from specjax.models.transformer import Transformer
-  cfg = PRESETS[name].replace(vocab_size=target.config.vocab_size,
-                              max_len=max(PRESETS[name].max_len, target.config.max_len))
-  return Transformer(cfg, rngs=nnx.Rngs(1))
-
-
 @functools.lru_cache(maxsize=32)
 def _costs(k: int, batch: int, max_new_tokens: int, prompt_len: int, temperature: float,
            models: str, draft: str, repeats: int, seed: int) -> dict:
   """Timings of one (k, batch): plain decoding and a real draft's loop side by side, and
-  standalone forwards (t_1, t_verify(k + 1), t_draft(2 tokens))."""
+  standalone forwards (t_1, t_verify(k + 1), the draft's passes)."""
   target, _, tok, texts = measure.models(models)
-  draft_model = _draft_model(draft, models, target)
-  prompts = measure.prompts(tok, texts, batch, prompt_len)
-  common = dict(max_new_tokens=max_new_tokens, sampler=sampling.make_sampler(temperature),
-                seed=seed)
-  timed = measure.median_alternating({
-      "plain": lambda: decoding.generate(target, prompts, **common),
-      "spec": lambda: decoding.speculative_generate(target, draft_model, prompts, k=k,
-                                                    **common)}, repeats)
-  plain_s, _ = timed["plain"]
-  spec_s, spec = timed["spec"]
-  lm_t, lm_d = LM.of(target), LM.of(draft_model)
-  cache_len = 2 * (prompt_len + max_new_tokens + k + 1)
-  context = prompt_len + max_new_tokens // 2
-  fwd = measure.step_costs(lm_t, lm_d, batch, k + 1, k, 1, context, cache_len, repeats)
-  return {"t_step": plain_s / max_new_tokens,
-          "t_cycle_real": spec_s / int(np.max(spec.stats["cycles"])),
-          "t1": fwd["t1"], "v": fwd["v"], "c_measured": fwd["c"],
-          "real_draft_alpha": spec.summary().alpha_trial}
+  cmp = measure.compare(target, measure.draft_model(draft, models),
+                        measure.prompts(tok, texts, batch, prompt_len), tree=trees.chain(k),
+                        max_new_tokens=max_new_tokens, repeats=repeats,
+                        temperature=temperature, seed=seed)
+  return {"t_step": cmp.plain_s / max_new_tokens,
+          "t_cycle_real": cmp.spec_s / int(np.max(cmp.spec.stats["cycles"])),
+          "t1": cmp.costs.t1, "v": cmp.costs.v, "c_measured": cmp.costs.c,
+          "real_draft_alpha": cmp.spec.summary().alpha_trial}
 
 
 def group(params_list: list[dict]) -> list[dict]:
@@ -136,7 +108,7 @@ def group(params_list: list[dict]) -> list[dict]:
   slots = OracleDrafter(lm=lm, alpha=jnp.float32(1)).slots_needed(trees.chain(k))
   cfg = target.config
   prep = decoding.prepare_batch(prompts, vocab_size=cfg.vocab_size, max_len=cfg.max_len,
-                                max_new_tokens=first["max_new_tokens"], k=slots - 1,
+                                max_new_tokens=first["max_new_tokens"], slots=slots,
                                 positions_limited=cfg.positions == "learned")
   alphas = jnp.asarray([float(p["alpha"]) for p in params_list], jnp.float32)
   keys = jax.random.split(jax.random.key(first["seed"]), len(params_list))
@@ -220,7 +192,7 @@ def _by_alpha(records):
 
 
 def report(records: list[dict], run_dir) -> str:
-  from specjax import report as rep
+  from specjax.sweeps import report as rep
   groups = _by_alpha(records)
   ks_all = sorted({r["params"]["k"] for r in records})
   alphas = list(groups)

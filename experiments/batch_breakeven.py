@@ -1,10 +1,11 @@
 """Batch break-even: measured speedup vs batch size beside the calibrated roofline.
 
 One point = (batch, k). The same prompts are decoded with plain `generate` and with chain
-speculative decoding of k drafts, alternated within every repeat (`measure.median_alternating`,
-one shared cache length), giving tokens/s of both and the measured speedup. Beside it, three
-costs timed in the same process with `measure.forward_seconds` at the mean decoding context
-L = prompt_len + max_new_tokens / 2 (medians of max(7, repeats) calls each):
+speculative decoding of k drafts, alternated within every repeat (`measure.compare`, one
+shared cache length, the engine's `decoding.cache_len_for`), giving tokens/s of both and the
+measured speedup. Beside it, three costs timed in the same process (`measure.step_costs`) at
+the mean decoding context L = prompt_len + max_new_tokens / 2 (medians of max(7, repeats)
+samples each):
 
     t1      target forward of 1 token per row          (one plain decode step)
     v       target forward of k + 1 tokens ÷ t1         (verification cost)
@@ -41,7 +42,6 @@ measured points per k.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import statistics
 from typing import Mapping, Sequence
@@ -51,74 +51,41 @@ import numpy as np
 from experiments import measure
 from specjax import roofline, theory
 
-MODELS = ("default", "random")
 MAX_BATCH = 4096
 MAX_K = 64
 MAX_REPEATS = 1000
 ROOFLINE_MAX_BATCH = 1e7  # roofline.break_even_batch's search limit
-FORWARD_REPEATS = 7  # at least this many timed calls per standalone forward
+FORWARD_REPEATS = 7  # at least this many timed samples per standalone forward
 
 
 # ----------------------------------------------------------------------------- validation
 
 
-def _check_int(params: Mapping, name: str, default, lo: int, hi: int) -> None:
-  v = params.get(name, default)
-  if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or not lo <= v <= hi:
-    raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {v!r}")
-
-
 def validate(params: dict) -> None:
   """Types and ranges of one point's parameters (before any model is loaded)."""
-  _check_int(params, "batch", 1, 1, MAX_BATCH)
-  _check_int(params, "k", 4, 1, MAX_K)
-  _check_int(params, "max_new_tokens", 64, 1, 1 << 16)
-  _check_int(params, "prompt_len", 64, 8, 1 << 16)
-  _check_int(params, "repeats", 3, 1, MAX_REPEATS)
-  _check_int(params, "seed", 0, 0, 2**31 - 1)
-  t = params.get("temperature", 0.0)
-  if (not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t)
-      or t < 0):
-    raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
-  m = params.get("models", "default")
-  if m not in MODELS:
-    raise ValueError(f"models must be one of {MODELS}, got {m!r}")
-  dc = params.get("draft_cost", "full")
-  if dc not in roofline.DRAFT_COSTS:
-    raise ValueError(f"draft_cost must be one of {roofline.DRAFT_COSTS}, got {dc!r}")
-
-
-def cache_len(prompt_len: int, max_new_tokens: int, k: int) -> int:
-  """Cache slots the engine allocates for a chain of k (decoding.prepare_batch's rule:
-  prompt bucket + max_new_tokens + k + 1, rounded up to a power of two). Plain and
-  speculative decoding of a point both use it, so they stream caches of the same size."""
-  from specjax import decoding
-  return decoding.prepare_batch([[0] * prompt_len], vocab_size=1, max_len=1 << 30,
-                                max_new_tokens=max_new_tokens, k=k,
-                                positions_limited=False).cache_len
+  measure.check_int(params, "batch", 1, 1, MAX_BATCH)
+  measure.check_int(params, "k", 4, 1, MAX_K)
+  measure.check_int(params, "max_new_tokens", 64, 1, 1 << 16)
+  measure.check_int(params, "prompt_len", 64, 8, 1 << 16)
+  measure.check_int(params, "repeats", 3, 1, MAX_REPEATS)
+  measure.check_int(params, "seed", 0, 0, 2**31 - 1)
+  measure.check_number(params, "temperature", 0.0, 0)
+  measure.check_choice(params, "models", "default", measure.MODELS)
+  measure.check_choice(params, "draft_cost", "full", roofline.DRAFT_COSTS)
 
 
 def memory(params: dict) -> int:
   """Bytes of KV cache one point holds at most: target + draft caches for the plain and the
-  speculative call and for the forward timings (4 sets), from the preset configs of the
-  embedded "tiny" pair (the "random" models are smaller), without loading any model."""
-  from specjax.models import cache as kv
-  from specjax.training.presets import PRESETS
-  preset = PRESETS["tiny"]
-  b = params.get("batch", 1)
-  n = cache_len(params.get("prompt_len", 64), params.get("max_new_tokens", 64),
-                params.get("k", 4))
-  return 4 * (kv.cache_bytes(preset.target, b, n) + kv.cache_bytes(preset.draft, b, n))
+  speculative call and for the forward timings (4 sets), at the engine's cache length for a
+  chain of k, from the models' preset configs, without loading any model."""
+  from specjax import decoding
+  n = decoding.cache_len_for(params.get("prompt_len", 64), params.get("max_new_tokens", 64),
+                             params.get("k", 4) + 1)
+  return 4 * sum(measure.cache_bytes(params.get("models", "default"), params.get("batch", 1),
+                                     n))
 
 
 # ----------------------------------------------------------------------------- one point
-
-
-@functools.lru_cache(maxsize=1)
-def hardware() -> roofline.Hardware:
-  """This machine, calibrated once per process (on CPU a 64 MiB stream and a 1024² matmul,
-  fastest of 3 calls each: a second or two with compilation)."""
-  return roofline.calibrate(repeats=3)
 
 
 def point(batch: int = 1, k: int = 4, max_new_tokens: int = 64, prompt_len: int = 64,
@@ -126,58 +93,38 @@ def point(batch: int = 1, k: int = 4, max_new_tokens: int = 64, prompt_len: int 
           draft_cost: str = "full", seed: int = 0) -> dict:
   """Plain vs speculative (chain of k) tokens/s at one batch size, α, τ, c, v and both
   predictions of the speedup (module doc)."""
-  from specjax import decoding, sampling
-  from specjax.drafters.base import LM
+  from specjax import trees
 
   validate(dict(batch=batch, k=k, max_new_tokens=max_new_tokens, prompt_len=prompt_len,
                 temperature=temperature, repeats=repeats, models=models,
                 draft_cost=draft_cost, seed=seed))
   target, draft, tok, texts = measure.models(models)
-  prompts = measure.prompts(tok, texts, batch, prompt_len)
-  sampler = sampling.make_sampler(temperature)
-  n = cache_len(prompt_len, max_new_tokens, k)
-  common = dict(max_new_tokens=max_new_tokens, sampler=sampler, seed=seed, cache_len=n)
-  timed = measure.median_alternating({
-      "plain": lambda: decoding.generate(target, prompts, **common),
-      "spec": lambda: decoding.speculative_generate(target, draft, prompts, k=k, **common),
-  }, repeats)
-  (plain_s, plain_run), (spec_s, spec_run) = timed["plain"], timed["spec"]
-  plain_tok_s = plain_run.emitted / plain_s
-  spec_tok_s = spec_run.emitted / spec_s
-  measured = spec_tok_s / plain_tok_s
-  summary = spec_run.summary()
-
-  lm_t, lm_d = LM.of(target), LM.of(draft)
-  context = prompt_len + max_new_tokens // 2
-  reps = max(FORWARD_REPEATS, repeats)  # one forward is ~1 ms here: medians of several
-  t1 = measure.forward_seconds(lm_t, batch, 1, context, n, reps)
-  tv = measure.forward_seconds(lm_t, batch, k + 1, context, n, reps)
-  d1 = measure.forward_seconds(lm_d, batch, 1, context, n, reps)
-  d2 = measure.forward_seconds(lm_d, batch, 2, context, n, reps)
-  c = (d2 + (k - 1) * d1) / (k * t1)
-  v = tv / t1
-
+  cmp = measure.compare(target, draft, measure.prompts(tok, texts, batch, prompt_len),
+                        tree=trees.chain(k), max_new_tokens=max_new_tokens, repeats=repeats,
+                        temperature=temperature, seed=seed,
+                        forward_repeats=max(FORWARD_REPEATS, repeats))
+  summary = cmp.spec.summary()
+  c, v = cmp.costs.c, cmp.costs.v
   alpha = summary.alpha_trial
-  hw = hardware()
-  wl = roofline.Workload.from_model_config(lm_t.config, context)
+  hw = measure.hardware()
+  wl = roofline.Workload.from_model_config(target.config, cmp.context)
   if math.isfinite(alpha):
     a = min(max(alpha, 0.0), 1.0)
     tau_pred = float(theory.expected_tokens(a, k))
-    predicted = tau_pred / (k * c + v)
+    predicted = cmp.predicted(tau_pred)
     roof = roofline.gain(hw, wl, batch, a, k, c, draft_cost)
   else:  # no drafted token was tried (cannot happen with max_new_tokens >= 2)
     tau_pred = predicted = roof = float("nan")
   return {
-      "plain_tok_s": plain_tok_s, "spec_tok_s": spec_tok_s, "speedup": measured,
+      "plain_tok_s": cmp.plain_tok_s, "spec_tok_s": cmp.spec_tok_s, "speedup": cmp.speedup,
       "alpha_trial": alpha, "alpha": summary.alpha, "tau": summary.tau,
       "tau_predicted": tau_pred, "c": c, "verify_cost": v,
-      "t_plain_step_ms": 1e3 * t1,
+      "t_plain_step_ms": 1e3 * cmp.costs.t1,
       "predicted_speedup": predicted,
       "roofline_gain": roof,
-      "efficiency": measured / predicted if predicted > 0 else float("nan"),
-      "identical_to_plain": (plain_run.tokens == spec_run.tokens
-                             if temperature == 0 else None),
-      "context_len": context, "cache_len": n,
+      "efficiency": cmp.efficiency(predicted),
+      "identical_to_plain": cmp.identical if temperature == 0 else None,
+      "context_len": cmp.context, "cache_len": cmp.cache_len,
       "hardware": hw.to_dict(), "workload": wl.to_dict(),
   }
 
@@ -332,7 +279,7 @@ def best_k_table(records: Sequence[dict], draft_cost: str = "full") -> list[dict
 
 def report(records: list[dict], run_dir) -> str:
   """Break-even measured vs predicted, best k per batch, and the gain-vs-batch plot."""
-  from specjax import report as rep
+  from specjax.sweeps import report as rep
 
   draft_cost = records[0]["params"].get("draft_cost", "full")
   hw, wl = model_of(records)

@@ -9,7 +9,7 @@ whether it passes at the stated false-alarm rate, and the power of the same test
 the planted bug "residual = p" (noncentral χ²), so a pass means something.
 
 Temperature and top-p are runtime values: the points of one (vocab, kind, samples) group
-run as one vectorised program spread over all local devices (`specjax.parallel`).
+run as one vectorised program spread over all local devices (`specjax.sweeps.parallel`).
 """
 
 from __future__ import annotations
@@ -21,27 +21,20 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import stats
 
-from specjax import acceptance, parallel, sampling
+from experiments import measure
+from specjax import acceptance, sampling
+from specjax.sweeps import parallel
 
 KINDS = ("stochastic", "deterministic")
 
 
 def validate(params: dict) -> None:
-  v, s = params.get("vocab"), params.get("samples", 100_000)
-  if not isinstance(v, int) or isinstance(v, bool) or not 2 <= v <= 4096:
-    raise ValueError(f"vocab must be an int in [2, 4096], got {v!r}")
-  if params.get("kind", "stochastic") not in KINDS:
-    raise ValueError(f"kind must be one of {KINDS}, got {params.get('kind')!r}")
-  if not isinstance(s, int) or s < 100:
-    raise ValueError(f"samples must be an int >= 100, got {s!r}")
-  t, tp = params.get("temperature", 1.0), params.get("top_p", 1.0)
-  if not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
-    raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
-  if not isinstance(tp, (int, float)) or not 0 < tp <= 1:
-    raise ValueError(f"top_p must be in (0, 1], got {tp!r}")
-  fa = params.get("false_alarm", 1e-3)
-  if not 0 < fa < 1:
-    raise ValueError(f"false_alarm must be in (0, 1), got {fa!r}")
+  measure.check_int(params, "vocab", None, 2, 4096)
+  measure.check_choice(params, "kind", "stochastic", KINDS)
+  measure.check_int(params, "samples", 100_000, 100)
+  measure.check_number(params, "temperature", 1.0, 0)
+  measure.check_number(params, "top_p", 1.0, 0, 1, lo_open=True)
+  measure.check_number(params, "false_alarm", 1e-3, 0, 1, lo_open=True, hi_open=True)
 
 
 def memory(params: dict) -> int:
@@ -123,8 +116,8 @@ def group(params_list: list[dict]) -> list[dict]:
     c, p, q = np.asarray(counts[i]), np.asarray(p_V[i], np.float64), np.asarray(q_V[i], np.float64)
     pvalue, dof, _ = _chi2(c, p)
     power = _power_vs_residual_p_bug(p, q, kind, samples, dof, fa)
-    out.append({"counts": c.tolist(), "p_value": pvalue, "passed": pvalue > fa, "dof": dof, "samples": samples,
-                "false_alarm": fa, "power_vs_residual_p_bug": power,
+    out.append({"counts": c.tolist(), "p_value": pvalue, "passed": pvalue > fa, "dof": dof,
+                "samples": samples, "false_alarm": fa, "power_vs_residual_p_bug": power,
                 "acceptance": float(np.minimum(p, q).sum()) if kind == "stochastic"
                 else float(np.sum(p * q))})
   return out
@@ -137,7 +130,7 @@ def point(vocab: int, temperature: float = 1.0, top_p: float = 1.0, kind: str = 
 
 
 def report(records: list[dict], run_dir) -> str:
-  from specjax import report as rep
+  from specjax.sweeps import report as rep
   fig, ax = rep.new_figure(figsize=(5, 3.2))
   pv = [r["metrics"]["p_value"] for r in records]
   ax.hist(pv, bins=20, range=(0, 1))

@@ -1,23 +1,100 @@
-"""Measurement helpers shared by the experiments: models, prompts, standalone forward timings.
+"""The measurement skeleton every experiment shares: models, prompts, timing, costs, checks.
 
-`models(which)`: "default" = the embedded trained tiny pair (trained on first use, cached)
-with held-out prompts from its corpus; "random" = random tiny Llama models on the byte
-vocabulary (fast; for tests and smoke runs). `forward_seconds` times one jitted target or
-draft forward of `t` tokens per row at a given context length (median of `repeats`), the
-unit every analytic prediction here is built from. `median_alternating` times several
-callables side by side, alternating within every repeat so drift hits all alike.
+An experiment keeps only its point function, its validation, its memory estimate and its
+report; everything it measures goes through here:
+
+- models: `models(which)` ("default" = the embedded trained tiny pair, trained on first use
+  and cached, with held-out prompts from its corpus; "random" = random tiny Llama models on
+  the byte vocabulary, fast, for tests and smoke runs), `draft_model` (a random draft of a
+  preset size), `model_configs` / `cache_bytes` (their configs and KV bytes without loading
+  anything, for memory estimates), `prompts`;
+- the cache length: `cycle_slots` + `decoding.cache_len_for`, the engine's own rule, so
+  plain and speculative runs and the standalone timings of a point read caches of the same
+  length (attention reads every slot, so a different length is a different cost);
+- timing: `alternate(fns, repeats)`, the one alternating-timing loop (drift and other load
+  hit every callable alike); `forward_seconds`, one jitted forward of T tokens per row at a
+  fixed context; `step_costs`, the costs every prediction is built from (t_1, v, c);
+- `compare(...) -> Comparison`: plain vs speculative decoding measured side by side, their
+  speedup, and the speedup predicted from the measured costs:
+
+      predicted = τ / (D·c + v),   efficiency = measured ÷ predicted speedup,
+
+  with τ the tokens per cycle the experiment predicts (E[τ](α, k) for a chain, the measured
+  τ for a tree), D the draft passes per cycle, c the draft's cost per pass and v the
+  verification cost, both in one-token target steps (see docs/cost_model.md, "c as
+  measured");
+- `hardware()`: this machine's roofline, calibrated once per process;
+- `check_int` / `check_number` / `check_choice`: the parameter checks of every `validate`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 import statistics
 import time
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from specjax import decoding, roofline, sampling, trees
+from specjax.drafters.base import LM
+from specjax.drafters.model import ModelDrafter
 from specjax.models import cache as kv
+
+MODELS = ("default", "random")
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _range(lo, hi, lo_open: bool = False, hi_open: bool = False) -> str:
+  if hi is None:
+    return f"{'>' if lo_open else '>='} {lo}"
+  return f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+
+
+def check_int(params: Mapping, name: str, default, lo: int, hi: int | None = None) -> int:
+  """params[name] (or `default`) as an int in [lo, hi] (hi None: no upper bound)."""
+  v = params.get(name, default)
+  if (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo
+      or (hi is not None and v > hi)):
+    raise ValueError(f"{name} must be an int {_range(lo, hi)}, got {v!r}")
+  return int(v)
+
+
+def check_number(params: Mapping, name: str, default, lo: float | None = None,
+                 hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False,
+                 allow_none: bool = False, note: str = "") -> float | None:
+  """params[name] (or `default`) as a finite number in the stated interval (None allowed
+  only with allow_none; `note` says what the value means, in the message)."""
+  v = params.get(name, default)
+  if v is None and allow_none:
+    return None
+  ok = not isinstance(v, bool) and isinstance(v, (int, float, np.floating, np.integer))
+  ok = ok and math.isfinite(v)
+  if ok and lo is not None:
+    ok = v > lo if lo_open else v >= lo
+  if ok and hi is not None:
+    ok = v < hi if hi_open else v <= hi
+  if not ok:
+    bound = "" if lo is None else " " + _range(lo, hi, lo_open, hi_open)
+    raise ValueError(f"{name} must be {'None or ' if allow_none else ''}a finite number"
+                     f"{bound}{note}, got {v!r}")
+  return float(v)
+
+
+def check_choice(params: Mapping, name: str, default, choices: Sequence):
+  v = params.get(name, default)
+  if v not in choices:
+    raise ValueError(f"{name} must be one of {tuple(choices)}, got {v!r}")
+  return v
+
+
+# ----------------------------------------------------------------------------- models
 
 
 @functools.lru_cache(maxsize=2)
@@ -38,6 +115,39 @@ def models(which: str):
   cfg = PRESETS["tiny-llama"].replace(vocab_size=tok.vocab_size)
   return (Transformer(cfg, rngs=nnx.Rngs(0)), Transformer(cfg.replace(n_layers=1),
                                                            rngs=nnx.Rngs(1)), tok, None)
+
+
+@functools.lru_cache(maxsize=8)
+def draft_model(name: str, which: str):
+  """The draft of `models(which)` ("default"), or a random model of preset `name` on the
+  target's vocabulary (its max_len at least the target's)."""
+  target, draft, _, _ = models(which)
+  if name == "default":
+    return draft
+  from flax import nnx
+
+  from specjax.models.presets import PRESETS
+  from specjax.models.transformer import Transformer
+  cfg = PRESETS[name].replace(vocab_size=target.config.vocab_size,
+                              max_len=max(PRESETS[name].max_len, target.config.max_len))
+  return Transformer(cfg, rngs=nnx.Rngs(1))
+
+
+def model_configs(which: str):
+  """(target, draft) ModelConfigs of `models(which)`, without loading anything."""
+  if which == "default":
+    from specjax.training.presets import PRESETS
+    return PRESETS["tiny"].target, PRESETS["tiny"].draft
+  from specjax.models.presets import PRESETS
+  cfg = PRESETS["tiny-llama"]
+  return cfg, cfg.replace(n_layers=1)
+
+
+def cache_bytes(which: str, batch: int, cache_len: int) -> tuple[int, int]:
+  """(target, draft) KV-cache bytes of `models(which)` for batch × cache_len slots."""
+  target_cfg, draft_cfg = model_configs(which)
+  return kv.cache_bytes(target_cfg, batch, cache_len), kv.cache_bytes(draft_cfg, batch,
+                                                                       cache_len)
 
 
 FALLBACK_TEXT = '''def _check(name, value, lo):
@@ -64,22 +174,76 @@ def prompts(tok, texts, batch: int, prompt_len: int) -> list[list[int]]:
   return [ids[i * stride:i * stride + prompt_len] for i in range(batch)]
 
 
+def cycle_slots(tree, draft) -> int:
+  """Cache slots one speculative cycle of `tree` writes from the pending token with a draft
+  model (the engine's rule: the verified nodes, or the drafter's extent if larger); with
+  `decoding.cache_len_for` it gives the cache length the engine allocates."""
+  return max(tree.n_nodes, ModelDrafter.of(draft).slots_needed(tree))
+
+
+@functools.lru_cache(maxsize=1)
+def hardware() -> roofline.Hardware:
+  """This machine's roofline, calibrated once per process (on CPU a 64 MiB stream and a
+  1024² matmul, fastest of 3 calls each: a second or two with compilation; 1 GiB and 8192²
+  on accelerators)."""
+  return roofline.calibrate(repeats=3)
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """Seconds of every timed call of one callable (in order) and what its last call gave."""
+
+  times: tuple[float, ...]
+  result: Any
+
+  @property
+  def median(self) -> float:
+    return statistics.median(self.times)
+
+  @property
+  def fastest(self) -> float:
+    """Other load on a shared machine only slows a call down: the fastest call is the one
+    to use when a time is differenced with another."""
+    return min(self.times)
+
+
+def alternate(fns: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, Timing]:
+  """{name: Timing} of each callable: one warm-up call each (compilation excluded), then
+  every callable in turn, `repeats` times, so drift hits all of them alike."""
+  last = {name: jax.block_until_ready(fn()) for name, fn in fns.items()}
+  times: dict[str, list[float]] = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      last[name] = jax.block_until_ready(fn())
+      times[name].append(time.perf_counter() - start)
+  return {name: Timing(tuple(times[name]), last[name]) for name in fns}
+
+
 @functools.partial(jax.jit, donate_argnames="cache")
 def _forward(lm, tokens, positions, cache):
   """One forward against the cache; the cache is donated and returned (lengths unchanged, so
   feeding it back keeps the context fixed) so the write updates it in place, as in the
-  decoding loop, instead of copying it (PERF_NOTES trap 1)."""
+  decoding loop, instead of copying the whole cache every call (an undonated cache
+  argument costs a full copy per step; see docs/xla_notes.md, trap 1)."""
   logits, _, cache = lm(tokens, positions, cache)
   return logits[:, -1], cache
 
 
-def forward_seconds(lm, batch, t, context, cache_len, repeats, min_sample_s: float = 0.02):
+@functools.lru_cache(maxsize=None)
+def forward_seconds(model, batch: int, t: int, context: int, cache_len: int, repeats: int,
+                    min_sample_s: float = 0.02) -> float:
   """Median seconds of one forward of `t` tokens per row at `context` cached tokens.
 
   Tiny models run in well under a millisecond, where one timing is mostly noise: each sample
   is the mean over a burst of calls lasting at least `min_sample_s`; the median is over
-  max(repeats, 5) samples.
+  max(repeats, 5) samples. Cached per process (by model and shape): every point of a sweep
+  that needs the same forward reuses one measurement.
   """
+  lm = LM.of(model)
   cache = kv.set_lengths(kv.init(lm.config, batch, cache_len),
                          jnp.full((batch,), context, jnp.int32))
   toks = jnp.zeros((batch, t), jnp.int32)
@@ -99,31 +263,160 @@ def forward_seconds(lm, batch, t, context, cache_len, repeats, min_sample_s: flo
   return statistics.median(times)
 
 
-def step_costs(lm_t, lm_d, batch, n_verify, draft_passes, width, context, cache_len,
-               repeats) -> dict:
-  """The costs every prediction here uses, timed standalone at `context`:
+def draft_passes(tree) -> tuple[int, int]:
+  """(D, W): draft passes per cycle and the rows each pass after the first feeds.
 
-  t1 = one-token target step; v = target forward of n_verify tokens ÷ t1;
-  c  = draft cost per pass ÷ t1 = (d(2) + (D − 1)·d(W)) / (D·t1), D = draft_passes: the
-       first pass of a cycle feeds 2 tokens (the catch-up rule), later passes W tokens
-       (1 for a chain, the widest fed level for a tree).
+  One pass per tree level (a level's nodes share a pass), so D = the depth (k for a chain);
+  the first pass feeds 2 tokens (the catch-up rule: the last committed token and the root),
+  each later one a whole level, W = the widest level fed (1 for a chain).
   """
-  t1 = forward_seconds(lm_t, batch, 1, context, cache_len, repeats)
-  tv = forward_seconds(lm_t, batch, n_verify, context, cache_len, repeats)
-  d2 = forward_seconds(lm_d, batch, 2, context, cache_len, repeats)
-  dw = (forward_seconds(lm_d, batch, width, context, cache_len, repeats)
-        if draft_passes > 1 else 0.0)
-  return {"t1": t1, "v": tv / t1, "c": (d2 + (draft_passes - 1) * dw) / (draft_passes * t1)}
+  if isinstance(tree, trees.DynamicTree):
+    return tree.depth, tree.width
+  depth = tree.max_depth
+  return depth, int(max(tree.level_sizes[1:depth], default=1))
 
 
-def median_alternating(fns: dict, repeats: int) -> dict:
-  """{name: (median seconds, last result)} of each callable, alternated within every repeat
-  after one warm-up call each (compilation excluded)."""
-  last = {name: fn() for name, fn in fns.items()}
-  times = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      last[name] = jax.block_until_ready(fn())
-      times[name].append(time.perf_counter() - start)
-  return {name: (statistics.median(times[name]), last[name]) for name in fns}
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+  """Standalone forward timings of one cycle's parts, in seconds, at a fixed context:
+
+  t1       one-token target step (one plain decode step);
+  t_verify target forward of the N + 1 verified nodes;
+  t_draft  one cycle's draft passes, d(2) + (D − 1)·d(W) (`draft_passes`);
+  and in units of t1: v = t_verify / t1, c = t_draft / (D·t1) (the draft's cost per pass),
+  cycle = D·c + v (a whole cycle).
+  """
+
+  t1: float
+  t_verify: float
+  t_draft: float
+  passes: int
+
+  @property
+  def v(self) -> float:
+    return self.t_verify / self.t1
+
+  @property
+  def c(self) -> float:
+    return self.t_draft / (self.passes * self.t1)
+
+  @property
+  def cycle(self) -> float:
+    return self.passes * self.c + self.v
+
+
+def step_costs(target, draft, batch: int, tree, context: int, cache_len: int,
+               repeats: int) -> StepCosts:
+  """The costs every prediction here uses, timed standalone at `context` (module doc)."""
+  passes, width = draft_passes(tree)
+  t1 = forward_seconds(target, batch, 1, context, cache_len, repeats)
+  t_verify = forward_seconds(target, batch, tree.n_nodes, context, cache_len, repeats)
+  t_draft = forward_seconds(draft, batch, 2, context, cache_len, repeats)
+  if passes > 1:
+    t_draft += (passes - 1) * forward_seconds(draft, batch, width, context, cache_len, repeats)
+  return StepCosts(t1=t1, t_verify=t_verify, t_draft=t_draft, passes=passes)
+
+
+# ----------------------------------------------------------------------------- comparison
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+  """Plain vs speculative decoding of the same prompts, timed side by side (`compare`).
+
+  plain, spec: the `decoding.Generation` of each one's last call; plain_s, spec_s: seconds
+  per call (the median of the alternated calls, or the fastest); with `decode_only`, also
+  the seconds of the same calls with max_new_tokens = 1 (the prefill alone), and rates are
+  of the decode phase (the difference), NaN when the difference is lost in the noise.
+  costs: the standalone step costs at the mean decoding context, same cache length.
+  """
+
+  plain: Any
+  spec: Any
+  plain_s: float
+  spec_s: float
+  costs: StepCosts
+  tree: Any
+  cache_len: int
+  context: int
+  plain_prefill_s: float | None = None
+  spec_prefill_s: float | None = None
+
+  @staticmethod
+  def _rate(run, seconds: float, prefill_s: float | None) -> float:
+    if prefill_s is None:
+      return run.emitted / seconds
+    decoded = run.emitted - len(run.tokens)  # tokens after each row's prefill token
+    return decoded / (seconds - prefill_s) if seconds > prefill_s else float("nan")
+
+  @property
+  def plain_tok_s(self) -> float:
+    return self._rate(self.plain, self.plain_s, self.plain_prefill_s)
+
+  @property
+  def spec_tok_s(self) -> float:
+    return self._rate(self.spec, self.spec_s, self.spec_prefill_s)
+
+  @property
+  def speedup(self) -> float:
+    """Measured: speculative ÷ plain tokens/s."""
+    return self.spec_tok_s / self.plain_tok_s
+
+  @property
+  def identical(self) -> bool:
+    """Whether both emitted the same tokens (they must at temperature 0)."""
+    return self.plain.tokens == self.spec.tokens
+
+  def predicted(self, tau: float) -> float:
+    """Predicted speedup at τ tokens per cycle: τ / (D·c + v)."""
+    return tau / self.costs.cycle
+
+  def efficiency(self, predicted: float) -> float:
+    """Measured ÷ predicted speedup (NaN when the prediction is not positive)."""
+    return self.speedup / predicted if predicted > 0 else float("nan")
+
+
+def compare(target, draft, prompt_ids: Sequence[Sequence[int]], *, tree, max_new_tokens: int,
+            repeats: int, temperature: float = 0.0, seed: int = 0,
+            deterministic: bool = False, cache_len: int | None = None,
+            forward_repeats: int | None = None, statistic: str = "median",
+            decode_only: bool = False) -> Comparison:
+  """Plain `decoding.generate` and `decoding.speculative_generate` of `tree` (a chain is
+  `trees.chain(k)`) with the draft model `draft`, on the same prompts, alternated `repeats`
+  times (`alternate`); then the step costs at the mean decoding context (the longest prompt
+  + max_new_tokens // 2), medians of `forward_repeats` (default `repeats`) samples.
+
+  Every run and timing reads one cache length: `cache_len`, by default the engine's for the
+  speculative call (`decoding.cache_len_for` with `cycle_slots`). deterministic: the draft
+  proposes distinct top-k candidates (the point-mass rule) instead of sampling.
+  statistic: "median" or "fastest" call. decode_only: also time both with max_new_tokens =
+  1 and rate the decode phase only (long contexts, where the prefill dominates a call).
+  """
+  if statistic not in ("median", "fastest"):
+    raise ValueError(f"statistic must be 'median' or 'fastest', got {statistic!r}")
+  prompt_len = max(len(p) for p in prompt_ids)
+  if cache_len is None:
+    cache_len = decoding.cache_len_for(prompt_len, max_new_tokens, cycle_slots(tree, draft))
+  drafter = ModelDrafter.of(draft, deterministic=deterministic)
+  common = dict(sampler=sampling.make_sampler(temperature), seed=seed, cache_len=cache_len)
+
+  def plain(n):
+    return lambda: decoding.generate(target, prompt_ids, max_new_tokens=n, **common)
+
+  def spec(n):
+    return lambda: decoding.speculative_generate(target, drafter, prompt_ids, tree=tree,
+                                                 max_new_tokens=n, **common)
+
+  fns = {"plain": plain(max_new_tokens), "spec": spec(max_new_tokens)}
+  if decode_only:
+    fns.update(plain_prefill=plain(1), spec_prefill=spec(1))
+  timed = alternate(fns, repeats)
+  seconds = {name: getattr(t, statistic) for name, t in timed.items()}
+  context = prompt_len + max_new_tokens // 2
+  costs = step_costs(target, draft, len(prompt_ids), tree, context, cache_len,
+                     forward_repeats or repeats)
+  return Comparison(plain=timed["plain"].result, spec=timed["spec"].result,
+                    plain_s=seconds["plain"], spec_s=seconds["spec"], costs=costs, tree=tree,
+                    cache_len=cache_len, context=context,
+                    plain_prefill_s=seconds.get("plain_prefill"),
+                    spec_prefill_s=seconds.get("spec_prefill"))

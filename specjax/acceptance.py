@@ -1,7 +1,8 @@
 """Exact acceptance rules for speculative decoding (chains and token trees).
 
-Notation (BACKGROUND.md §3): p = warped target distribution, q = warped draft distribution
-at the same position, x ~ q the drafted token.
+Notation (docs/conventions.md; the exactness argument in full: docs/exactness.md): p = warped
+target distribution, q = warped draft distribution at the same position, x ~ q the drafted
+token.
 
 Single-candidate rule. Accept x with probability min(1, p(x)/q(x)); on rejection sample from
 the residual r = max(0, p - q) / sum(max(0, p - q)). Then for every token y
@@ -61,7 +62,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.sampling import sample_from_uniforms, uniforms_for
-from specjax.trees import TreeSpec
+from specjax.trees import VerifyLayout
 
 
 @flax.struct.dataclass
@@ -298,19 +299,12 @@ def _chain_as_tree(res: ChainResult, k: int) -> TreeResult:
                     rank_accepted=n_B1.astype(jnp.int32))
 
 
-def _tree_children(tree, batch: int) -> tuple[jax.Array, int, int]:
-  """[B, T, W] children table (-1 padded), depth D and width W of a static or per-row tree."""
-  if isinstance(tree, TreeSpec):
-    c = jnp.asarray(tree.children)
-    return jnp.broadcast_to(c, (batch,) + c.shape), tree.max_depth, tree.max_width
-  children_BTW, depth = tree
-  return children_BTW, int(depth), children_BTW.shape[-1]
-
-
-def _accept_tree(key, tree, tokens_BT, p_BTV, q_BTV, rule: _TreeRule) -> TreeResult:
+def _accept_tree(key, layout: VerifyLayout, tokens_BT, p_BTV, q_BTV,
+                 rule: _TreeRule) -> TreeResult:
   """accept_tree with the rule's pieces as parameters (see accept_tree)."""
   B, T, V = p_BTV.shape
-  children_BTW, D, W = _tree_children(tree, B)
+  children_BTW = layout.children_for(B)
+  D, W = layout.max_depth, layout.max_width
   u_BX = uniforms_for(key, (B, D * W + V), p_BTV)  # D·W tests, then V for the emitted token
   tokens_BT = tokens_BT.astype(jnp.int32)
   p_BTV = p_BTV.astype(jnp.float32)
@@ -368,28 +362,28 @@ def _accept_tree(key, tree, tokens_BT, p_BTV, q_BTV, rule: _TreeRule) -> TreeRes
                     rank_tried=rank_tried, rank_accepted=rank_acc)
 
 
-def accept_tree(key: jax.Array, tree, tokens_BT: jax.Array, p_BTV: jax.Array,
+def accept_tree(key: jax.Array, layout: VerifyLayout, tokens_BT: jax.Array, p_BTV: jax.Array,
                 q_BTV: jax.Array | None = None) -> TreeResult:
   """Exact speculative acceptance of one token tree per row (recursive rejection sampling).
 
   key: PRNG key; one draw of [B, D·W + V] uniforms (D = max depth, W = max width).
-  tree: a TreeSpec (static shape), or per row `(children_BTW, max_depth)` with children
-    int32 [B, T, W] (-1 padded, rank order) for dynamic trees.
+  layout: the verify layout (`tree.layout(proposal)`, trees.VerifyLayout): the children
+    table (rank order, -1 padded; [T, W] shared by all rows or [B, T, W] per row) and the
+    depth bound D are what the rule reads.
   tokens_BT: int [B, T] node tokens (node 0, the root, is ignored).
   p_BTV: float32 [B, T, V] warped target law of the token after each node's path.
   q_BTV: float32 [B, T, V], row i = the draft law node i's children were sampled from,
     i.i.d. (rows of leaves are ignored); or None for deterministic distinct candidates.
 
-  A chain TreeSpec goes through `accept_chain` (the same rule, vectorised with cumprod).
+  A chain layout goes through `accept_chain` (the same rule, vectorised with cumprod).
   Pure, jittable, vmappable; static shapes.
   """
-  if isinstance(tree, TreeSpec):
-    T = tree.n_nodes
-    if tokens_BT.shape[1:] != (T,) or p_BTV.shape[1] != T:
-      raise ValueError(f"tokens_BT and p_BTV must have {T} nodes for this tree, got shapes "
-                       f"{tokens_BT.shape} and {p_BTV.shape}")
-    if tree.is_chain:
-      k = tree.size
-      res = accept_chain(key, tokens_BT[:, 1:], p_BTV, None if q_BTV is None else q_BTV[:, :k])
-      return _chain_as_tree(res, k)
-  return _accept_tree(key, tree, tokens_BT, p_BTV, q_BTV, _EXACT_TREE)
+  T = layout.n_nodes
+  if tokens_BT.shape[1:] != (T,) or p_BTV.shape[1] != T:
+    raise ValueError(f"tokens_BT and p_BTV must have {T} nodes for this tree, got shapes "
+                     f"{tokens_BT.shape} and {p_BTV.shape}")
+  if layout.is_chain:
+    k = T - 1
+    res = accept_chain(key, tokens_BT[:, 1:], p_BTV, None if q_BTV is None else q_BTV[:, :k])
+    return _chain_as_tree(res, k)
+  return _accept_tree(key, layout, tokens_BT, p_BTV, q_BTV, _EXACT_TREE)

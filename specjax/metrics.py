@@ -1,16 +1,20 @@
-"""Host-side speculative-decoding statistics (numpy + scipy; never jitted).
+"""Host-side speculative-decoding statistics (numpy + scipy; never jitted): chain statistics
+(`summarize` -> `SpecStats`) and tree statistics (`summarize_tree` -> `TreeSummary`,
+`rank_probs_from_counts` for `trees.optimal`). The host API's result type
+(`decoding.Generation.summary` / `.tree_summary`) calls them; the jitted loop only counts.
 
-Conventions (BACKGROUND.md §8):
+Conventions (the names are defined in docs/conventions.md):
 - α (alpha) = accepted drafted tokens / drafted tokens. Every cycle drafts k tokens and all
   k count as drafted, including those after the first rejection that the rule never tried.
-  This is the §8 definition and what `alpha_interval(accepted, drafted)` is fed by default.
+  This is what `alpha_interval(accepted, drafted)` is fed by default.
 - Trials. The rule tries positions left to right and stops at the first rejection, so a
   cycle with n accepted tokens is n successes followed by one failure if n < k, and the
-  positions after the failure are no trial at all. Under the i.i.d. model of §4 (each tried
-  token accepted with probability a) the maximum-likelihood estimate of a is
-  accepted / trials (`alpha_trial`), and that a is what E[τ] = (1 - a^(k+1)) / (1 - a)
-  expects. accepted / drafted is smaller whenever rejections happen (it estimates
-  E[n] / k = (a + a^2 + ... + a^k) / k), so do not feed it into the E[τ] formula.
+  positions after the failure are no trial at all. Under the i.i.d. acceptance model of the
+  cost model (docs/cost_model.md: each tried token accepted with probability a) the
+  maximum-likelihood estimate of a is accepted / trials (`alpha_trial`), and that a is what
+  E[τ] = (1 - a^(k+1)) / (1 - a) expects. accepted / drafted is smaller whenever rejections
+  happen (it estimates E[n] / k = (a + a^2 + ... + a^k) / k), so do not feed it into the
+  E[τ] formula.
 - Autocorrelation is measured on the trial sequence (no untried positions), per row: the
   last trial of one row and the first of the next are not a pair.
 - τ (tau) = tokens emitted / target verifications, the correction or bonus token included
@@ -50,11 +54,12 @@ def alpha_interval(accepted: int, drafted: int, confidence: float = 0.95,
     centre = (a + z²/2n) / (1 + z²/n),  half = z / (1 + z²/n) * sqrt(a(1-a)/n + z²/4n²).
 
   rho: lag-1 autocorrelation of the accept flags (see lag1_autocorrelation). Acceptance is
-  bursty (§4), so n correlated trials carry less information than n independent ones. For an
-  AR(1)-like sequence the variance of the mean is inflated by (1 + rho) / (1 - rho), so the
-  interval is computed at the effective sample size n_eff = n (1 - rho) / (1 + rho) with the
-  same a. Only positive rho is applied (the correction only ever widens the interval; a
-  negative rho, which would narrow it, is treated as 0).
+  bursty (docs/cost_model.md), so n correlated trials carry less information than n
+  independent ones. For an AR(1)-like sequence the variance of the mean is inflated by
+  (1 + rho) / (1 - rho), so the interval is computed at the effective sample size
+  n_eff = n (1 - rho) / (1 + rho) with the same a. Only positive rho is applied (the
+  correction only ever widens the interval; a negative rho, which would narrow it, is
+  treated as 0).
 
   drafted == 0 gives (nan, 0.0, 1.0): no information.
   """
@@ -173,7 +178,7 @@ def lag1_autocorrelation(flags: Any) -> float:
 class SpecStats:
   """Summary of a speculative run (see module doc for the α / trial / τ conventions).
 
-  alpha_ci: Wilson interval for alpha treating each drafted token as a trial (§4);
+  alpha_ci: Wilson interval for alpha treating each drafted token as a trial;
   alpha_ci_ess: the same widened by the effective-sample-size correction with rho.
   alpha_trial(_ci, _ci_ess): per-tried-token acceptance (the i.i.d. model's a) and intervals.
   histogram[n]: cycles that accepted n drafts. log_complete: the cycle log held every cycle
@@ -274,3 +279,95 @@ def summarize(cycles: Any, drafted: Any, accepted: Any, emitted: Any, cycle_log:
       mean_accepted=float(n_acc / n_cycles) if n_cycles else float("nan"),
       histogram=tuple(int(c) for c in hist), alpha_rows=tuple(float(x) for x in alpha_rows),
       log_complete=log_complete)
+
+
+# ----------------------------------------------------------------------------- trees
+
+
+def rank_probs_from_counts(rank_tried: Any, rank_accepted: Any) -> np.ndarray:
+  """Sequoia's rank_probs from measured counters: p_r = a_r Π_{s<r} (1 − a_s).
+
+  a_r = accepted / tried of rank-r candidates (conditional acceptance once tried); the
+  rank-r child is the accepted one iff ranks < r were rejected and r passed. Untried ranks
+  get a_r = 0. Feed the result to `trees.optimal`.
+  """
+  tried = np.asarray(rank_tried, np.float64)
+  acc = np.asarray(rank_accepted, np.float64)
+  if tried.shape != acc.shape or tried.ndim != 1:
+    raise ValueError(f"rank_tried and rank_accepted must be 1-D of one shape, got {tried.shape} "
+                     f"and {acc.shape}")
+  a = np.where(tried > 0, acc / np.maximum(tried, 1), 0.0)
+  survive = np.concatenate([[1.0], np.cumprod(1.0 - a)[:-1]])
+  return a * survive
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSummary:
+  """Tree statistics of a speculative run (all rows pooled).
+
+  tau: tokens emitted per verification (bonus/correction included).
+  utilisation: accepted nodes / verified nodes.
+  depth_acceptance[d-1]: P(a depth-d node is accepted | its parent was accepted and has
+    children); depth_reach[d-1]: fraction of cycles whose accepted path reached depth d.
+  rank_acceptance[r]: P(rank-r candidate accepted | it was tried); rank_probs: Sequoia's
+    P(rank-r child is the accepted one | parent accepted), for `trees.optimal`.
+  """
+
+  cycles: int
+  verified: int
+  accepted: int
+  emitted: int
+  tau: float
+  utilisation: float
+  mean_accepted: float
+  depth_tried: tuple[int, ...]
+  depth_accepted: tuple[int, ...]
+  depth_acceptance: tuple[float, ...]
+  depth_reach: tuple[float, ...]
+  rank_tried: tuple[int, ...]
+  rank_accepted: tuple[int, ...]
+  rank_acceptance: tuple[float, ...]
+  rank_probs: tuple[float, ...]
+  histogram: tuple[int, ...]
+
+  def to_dict(self) -> dict[str, Any]:
+    def clean(v):
+      if isinstance(v, (tuple, list)):
+        return [clean(x) for x in v]
+      if isinstance(v, float) and v != v:
+        return None
+      return v
+    return {f.name: clean(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def summarize_tree(stats: dict[str, Any], emitted: Any) -> TreeSummary:
+  """TreeSummary from a Generation's per-row counters (`Generation.stats`) and the tokens
+  each row emitted through verification cycles."""
+  s = {k: np.asarray(v, np.int64) for k, v in stats.items()}
+  need = ("cycles", "verified", "accepted", "hist", "depth_tried", "depth_accepted",
+          "rank_tried", "rank_accepted")
+  missing = [k for k in need if k not in s]
+  if missing:
+    raise ValueError(f"stats lacks {missing}: pass Generation.stats of a speculative run")
+  cycles = int(s["cycles"].sum())
+  verified = int(s["verified"].sum())
+  acc = int(s["accepted"].sum())
+  em = int(np.asarray(emitted, np.int64).sum())
+
+  def ratio(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return tuple(float(x / y) if y > 0 else float("nan") for x, y in zip(a, b))
+
+  dt, da = s["depth_tried"].sum(0), s["depth_accepted"].sum(0)
+  rt, ra = s["rank_tried"].sum(0), s["rank_accepted"].sum(0)
+  nan = float("nan")
+  return TreeSummary(
+      cycles=cycles, verified=verified, accepted=acc, emitted=em,
+      tau=em / cycles if cycles else nan, utilisation=acc / verified if verified else nan,
+      mean_accepted=acc / cycles if cycles else nan,
+      depth_tried=tuple(int(x) for x in dt), depth_accepted=tuple(int(x) for x in da),
+      depth_acceptance=ratio(da, dt), depth_reach=ratio(da, np.full(da.shape, cycles)),
+      rank_tried=tuple(int(x) for x in rt), rank_accepted=tuple(int(x) for x in ra),
+      rank_acceptance=ratio(ra, rt),
+      rank_probs=tuple(float(x) for x in rank_probs_from_counts(rt, ra)),
+      histogram=tuple(int(x) for x in s["hist"].sum(0)))

@@ -1,7 +1,7 @@
 """Roofline cost model: when speculation pays, and which k to use at each batch size.
 
 One decode step at batch B, context length L, T tokens per sequence in the pass
-(BACKGROUND.md §7):
+(docs/cost_model.md, "The roofline"):
 
     t(B, T) = max( (W + B·L·kv) / BW ,  T·B·F(L) / FLOPS )
               memory term               compute term
@@ -443,7 +443,8 @@ def draft_kv_cost(hw: Hardware, wl: Workload, alpha: float, k: int, c: float,
   """Both servers fill memory: plain decoding at its max batch against speculation at the
   smaller batch left once the draft's weights and per-token cache are resident. For a draft
   of the target's architecture, draft_kv_bytes_per_token ≈ (draft params / target params)
-  × the target's (BACKGROUND.md §2). The draft cache's own traffic is inside c.
+  × the target's (docs/cost_model.md, "Memory and the draft's cache"). The draft cache's
+  own traffic is inside c.
   """
   a, kk, cc, dc = _spec_args(alpha, k, c, draft_cost)
   dkv = _nonneg("draft_kv_bytes_per_token", draft_kv_bytes_per_token)

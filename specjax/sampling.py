@@ -1,7 +1,7 @@
 """Logit warping (temperature, top-k, top-p) and categorical sampling.
 
 Speculative decoding is exact with respect to the *warped* target distribution
-(BACKGROUND.md §3): the acceptance rule compares warped probabilities p (target) and q
+(docs/exactness.md): the acceptance rule compares warped probabilities p (target) and q
 (draft). So `warp` returns float32 probabilities, not logits, and greedy decoding (T = 0)
 is an exact one-hot, which makes the stochastic rule in `acceptance.py` degenerate to
 token-for-token greedy identity.

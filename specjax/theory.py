@@ -1,6 +1,6 @@
 """Closed forms for chain and tree speculation, and a Monte Carlo check of them.
 
-Conventions (BACKGROUND.md §4, §8):
+Conventions (docs/cost_model.md and docs/conventions.md):
 - α: probability that a drafted token is accepted given that every earlier draft of the
   cycle was accepted (independent Bernoulli trials in the basic model).
 - τ: tokens emitted per target verification, *including* the target's own token (the

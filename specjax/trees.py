@@ -1,5 +1,5 @@
 """Token trees: static shapes (`TreeSpec`), shape builders, the Sequoia-style optimiser,
-dynamic (EAGLE-2 style) trees, and tree metrics.
+dynamic (EAGLE-2 style) trees, and the verify layout (`VerifyLayout`) both kinds build.
 
 Node convention (one for the whole code base):
 - Node 0 is the **root**: the pending token x_L (the last emitted token, not yet in the
@@ -20,6 +20,13 @@ verification. Node utilisation = accepted nodes / verified nodes (= τ−1 over 
 
 Everything derived from a TreeSpec is a numpy constant: the spec is hashable and static
 under jit, so a shape compiles once and values never recompile.
+
+Verify layout. One verify pass scores [root, nodes] under a layout: each node's depth (its
+position is L + depth), the attention mask, the children table and the depth bound.
+`tree.layout(proposal)` gives it for either kind of tree: a constant for a `TreeSpec`
+(the proposal is not read), built in-graph from the proposal's `parents` / `depth` for a
+`DynamicTree`. The acceptance rule and the loop see only the layout, never the tree type.
+The measured tree statistics (`metrics.TreeSummary`) live in metrics.py.
 """
 
 from __future__ import annotations
@@ -28,13 +35,15 @@ import dataclasses
 import functools
 from typing import Any, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from specjax import theory
 
-__all__ = ["TreeSpec", "DynamicTree", "chain", "branching", "from_paths", "optimal",
-           "expected_tokens", "rank_probs_from_counts", "TreeSummary", "summarize_tree",
-           "pretty"]
+__all__ = ["TreeSpec", "DynamicTree", "VerifyLayout", "chain", "branching", "from_paths",
+           "optimal", "expected_tokens", "pretty"]
 
 
 def _is_int(x: Any) -> bool:
@@ -91,6 +100,55 @@ def _validate_parents(parents: Any) -> tuple[int, ...]:
 def _readonly(a: np.ndarray) -> np.ndarray:
   a.setflags(write=False)
   return a
+
+
+@struct.dataclass
+class VerifyLayout:
+  """How one verify pass lays out the T = N + 1 nodes [root, drafted nodes].
+
+  depth: int32 [T] (the same for every row) or [B, T] (per row): node i is scored at
+    position L + depth[i] (depth[root] = 0).
+  mask: bool [T, T] or [B, T, T], mask[i, j]: node j is node i or one of its ancestors (what
+    node i attends to besides the committed prefix); None for a chain (a causal block).
+  children: int32 [T, W] or [B, T, W], the children of each node in rank order, -1 padded
+    (the order the acceptance rule tries them in).
+  max_depth: D, static: the deepest node (the acceptance rule's number of levels).
+  is_chain: static. A chain's nodes are verified by the vectorised chain rule, and its
+    accepted path already sits in contiguous cache slots (no compaction).
+
+  The arrays are numpy constants for a static `TreeSpec` (`TreeSpec.layout`) and traced
+  values for a `DynamicTree` (built from the drafter's proposal inside the loop).
+  """
+
+  depth: Any
+  mask: Any
+  children: Any
+  max_depth: int = struct.field(pytree_node=False)
+  is_chain: bool = struct.field(pytree_node=False, default=False)
+
+  @property
+  def n_nodes(self) -> int:
+    """T: verified nodes including the root."""
+    return self.children.shape[-2]
+
+  @property
+  def max_width(self) -> int:
+    """W: the most children of one node."""
+    return self.children.shape[-1]
+
+  def positions(self, length_B) -> jax.Array:
+    """int32 [B, T] positions of the verified nodes: L + depth."""
+    depth = self.depth if self.depth.ndim == 2 else jnp.asarray(self.depth)[None]
+    return length_B[:, None] + depth
+
+  def block_mask(self) -> jax.Array | None:
+    """The mask as the model's forward takes it (`block_mask`): None for a causal block."""
+    return None if self.mask is None else jnp.asarray(self.mask)
+
+  def children_for(self, batch: int) -> jax.Array:
+    """The children table per row, int32 [B, T, W]."""
+    c = jnp.asarray(self.children)
+    return c if c.ndim == 3 else jnp.broadcast_to(c, (batch,) + c.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +260,24 @@ class TreeSpec:
     """Parents of the drafted nodes with -1 for a child of the root (theory.py's form)."""
     return tuple(q - 1 for q in self.parents[1:])
 
+  @property
+  def deterministic_candidates(self) -> bool:
+    """False: the drafter chooses how a static shape's candidates are drawn (sampled i.i.d.
+    or its top-k)."""
+    return False
+
+  @functools.cached_property
+  def _layout(self) -> VerifyLayout:
+    return VerifyLayout(depth=self.depth, mask=None if self.is_chain else self.ancestors,
+                        children=self.children, max_depth=self.max_depth,
+                        is_chain=self.is_chain)
+
+  def layout(self, proposal: Any = None) -> VerifyLayout:
+    """The verify layout: a numpy constant (depth [T], ancestor mask [T, T] or None for a
+    chain, children [T, W]); the proposal is not read."""
+    del proposal
+    return self._layout
+
   def expected_tokens(self, rank_probs: Any) -> float:
     """E[τ] under Sequoia's positional model (theory.tree_expected_tokens)."""
     return theory.tree_expected_tokens(self.draft_parents, rank_probs)
@@ -264,9 +340,38 @@ class DynamicTree:
     return False
 
   @property
+  def deterministic_candidates(self) -> bool:
+    """True: the shape is chosen from the draft's top-k, so candidates are point masses."""
+    return True
+
+  @property
   def region(self) -> int:
     """Draft-cache slots the expansion writes beyond L: root + width per expanded level."""
     return 1 + (self.depth - 1) * self.width
+
+  def layout(self, proposal: Any) -> VerifyLayout:
+    """The verify layout of this cycle's per-row trees, from the proposal's `parents` and
+    `depth` (int32 [B, T], parents[:, 0] = -1, topological): depth [B, T], the
+    ancestor-or-self mask [B, T, T] (pointer jumping, `depth` steps up from every node) and
+    the children table [B, T, W] (child r of node i = the r-th node, in index order, whose
+    parent is i). Traceable; static shapes."""
+    parents_BT, depth_BT = proposal.parents, proposal.depth
+    b, t = parents_BT.shape
+    rows = jnp.arange(b)[:, None]
+    nodes = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    mask = nodes[:, :, None] == nodes[:, None, :]
+    up = nodes
+    for _ in range(self.max_depth):
+      up = jnp.maximum(jnp.take_along_axis(parents_BT, up, axis=1), 0)
+      mask = mask | (up[:, :, None] == nodes[:, None, :])
+    same = parents_BT[:, :, None] == parents_BT[:, None, :]  # [B, T, T]
+    earlier = nodes[:, None, :] < nodes[:, :, None]
+    rank = jnp.sum(same & earlier, axis=2)  # [B, T]
+    par = jnp.where(parents_BT >= 0, parents_BT, t)  # the root's entry goes out of range
+    children = jnp.full((b, t, self.max_width), -1, jnp.int32).at[rows, par, rank].set(
+        nodes, mode="drop")
+    return VerifyLayout(depth=depth_BT, mask=mask, children=children,
+                        max_depth=self.max_depth, is_chain=False)
 
   def __str__(self) -> str:
     return (f"DynamicTree(budget={self.budget}, depth={self.depth}, width={self.width}; "
@@ -464,95 +569,3 @@ def pretty(tree: TreeSpec, tokens: Sequence[Any] | None = None) -> str:
 
   walk(0, "")
   return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- metrics
-
-
-def rank_probs_from_counts(rank_tried: Any, rank_accepted: Any) -> np.ndarray:
-  """Sequoia's rank_probs from measured counters: p_r = a_r Π_{s<r} (1 − a_s).
-
-  a_r = accepted / tried of rank-r candidates (conditional acceptance once tried); the
-  rank-r child is the accepted one iff ranks < r were rejected and r passed. Untried ranks
-  get a_r = 0. Feed the result to `optimal`.
-  """
-  tried = np.asarray(rank_tried, np.float64)
-  acc = np.asarray(rank_accepted, np.float64)
-  if tried.shape != acc.shape or tried.ndim != 1:
-    raise ValueError(f"rank_tried and rank_accepted must be 1-D of one shape, got {tried.shape} "
-                     f"and {acc.shape}")
-  a = np.where(tried > 0, acc / np.maximum(tried, 1), 0.0)
-  survive = np.concatenate([[1.0], np.cumprod(1.0 - a)[:-1]])
-  return a * survive
-
-
-@dataclasses.dataclass(frozen=True)
-class TreeSummary:
-  """Tree statistics of a speculative run (all rows pooled).
-
-  tau: tokens emitted per verification (bonus/correction included).
-  utilisation: accepted nodes / verified nodes.
-  depth_acceptance[d-1]: P(a depth-d node is accepted | its parent was accepted and has
-    children); depth_reach[d-1]: fraction of cycles whose accepted path reached depth d.
-  rank_acceptance[r]: P(rank-r candidate accepted | it was tried); rank_probs: Sequoia's
-    P(rank-r child is the accepted one | parent accepted), for `trees.optimal`.
-  """
-
-  cycles: int
-  verified: int
-  accepted: int
-  emitted: int
-  tau: float
-  utilisation: float
-  mean_accepted: float
-  depth_tried: tuple[int, ...]
-  depth_accepted: tuple[int, ...]
-  depth_acceptance: tuple[float, ...]
-  depth_reach: tuple[float, ...]
-  rank_tried: tuple[int, ...]
-  rank_accepted: tuple[int, ...]
-  rank_acceptance: tuple[float, ...]
-  rank_probs: tuple[float, ...]
-  histogram: tuple[int, ...]
-
-  def to_dict(self) -> dict[str, Any]:
-    def clean(v):
-      if isinstance(v, (tuple, list)):
-        return [clean(x) for x in v]
-      if isinstance(v, float) and v != v:
-        return None
-      return v
-    return {f.name: clean(getattr(self, f.name)) for f in dataclasses.fields(self)}
-
-
-def summarize_tree(stats: dict[str, Any], emitted: Any) -> TreeSummary:
-  """TreeSummary from a Generation's per-row counters (`Generation.stats`) and the tokens
-  each row emitted through verification cycles."""
-  s = {k: np.asarray(v, np.int64) for k, v in stats.items()}
-  need = ("cycles", "verified", "accepted", "hist", "depth_tried", "depth_accepted",
-          "rank_tried", "rank_accepted")
-  missing = [k for k in need if k not in s]
-  if missing:
-    raise ValueError(f"stats lacks {missing}: pass Generation.stats of a speculative run")
-  cycles = int(s["cycles"].sum())
-  verified = int(s["verified"].sum())
-  acc = int(s["accepted"].sum())
-  em = int(np.asarray(emitted, np.int64).sum())
-
-  def ratio(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return tuple(float(x / y) if y > 0 else float("nan") for x, y in zip(a, b))
-
-  dt, da = s["depth_tried"].sum(0), s["depth_accepted"].sum(0)
-  rt, ra = s["rank_tried"].sum(0), s["rank_accepted"].sum(0)
-  nan = float("nan")
-  return TreeSummary(
-      cycles=cycles, verified=verified, accepted=acc, emitted=em,
-      tau=em / cycles if cycles else nan, utilisation=acc / verified if verified else nan,
-      mean_accepted=acc / cycles if cycles else nan,
-      depth_tried=tuple(int(x) for x in dt), depth_accepted=tuple(int(x) for x in da),
-      depth_acceptance=ratio(da, dt), depth_reach=ratio(da, np.full(da.shape, cycles)),
-      rank_tried=tuple(int(x) for x in rt), rank_accepted=tuple(int(x) for x in ra),
-      rank_acceptance=ratio(ra, rt),
-      rank_probs=tuple(float(x) for x in rank_probs_from_counts(rt, ra)),
-      histogram=tuple(int(x) for x in s["hist"].sum(0)))

@@ -24,7 +24,7 @@ def validate(params: dict) -> None:
 
 
 def report(records, run_dir) -> str:
-  from specjax import report as rep
+  from specjax.sweeps import report as rep
   fig, ax = rep.new_figure()
   ax.plot([r["params"]["x"] for r in records], [r["metrics"]["value"] for r in records], "o")
   return f"![values]({rep.save(fig, run_dir / 'values.png')})\n"

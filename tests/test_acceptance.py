@@ -1,6 +1,6 @@
 """Exactness tests for chain acceptance (specjax.acceptance).
 
-Statistical design (DESIGN.md "Testing exactness properly"):
+Statistical design (docs/exactness.md, how the tests prove it):
 - Each statistical test is a χ² goodness-of-fit test of emitted-token counts against the exact
   (warped) target law, from B = 100,000 rows simulated in one jitted call with a fixed seed.
   Cells of zero target probability are excluded from χ² and must have zero counts (a single

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specjax import acceptance, decoding, sampling
+from specjax import acceptance, decoding, loop, metrics, sampling, trees
 from specjax.drafters.base import LM
 from specjax.drafters.model import ModelDrafter
 from specjax.models.transformer import ModelConfig
@@ -132,14 +132,14 @@ def _joint_pvalue(tokens, exact):
   return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
-def _speculative_first_three(target, draft, sampler, seed, loop=None):
+def _speculative_first_three(target, draft, sampler, seed, run=None):
   prompt = [1, 5, 2]
   batch = decoding.prepare_batch([prompt] * JOINT_ROWS, vocab_size=VOCAB, max_len=32,
-                                 max_new_tokens=3, k=2)
-  loop = loop or decoding._speculative_jit
-  state = loop(LM.of(target), ModelDrafter.of(draft), batch.prompt_BP, batch.prompt_len_B,
-               batch.budget_B, jnp.asarray(-1), sampler, jax.random.key(seed), k=2,
-               cache_len=batch.cache_len)
+                                 max_new_tokens=3, slots=3)
+  run = run or loop.speculative_jit
+  state = run(LM.of(target), ModelDrafter.of(draft), batch.prompt_BP, batch.prompt_len_B,
+              batch.budget_B, jnp.asarray(-1), sampler, jax.random.key(seed),
+              tree=trees.chain(2), cache_len=batch.cache_len)
   return np.asarray(state.tokens)[:, 3:6], prompt
 
 
@@ -172,10 +172,10 @@ def test_joint_distribution_test_catches_an_always_accept_sampler(joint_setup, m
 
   monkeypatch.setattr(acceptance, "accept_chain", always_accept)
   # A new function object: jit's trace cache is keyed on the function, not the patched module.
-  fresh = jax.jit(lambda *a, **kw: decoding.speculative_loop(*a, **kw),
-                  static_argnames=("k", "cache_len"))
+  fresh = jax.jit(lambda *a, **kw: loop.speculative_loop(*a, **kw),
+                  static_argnames=("tree", "cache_len"))
   sampler = sampling.make_sampler(1.0)
-  tokens, prompt = _speculative_first_three(target, draft, sampler, seed=11, loop=fresh)
+  tokens, prompt = _speculative_first_three(target, draft, sampler, seed=11, run=fresh)
   assert _joint_pvalue(tokens, _exact_joint(target, prompt, sampler)) < FALSE_ALARM
 
 
@@ -184,7 +184,7 @@ def test_joint_distribution_test_catches_an_always_accept_sampler(joint_setup, m
 
 def _loop_inputs(target, prompts, budget):
   batch = decoding.prepare_batch(prompts, vocab_size=target.config.vocab_size,
-                                 max_len=target.config.max_len, max_new_tokens=budget, k=3)
+                                 max_len=target.config.max_len, max_new_tokens=budget, slots=4)
   return batch
 
 
@@ -196,9 +196,9 @@ def test_speculative_loop_composes_with_vmap():
   lm, drafter = LM.of(target), ModelDrafter.of(draft)
 
   def run(key):
-    return decoding.speculative_loop(lm, drafter, batch.prompt_BP, batch.prompt_len_B,
-                                     batch.budget_B, jnp.asarray(-1), sampler, key, k=3,
-                                     cache_len=batch.cache_len).tokens
+    return loop.speculative_loop(lm, drafter, batch.prompt_BP, batch.prompt_len_B,
+                                 batch.budget_B, jnp.asarray(-1), sampler, key,
+                                 tree=trees.chain(3), cache_len=batch.cache_len).tokens
 
   keys = jax.random.split(jax.random.key(0), 3)
   mapped = jax.jit(jax.vmap(run))(keys)
@@ -212,7 +212,7 @@ MULTI_DEVICE_SCRIPT = textwrap.dedent("""
                                "--xla_backend_optimization_level=0")
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
-    from specjax import decoding, sampling
+    from specjax import decoding, loop, sampling, trees
     from specjax.drafters.base import LM
     from specjax.drafters.model import ModelDrafter
     sys_path_tests = os.environ["SPECJAX_TESTS_DIR"]
@@ -222,12 +222,12 @@ MULTI_DEVICE_SCRIPT = textwrap.dedent("""
     target = model(TINY["gpt2"], logit_scale=4.0)
     lm, drafter = LM.of(target), ModelDrafter.of(perturbed(target, seed=1, noise=0.25))
     batch = decoding.prepare_batch([[1, 2, 3], [4, 5]], vocab_size=61, max_len=128,
-                                   max_new_tokens=10, k=2)
+                                   max_new_tokens=10, slots=3)
     sampler = sampling.make_sampler(1.0)
     def run(key):
-      return decoding.speculative_loop(lm, drafter, batch.prompt_BP, batch.prompt_len_B,
-                                       batch.budget_B, jnp.asarray(-1), sampler, key, k=2,
-                                       cache_len=batch.cache_len).tokens
+      return loop.speculative_loop(lm, drafter, batch.prompt_BP, batch.prompt_len_B,
+                                   batch.budget_B, jnp.asarray(-1), sampler, key,
+                                   tree=trees.chain(2), cache_len=batch.cache_len).tokens
     keys = jax.random.split(jax.random.key(0), 4)
     serial = np.stack([np.asarray(jax.jit(run)(k)) for k in keys])
     mesh = Mesh(np.array(jax.devices()), ("d",))
@@ -252,7 +252,7 @@ def test_speculative_loop_over_four_fake_devices_matches_serial():
 def test_no_recompilation_when_runtime_values_change():
   target = model(TINY["gpt2"], logit_scale=4.0)
   draft = perturbed(target, seed=1, noise=0.25)
-  before = decoding.TRACE_COUNTS.copy()
+  before = loop.TRACE_COUNTS.copy()
   settings = [(0.0, 0, 1.0, 10, None, 0), (1.0, 5, 0.9, 17, 3, 1), (0.5, 0, 0.5, 3, 7, 2)]
   for t, top_k, top_p, budget, eos, seed in settings:
     sampler = sampling.make_sampler(t, top_k, top_p)
@@ -260,8 +260,40 @@ def test_no_recompilation_when_runtime_values_change():
                                   sampler=sampler, eos_id=eos, seed=seed, cache_len=64)
     decoding.generate(target, RAGGED[:2], max_new_tokens=budget, sampler=sampler, eos_id=eos,
                       seed=seed, cache_len=64)
-  assert decoding.TRACE_COUNTS["speculative"] - before["speculative"] == 1
-  assert decoding.TRACE_COUNTS["generate"] - before["generate"] == 1
+  assert loop.TRACE_COUNTS["speculative"] - before["speculative"] == 1
+  assert loop.TRACE_COUNTS["generate"] - before["generate"] == 1
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def test_stats_record_logs_cycles_that_accept_128_or_more_nodes():
+  """cycle_log keeps accepted path lengths beyond int8 (a chain or tree deeper than 127)."""
+  b, depth = 2, 300
+  result = acceptance.TreeResult(
+      n_accepted=jnp.asarray([130, 300], jnp.int32), next_token=jnp.zeros((b,), jnp.int32),
+      path=jnp.zeros((b, depth + 1), jnp.int32), depth_tried=jnp.ones((b, depth), bool),
+      rank_tried=jnp.ones((b, 1), jnp.int32), rank_accepted=jnp.ones((b, 1), jnp.int32))
+  stats = loop.Stats.zeros(b, depth, max_cycles=4)
+  stats = jax.jit(lambda s, r: s.record(jnp.asarray([True, True]), r, depth))(stats, result)
+  np.testing.assert_array_equal(stats.cycle_log, [[130, -1, -1, -1], [300, -1, -1, -1]])
+  np.testing.assert_array_equal(stats.hist[:, 130], [1, 0])
+  s = metrics.summarize(cycles=stats.cycles, drafted=stats.drafted, accepted=stats.accepted,
+                        emitted=stats.accepted + 1, cycle_log=stats.cycle_log, k=depth)
+  assert s.log_complete and s.histogram[130] == 1 and s.histogram[300] == 1
+
+
+def test_self_speculation_logs_a_cycle_of_130_accepted_drafts():
+  """End to end: the target drafting for itself at T = 0 with k = 130 accepts whole chains;
+  the log and the summary see 130, not an int8 wrap-around."""
+  target = model(TINY["llama"], logit_scale=4.0)  # RoPE: the cache may exceed max_len
+  plain = decoding.generate(target, [[1, 2, 3]], max_new_tokens=140)
+  run = decoding.speculative_generate(target, target, [[1, 2, 3]], k=130, max_new_tokens=140)
+  assert run.tokens == plain.tokens
+  log = run.stats["cycle_log"][0]
+  assert log[0] == 130, log[:4]
+  summary = run.summary()
+  assert summary.log_complete and summary.histogram[130] >= 1 and summary.alpha == 1.0
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -6,8 +6,9 @@ import math
 import pytest
 
 from experiments import batch_breakeven as bb
-from experiments import launch, measure
-from specjax import roofline, runner
+from experiments import measure
+from specjax import decoding, roofline
+from specjax.sweeps import launch, runner
 from specjax.models import cache as kv
 from specjax.training.presets import PRESETS
 
@@ -15,8 +16,8 @@ CONFIG = "configs/batch_breakeven.gin"
 # Two points (each compiles its own plain and speculative loops, ~25 s on 2 cores); the
 # multi-k analysis is covered on synthetic records below.
 TINY = [
-    'common.Sweep.axes = {"batch": [1, 4], "k": [2]}',
-    'common.Sweep.fixed = {"max_new_tokens": 8, "prompt_len": 16, "repeats": 1, '
+    'sweeps.Sweep.axes = {"batch": [1, 4], "k": [2]}',
+    'sweeps.Sweep.fixed = {"max_new_tokens": 8, "prompt_len": 16, "repeats": 1, '
     '"models": "random"}',
 ]
 
@@ -194,12 +195,12 @@ def test_plan_of_the_default_config_loads_no_model(monkeypatch):
   assert sweep.name == "batch_breakeven" and len(points) == 7 * 4
   assert {p.params["models"] for p in points} == {"default"}
   with pytest.raises(ValueError, match=r"sweep point .*k must be an int in \[1, 64\], got 0"):
-    launch.plan(launch.load_sweep(CONFIG, ['common.Sweep.axes = {"batch": [1], "k": [0]}'])[0])
+    launch.plan(launch.load_sweep(CONFIG, ['sweeps.Sweep.axes = {"batch": [1], "k": [0]}'])[0])
 
 
 def test_memory_estimate_is_the_tiny_presets_kv_caches():
   tiny = PRESETS["tiny"]
-  n = bb.cache_len(64, 64, 8)
+  n = decoding.cache_len_for(64, 64, 8 + 1)  # the engine's rule for a chain of k = 8
   assert n == 256  # bucket(64) + 64 + 8 + 1 = 137 -> 256
   expected = 4 * (kv.cache_bytes(tiny.target, 64, n) + kv.cache_bytes(tiny.draft, 64, n))
   assert bb.memory({"batch": 64, "k": 8, "prompt_len": 64, "max_new_tokens": 64}) == expected

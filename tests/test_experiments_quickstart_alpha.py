@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from experiments import alpha_k_sweep, launch, quickstart
-from specjax import runner
+from experiments import alpha_k_sweep, quickstart
+from specjax.sweeps import launch, runner
 from specjax.training import defaults
 
 
@@ -22,8 +22,8 @@ def _models() -> str:
 def test_quickstart_reduced_end_to_end(tmp_path):
   models = _models()
   s = launch.run("quickstart", out=str(tmp_path / "qs"), progress=False, bindings=[
-      'common.Sweep.axes = {"mode": ["chain", "tree"], "batch": [1, 2]}',
-      f'common.Sweep.fixed = {{"k": 3, "tree_widths": (2, 1, 1), "max_new_tokens": 16, '
+      'sweeps.Sweep.axes = {"mode": ["chain", "tree"], "batch": [1, 2]}',
+      f'sweeps.Sweep.fixed = {{"k": 3, "tree_widths": (2, 1, 1), "max_new_tokens": 16, '
       f'"prompt_len": 16, "temperature": 0.0, "repeats": 1, "models": "{models}"}}'])
   assert (s.total, s.ok, s.failed) == (4, 4, 0)
   records = runner.read_results(tmp_path / "qs" / runner.RESULTS).values()
@@ -39,8 +39,8 @@ def test_quickstart_reduced_end_to_end(tmp_path):
 
 def test_alpha_k_sweep_runs_vectorised_and_tracks_the_dial(tmp_path):
   s = launch.run("alpha_k_sweep", out=str(tmp_path / "ak"), progress=False,
-                 bindings=['common.Sweep.axes = {"alpha": [0.3, 0.9], "k": [3]}',
-                           'common.Sweep.fixed = {"models": "random", "max_new_tokens": 48, '
+                 bindings=['sweeps.Sweep.axes = {"alpha": [0.3, 0.9], "k": [3]}',
+                           'sweeps.Sweep.fixed = {"models": "random", "max_new_tokens": 48, '
                            '"batch": 4, "repeats": 1, "mc_cycles": 2000, "temperature": 1.0}'])
   assert (s.total, s.ok, s.failed) == (2, 2, 0)
   records = sorted(runner.read_results(tmp_path / "ak" / runner.RESULTS).values(),
@@ -90,5 +90,5 @@ def test_all_configs_plan_without_loading_models():
 def test_sweep_larger_than_memory_is_refused_before_work(tmp_path):
   with pytest.raises(ValueError, match="GiB but only .* GiB is available"):
     launch.run("quickstart", out=str(tmp_path / "big"), progress=False,
-               bindings=['common.Sweep.axes = {"mode": ["chain"], "batch": [10000000]}'])
+               bindings=['sweeps.Sweep.axes = {"mode": ["chain"], "batch": [10000000]}'])
   assert not (tmp_path / "big").exists()

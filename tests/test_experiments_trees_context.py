@@ -11,8 +11,8 @@ import math
 
 import pytest
 
-from experiments import launch, long_context, measure, tree_shapes
-from specjax import runner
+from experiments import long_context, measure, tree_shapes
+from specjax.sweeps import launch, runner
 
 
 def _records(run_dir):
@@ -39,9 +39,9 @@ def _run_trees(tmp_path, shapes):
   """A tiny tree_shapes sweep at N = BUDGET, T = 0; checks what every shape must satisfy."""
   out = tmp_path / "run"
   s = launch.run("tree_shapes", [
-      f'common.Sweep.axes = {{"shape": {shapes!r}, "budget": [{BUDGET}], "temperature": [0.0]}}'
+      f'sweeps.Sweep.axes = {{"shape": {shapes!r}, "budget": [{BUDGET}], "temperature": [0.0]}}'
       .replace("'", '"'),
-      'common.Sweep.fixed = {"max_new_tokens": 8, "prompt_len": 16, "repeats": 1, '
+      'sweeps.Sweep.fixed = {"max_new_tokens": 8, "prompt_len": 16, "repeats": 1, '
       '"calib_widths": (2, 2), "models": "random"}'], out=str(out), progress=False)
   assert (s.total, s.ok, s.failed) == (len(shapes), len(shapes), 0)
   by_shape = {r["params"]["shape"]: r["metrics"] for r in _records(out)}
@@ -83,8 +83,8 @@ def test_tree_shapes_dynamic(tmp_path):
 def test_long_context_speedup_vs_context_and_report(tmp_path):
   out = tmp_path / "run"
   s = launch.run("long_context", [
-      'common.Sweep.axes = {"context_len": [12, 16]}',  # one prompt bucket: one compile
-      'common.Sweep.fixed = {"batch": 1, "k": 2, "max_new_tokens": 32, "repeats": 2, '
+      'sweeps.Sweep.axes = {"context_len": [12, 16]}',  # one prompt bucket: one compile
+      'sweeps.Sweep.fixed = {"batch": 1, "k": 2, "max_new_tokens": 32, "repeats": 2, '
       '"models": "random"}'], out=str(out), progress=False)  # decode phase >> prefill
   assert (s.total, s.ok, s.failed) == (2, 2, 0)
   records = _records(out)
@@ -100,18 +100,18 @@ def test_long_context_speedup_vs_context_and_report(tmp_path):
     assert m["speedup_e2e"] > 0 and m["prefill_ms"] > 0 and m["decode_share"] < 1
   report = (out / "report.md").read_text()
   assert "](long_context.png)" in report and (out / "long_context.png").stat().st_size > 1000
-  assert long_context.hardware.cache_info().currsize == 1  # calibrated once per process
+  assert measure.hardware.cache_info().currsize == 1  # calibrated once per process
 
 
 @pytest.mark.parametrize("change, match", [
     ({"shape": "star"}, "shape must be one of"),
     ({"budget": 0}, r"budget must be an int in \[1, 64\], got 0"),
     ({"budget": 65}, r"budget must be an int in \[1, 64\], got 65"),
-    ({"temperature": -1.0}, "temperature must be a number >= 0"),
+    ({"temperature": -1.0}, "temperature must be a finite number >= 0"),
     ({"prompt_len": 4}, "prompt_len must be an int >= 8"),
     ({"calib_widths": (1, 1)}, "calib_widths must have a width >= 2"),
     ({"calib_widths": ()}, "calib_widths must be a non-empty sequence"),
-    ({"models": "huge"}, "models must be 'default' or 'random'"),
+    ({"models": "huge"}, r"models must be one of \('default', 'random'\)"),
 ])
 def test_tree_shapes_validate_rejects_bad_values(change, match):
   with pytest.raises(ValueError, match=match):
@@ -125,8 +125,8 @@ def test_tree_shapes_validate_rejects_bad_values(change, match):
     ({"batch": 0}, "batch must be an int >= 1, got 0"),
     ({"k": 0}, r"k must be an int in \[1, 32\], got 0"),
     ({"max_new_tokens": 1}, "max_new_tokens must be an int >= 2, got 1"),  # decode phase
-    ({"temperature": "hot"}, "temperature must be a number >= 0"),
-    ({"models": "huge"}, "models must be 'default' or 'random'"),
+    ({"temperature": "hot"}, "temperature must be a finite number >= 0"),
+    ({"models": "huge"}, r"models must be one of \('default', 'random'\)"),
 ])
 def test_long_context_validate_rejects_bad_values(change, match):
   with pytest.raises(ValueError, match=match):
@@ -135,9 +135,9 @@ def test_long_context_validate_rejects_bad_values(change, match):
 
 def test_bad_value_in_a_binding_fails_before_any_work(tmp_path):
   with pytest.raises(ValueError, match="sweep point .*budget must be an int"):
-    launch.run("tree_shapes", ['common.Sweep.axes = {"shape": ["chain"], "budget": [0]}'],
+    launch.run("tree_shapes", ['sweeps.Sweep.axes = {"shape": ["chain"], "budget": [0]}'],
                out=str(tmp_path / "run"), progress=False)
   with pytest.raises(ValueError, match="sweep point .*k must be an int"):
-    launch.run("long_context", ['common.Sweep.fixed = {"k": 0}'], out=str(tmp_path / "run"),
+    launch.run("long_context", ['sweeps.Sweep.fixed = {"k": 0}'], out=str(tmp_path / "run"),
                progress=False)
   assert not (tmp_path / "run").exists()

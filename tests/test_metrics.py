@@ -1,4 +1,5 @@
-"""Tests for specjax.metrics (host-side α, τ, intervals, run lengths, autocorrelation)."""
+"""Tests for specjax.metrics (host-side α, τ, intervals, run lengths, autocorrelation, tree
+summaries)."""
 
 import json
 import math
@@ -8,7 +9,8 @@ import pytest
 import scipy.stats
 
 from specjax.metrics import (SpecStats, accept_flags_from_cycles, alpha_interval,
-                             lag1_autocorrelation, run_length_histogram, summarize, tau)
+                             lag1_autocorrelation, rank_probs_from_counts, run_length_histogram,
+                             summarize, summarize_tree, tau)
 
 
 def test_alpha_interval_matches_scipy_wilson():
@@ -191,3 +193,24 @@ def test_summarize_trial_alpha_recovers_iid_acceptance():
   assert abs(s.alpha - (a + a**2 + a**3 + a**4) / k) < 0.01
   assert abs(s.tau - (1 - a ** (k + 1)) / (1 - a)) < 0.03
   assert abs(s.rho) < 0.05
+
+
+def test_rank_probs_from_counts_and_tree_summary():
+  # a_0 = 0.5, a_1 = 0.5 -> p_0 = 0.5, p_1 = 0.25; an untried rank has p = 0.
+  np.testing.assert_allclose(rank_probs_from_counts([100, 50, 0], [50, 25, 0]),
+                             [0.5, 0.25, 0.0])
+  stats = dict(cycles=np.array([4, 2]), verified=np.array([24, 12]), accepted=np.array([6, 1]),
+               hist=np.array([[1, 1, 1, 1], [1, 1, 0, 0]]),
+               depth_tried=np.array([[4, 3, 2], [2, 1, 0]]),
+               depth_accepted=np.array([[3, 2, 1], [1, 0, 0]]),
+               rank_tried=np.array([[6, 3], [3, 2]]), rank_accepted=np.array([[4, 2], [1, 0]]))
+  s = summarize_tree(stats, emitted=np.array([10, 3]))
+  assert s.tau == pytest.approx(13 / 6) and s.utilisation == pytest.approx(7 / 36)
+  assert s.depth_acceptance == pytest.approx((4 / 6, 2 / 4, 1 / 2))
+  assert s.depth_reach == pytest.approx((4 / 6, 2 / 6, 1 / 6))
+  assert s.rank_acceptance == pytest.approx((5 / 9, 2 / 5))
+  assert s.rank_probs == pytest.approx((5 / 9, 4 / 9 * 2 / 5))
+  assert s.histogram == (2, 2, 1, 1)
+  assert s.to_dict()["rank_tried"] == [9, 5]
+  with pytest.raises(ValueError, match="stats lacks"):
+    summarize_tree({"cycles": [1]}, [1])

@@ -16,7 +16,7 @@ from flax import struct
 from scipy import stats
 
 import specjax_testing as st
-from specjax import decoding, sampling, trees
+from specjax import decoding, loop, sampling, trees
 from specjax.drafters import oracle
 from specjax.drafters.oracle import OracleDrafter
 
@@ -123,11 +123,11 @@ def test_greedy_output_unchanged_and_alpha_is_a_runtime_value(target):
   assert gen.tokens == plain.tokens
   for a, acc, trials, pv in _alpha_pvalues(gen, 4):
     assert pv > FALSE_ALARM / len(ALPHAS), (a, acc / trials, pv)
-  before = decoding.TRACE_COUNTS["speculative"]
+  before = loop.TRACE_COUNTS["speculative"]
   again = decoding.speculative_generate(target, drafter.with_alpha(_row_alphas()[::-1].copy()),
                                         prompts, k=4, max_new_tokens=40,
                                         sampler=sampling.make_sampler(0.7, top_p=0.9))
-  assert decoding.TRACE_COUNTS["speculative"] == before, "changing α or the sampler recompiled"
+  assert loop.TRACE_COUNTS["speculative"] == before, "changing α or the sampler recompiled"
   assert again.stats["accepted"][:ROWS_PER_ALPHA].sum() > gen.stats["accepted"][
       :ROWS_PER_ALPHA].sum()  # the first rows now run at α = 0.95 instead of 0.2
 

@@ -9,18 +9,17 @@ import sys
 
 import pytest
 
-from experiments import launch
-from specjax import runner
 from specjax.cli import main
+from specjax.sweeps import launch, runner
 
 TESTS = pathlib.Path(__file__).parent
 
 CONFIG = """
 from __gin__ import dynamic_registration
-import experiments.common as common
+import specjax.sweeps as sweeps
 import sweep_fixtures as fx
 
-common.Sweep:
+sweeps.Sweep:
   name = "toy"
   point_fn = @fx.point
   validate_fn = @fx.validate
@@ -55,7 +54,7 @@ def test_sweep_runs_every_point_and_writes_report(config, tmp_path):
   assert (tmp_path / "run" / "values.png").stat().st_size > 1000
   env = json.loads((tmp_path / "run" / "environment.json").read_text())
   assert env["jax"] and env["local_device_count"] >= 1
-  assert "common.Sweep.name = 'toy'" in (tmp_path / "run" / "config.gin").read_text()
+  assert "sweeps.Sweep.name = 'toy'" in (tmp_path / "run" / "config.gin").read_text()
   again = launch.run(str(config), out=str(tmp_path / "run"), progress=False)
   assert again.resumed and (again.skipped, again.ok) == (10, 0)
 
@@ -90,12 +89,14 @@ def test_failing_point_is_recorded_and_retried_without_stopping_the_sweep(tmp_pa
 
 
 @pytest.mark.parametrize("change, match", [
-    (("common.Sweep:", "common.Swep:"), "closest valid names: common.Sweep"),
+    (("sweeps.Sweep:", "sweeps.Swep:"), "closest valid names: sweeps.Sweep"),
     (("point_fn = @fx.point", "point_fn = @fx.pont"), "closest valid names: fx.point"),
     (('"y": ["a", "b"]', '"yy": ["a", "b"]'), "unknown parameter 'yy'.*did you mean y"),
     (('fixed = {"scale": 2.0}', 'fixed = {"scale": -1.0}'), "scale must be > 0"),
     (('"x": [1, 2, 3, 4, 5]', '"x": [1, "two"]'), "x must be an int"),
     (("name = \"toy\"", "nme = \"toy\""), "closest valid names: name"),
+    (("import specjax.sweeps as sweeps", "import experiments.common as sweeps"),
+     "`Sweep` now lives in the library"),  # a config written before the move
 ])
 def test_bad_configs_fail_before_any_work_with_clear_errors(tmp_path, change, match):
   path = tmp_path / "bad.gin"
@@ -108,7 +109,7 @@ def test_bad_configs_fail_before_any_work_with_clear_errors(tmp_path, change, ma
 def test_cli_errors_unknown_experiment_binding_and_occupied_out(config, tmp_path, capsys):
   assert main(["run", "quikstart-nonexistent"]) == 2
   assert "unknown experiment config" in capsys.readouterr().err
-  assert main(["run", str(config), "--gin_param", "common.Sweep.sede = 3",
+  assert main(["run", str(config), "--gin_param", "sweeps.Sweep.sede = 3",
                "--out", str(tmp_path / "r")]) == 2
   assert "closest valid names: seed" in capsys.readouterr().err
   occupied = tmp_path / "occupied"
@@ -120,7 +121,7 @@ def test_cli_errors_unknown_experiment_binding_and_occupied_out(config, tmp_path
   other = tmp_path / "other"
   launch.run(str(config), out=str(other), progress=False)
   before = (other / runner.RESULTS).read_text()
-  assert main(["run", str(config), "--gin_param", "common.Sweep.seed = 7",
+  assert main(["run", str(config), "--gin_param", "sweeps.Sweep.seed = 7",
                "--out", str(other)]) == 2
   assert "holds a different run" in capsys.readouterr().err
   assert (other / runner.RESULTS).read_text() == before
@@ -186,9 +187,9 @@ def test_torn_last_line_is_ignored_and_fenced(tmp_path):
 
 
 EXACTNESS_ARGS = ["run", "exactness", "--no-progress", "--json", "--gin_param",
-                  'common.Sweep.axes = {"vocab": [8], "kind": ["stochastic"], '
+                  'sweeps.Sweep.axes = {"vocab": [8], "kind": ["stochastic"], '
                   '"temperature": [0.7, 1.0, 1.3], "top_p": [1.0]}',
-                  "--gin_param", 'common.Sweep.fixed = {"samples": 4000}']
+                  "--gin_param", 'sweeps.Sweep.fixed = {"samples": 4000}']
 
 
 def test_sweep_over_four_fake_devices_matches_serial_run(tmp_path):

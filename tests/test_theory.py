@@ -15,7 +15,8 @@ C_LECTURE = 0.15
 
 # ----------------------------------------------------------------------------- lecture numbers
 
-# BACKGROUND.md §4: best speedup 1.51 / 1.75 / 2.11 / 2.78 at α = 0.6 / 0.7 / 0.8 / 0.9.
+# The lecture's table (docs/cost_model.md): best speedup 1.51 / 1.75 / 2.11 / 2.78 at
+# α = 0.6 / 0.7 / 0.8 / 0.9.
 @pytest.mark.parametrize("alpha,lecture", [(0.6, 1.51), (0.7, 1.75), (0.8, 2.11), (0.9, 2.78)])
 def test_lecture_best_speedup_row(alpha, lecture):
   _, best = theory.optimal_k(alpha, C_LECTURE)
@@ -23,7 +24,8 @@ def test_lecture_best_speedup_row(alpha, lecture):
 
 
 # The lecture's table says optimal k = 2 / 3 / 5 / 7. The formula says 2 / 3 / 5 / 8: at
-# α = 0.9, k = 8 gives 2.7845 and k = 7 gives 2.7778 (both print as 2.78). See .notes/theory.md.
+# α = 0.9, k = 8 gives 2.7845 and k = 7 gives 2.7778 (both print as 2.78).
+# See docs/cost_model.md, errata.
 @pytest.mark.parametrize("alpha,k_formula", [(0.6, 2), (0.7, 3), (0.8, 5), (0.9, 8)])
 def test_optimal_k_per_alpha_from_the_formula(alpha, k_formula):
   k, _ = theory.optimal_k(alpha, C_LECTURE)

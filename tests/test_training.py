@@ -24,7 +24,7 @@ from specjax.data.tokenizer import ByteTokenizer
 from specjax.models.transformer import ModelConfig
 from specjax.training import defaults, evaluate as ev, presets
 from specjax.training.config import TrainConfig
-from specjax.training.models_io import load_trained
+from specjax.checkpoints.trained import load_trained
 from specjax.training.trainer import (Teacher, Trainer, check_memory, params_fingerprint,
                                       train, validation_metrics)
 

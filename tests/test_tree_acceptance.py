@@ -1,6 +1,6 @@
 """Exactness of token-tree acceptance (specjax.acceptance.accept_tree / _accept_tree).
 
-Design (DESIGN.md "Testing exactness properly"):
+Design (docs/exactness.md, how the tests prove it):
 - A first-order Markov "language" over V = 5 tokens: the target's law of the next token after
   token c is P[c] (warped target logits, row c), the draft's Q[c]. One cycle verifies the tree
   TREE (root with 3 children, a depth-1 node with 2, two with 1: depth 2, width 3) drafted
@@ -182,7 +182,7 @@ def simulate(key, P_VV, Q_VV, draft_logits_VV, bug_id, deterministic: bool):
   tokens_BT = jnp.stack(tokens, axis=1)
   p_BTV = P_VV[tokens_BT]
   q_BTV = None if deterministic else Q_VV[tokens_BT]
-  res = _accept_tree(k_accept, TREE, tokens_BT, p_BTV, q_BTV, switch_rule(bug_id))
+  res = _accept_tree(k_accept, TREE.layout(), tokens_BT, p_BTV, q_BTV, switch_rule(bug_id))
   n = res.n_accepted
   path_tok = jnp.take_along_axis(tokens_BT, res.path[:, 1:], axis=1)  # [B, D]
   tail_u = jax.random.uniform(k_tail, (N_ROWS, D + 1))
@@ -307,8 +307,8 @@ def _greedy_walk(tree, tokens, target_argmax):
 
 def test_greedy_acceptance_is_the_greedy_walk_static_and_per_row():
   """At T = 0 (one-hot p) the tree rule follows the target's argmax through the tree, for
-  point-mass and sampled (one-hot q) candidates, and per-row children tables give the same
-  results as the static TreeSpec."""
+  point-mass and sampled (one-hot q) candidates, and a per-row layout (children [B, T, W], as
+  dynamic trees build) gives the same results as the static TreeSpec's constant layout."""
   tree = trees.branching((3, 2))
   B, T, Vg = 256, tree.n_nodes, 7
   rng = np.random.default_rng(0)
@@ -319,12 +319,15 @@ def test_greedy_acceptance_is_the_greedy_walk_static_and_per_row():
   p = warp_jit(jnp.asarray(logits), make_sampler(0.0))
   q = jax.nn.one_hot(jnp.asarray(argmax), Vg)  # any q works at T = 0
   children = jnp.broadcast_to(jnp.asarray(tree.children), (B,) + tree.children.shape)
+  static = tree.layout()
 
   @jax.jit  # one compiled program for the three variants
   def three(tokens, p, q, children):
-    return (accept_tree(jax.random.key(1), tree, tokens, p, None),
-            accept_tree(jax.random.key(2), tree, tokens, p, q),
-            accept_tree(jax.random.key(1), (children, tree.max_depth), tokens, p, None))
+    per_row = trees.VerifyLayout(depth=None, mask=None, children=children,
+                                 max_depth=tree.max_depth)
+    return (accept_tree(jax.random.key(1), static, tokens, p, None),
+            accept_tree(jax.random.key(2), static, tokens, p, q),
+            accept_tree(jax.random.key(1), per_row, tokens, p, None))
 
   outs = three(jnp.asarray(tokens), p, q, children)
   ns = []
@@ -349,7 +352,8 @@ def test_chain_tree_goes_through_accept_chain():
   p = warp_jit(jnp.asarray(rng.normal(size=(64, 4, 6)), jnp.float32), make_sampler(1.0))
   q = warp_jit(jnp.asarray(rng.normal(size=(64, 4, 6)), jnp.float32), make_sampler(1.0))
   tokens = jnp.asarray(rng.integers(0, 6, (64, 4)), jnp.int32)
-  res = jax.jit(accept_tree, static_argnums=1)(jax.random.key(3), tree, tokens, p, q)
+  assert tree.layout().is_chain and tree.layout().mask is None
+  res = jax.jit(accept_tree)(jax.random.key(3), tree.layout(), tokens, p, q)
   ref = jax.jit(acceptance.accept_chain)(jax.random.key(3), tokens[:, 1:], p, q[:, :3])
   np.testing.assert_array_equal(res.n_accepted, ref.n_accepted)
   np.testing.assert_array_equal(res.next_token, ref.next_token)
@@ -358,4 +362,4 @@ def test_chain_tree_goes_through_accept_chain():
   np.testing.assert_array_equal(res.depth_tried, np.arange(3)[None] <= n[:, None])
   np.testing.assert_array_equal(res.rank_tried[:, 0], np.minimum(n + 1, 3))
   with pytest.raises(ValueError, match="must have 4 nodes"):
-    accept_tree(jax.random.key(0), tree, tokens[:, :3], p[:, :3], None)
+    accept_tree(jax.random.key(0), tree.layout(), tokens[:, :3], p[:, :3], None)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from scipy.special import logsumexp
 
-from specjax import decoding, sampling, trees
+from specjax import decoding, loop, metrics, sampling, trees
 from specjax.drafters.base import LM, Context
 from specjax.drafters.model import ModelDrafter
 from specjax.models import cache as kv
@@ -50,12 +50,11 @@ def run_loop(target, drafter, tree, sampler=GREEDY, seed=0):
   cfg = target.config
   slots = max(tree.n_nodes, drafter.slots_needed(tree))
   batch = decoding.prepare_batch(RAGGED, vocab_size=cfg.vocab_size, max_len=cfg.max_len,
-                                 max_new_tokens=BUDGET, k=slots - 1, cache_len=CACHE_LEN,
+                                 max_new_tokens=BUDGET, slots=slots, cache_len=CACHE_LEN,
                                  positions_limited=False)
-  state = decoding._speculative_jit(LM.of(target), drafter, batch.prompt_BP,
-                                    batch.prompt_len_B, batch.budget_B,
-                                    decoding._eos(None, cfg.vocab_size), sampler,
-                                    decoding._key(seed), tree=tree, cache_len=CACHE_LEN)
+  state = loop.speculative_jit(LM.of(target), drafter, batch.prompt_BP, batch.prompt_len_B,
+                               batch.budget_B, decoding._eos(None, cfg.vocab_size), sampler,
+                               decoding._key(seed), tree=tree, cache_len=CACHE_LEN)
   return jax.block_until_ready(state), batch
 
 
@@ -104,7 +103,7 @@ def test_greedy_tree_equals_plain_greedy_and_caches_are_compacted(pair, plain, n
   np.testing.assert_array_equal(st["depth_accepted"].sum(1), st["accepted"])
   log = st["cycle_log"].astype(np.int64)
   np.testing.assert_array_equal(np.where(log >= 0, log, 0).sum(1), st["accepted"])
-  summary = trees.summarize_tree(st, np.asarray([len(t) - 1 for t in emitted]))
+  summary = metrics.summarize_tree(st, np.asarray([len(t) - 1 for t in emitted]))
   assert summary.tau > 1.5, summary
   assert 0 < summary.utilisation < 1
   if deterministic:  # the greedy target sometimes takes a non-first candidate
@@ -122,13 +121,13 @@ def test_greedy_tree_equals_plain_greedy_and_caches_are_compacted(pair, plain, n
   # The public API runs the same compiled loop, also with new runtime values (temperature,
   # top-p, budgets, EOS, seed): no recompilation. Generation carries the tree and its metrics.
   drafter = ModelDrafter.of(weak, deterministic)
-  before = decoding.TRACE_COUNTS["speculative"]
+  before = loop.TRACE_COUNTS["speculative"]
   g = decoding.speculative_generate(target, drafter, RAGGED, tree=tree, max_new_tokens=BUDGET,
                                     cache_len=CACHE_LEN)
   hot = decoding.speculative_generate(target, drafter, RAGGED, tree=tree, max_new_tokens=7,
                                       sampler=sampling.make_sampler(0.7, 0, 0.9), seed=3,
                                       eos_id=5, cache_len=CACHE_LEN)
-  assert decoding.TRACE_COUNTS["speculative"] == before
+  assert loop.TRACE_COUNTS["speculative"] == before
   assert g.tokens == plain.tokens and g.tree == tree and g.k == tree.size
   assert all(len(t) <= 7 for t in hot.tokens)
   s, ts = g.summary(), g.tree_summary()
@@ -170,7 +169,7 @@ ODD = TreeSpec((-1, 0, 1, 0, 1, 3, 2, 2))
 def proposal_setup():
   draft = model(TINY["gpt2"], seed=3, logit_scale=2.0)  # learned positions
   lm = LM.of(draft)
-  batch = decoding.prepare_batch(PROMPTS, vocab_size=61, max_len=128, max_new_tokens=4, k=16,
+  batch = decoding.prepare_batch(PROMPTS, vocab_size=61, max_len=128, max_new_tokens=4, slots=17,
                                  cache_len=CACHE_LEN)
   tokens = np.zeros((3, CACHE_LEN), np.int32)
   for b, (p, x) in enumerate(zip(PROMPTS, PENDING)):

@@ -1,5 +1,5 @@
-"""Tree shapes (specjax.trees), the Sequoia optimiser, tree metrics, and the cache pieces trees
-rely on: window attention masks and path compaction (specjax.models.cache)."""
+"""Tree shapes (specjax.trees), the Sequoia optimiser, verify layouts, and the cache pieces
+trees rely on: window attention masks and path compaction (specjax.models.cache)."""
 
 import itertools
 
@@ -122,25 +122,29 @@ def test_optimal_beats_chain_and_k_ary_trees_of_the_same_size(probs, budget):
   assert abs(sim.tau - e_opt) < 5 * sim.tau_se
 
 
-def test_rank_probs_from_counts_and_tree_summary():
-  # a_0 = 0.5, a_1 = 0.5 -> p_0 = 0.5, p_1 = 0.25; an untried rank has p = 0.
-  np.testing.assert_allclose(trees.rank_probs_from_counts([100, 50, 0], [50, 25, 0]),
-                             [0.5, 0.25, 0.0])
-  stats = dict(cycles=np.array([4, 2]), verified=np.array([24, 12]), accepted=np.array([6, 1]),
-               hist=np.array([[1, 1, 1, 1], [1, 1, 0, 0]]),
-               depth_tried=np.array([[4, 3, 2], [2, 1, 0]]),
-               depth_accepted=np.array([[3, 2, 1], [1, 0, 0]]),
-               rank_tried=np.array([[6, 3], [3, 2]]), rank_accepted=np.array([[4, 2], [1, 0]]))
-  s = trees.summarize_tree(stats, emitted=np.array([10, 3]))
-  assert s.tau == pytest.approx(13 / 6) and s.utilisation == pytest.approx(7 / 36)
-  assert s.depth_acceptance == pytest.approx((4 / 6, 2 / 4, 1 / 2))
-  assert s.depth_reach == pytest.approx((4 / 6, 2 / 6, 1 / 6))
-  assert s.rank_acceptance == pytest.approx((5 / 9, 2 / 5))
-  assert s.rank_probs == pytest.approx((5 / 9, 4 / 9 * 2 / 5))
-  assert s.histogram == (2, 2, 1, 1)
-  assert s.to_dict()["rank_tried"] == [9, 5]
-  with pytest.raises(ValueError, match="stats lacks"):
-    trees.summarize_tree({"cycles": [1]}, [1])
+def test_verify_layouts_of_static_and_dynamic_trees_agree():
+  """The constant layout of a TreeSpec and the in-graph layout a DynamicTree builds from a
+  proposal's parents / depth give the same positions, ancestor mask and children table for
+  the same shape (here a topological but not level-ordered one)."""
+  tree = TreeSpec((-1, 0, 1, 0, 1, 3, 2, 2))
+  static = tree.layout()
+  assert static is tree.layout() and not static.is_chain
+  assert (static.n_nodes, static.max_depth, static.max_width) == (8, 3, 2)
+  np.testing.assert_array_equal(static.mask, tree.ancestors)
+  np.testing.assert_array_equal(static.children, tree.children)
+
+  class Proposal:  # the two fields DynamicTree.layout reads
+    parents = jnp.broadcast_to(jnp.asarray(tree.parents, jnp.int32), (2, 8))
+    depth = jnp.broadcast_to(jnp.asarray(tree.depth), (2, 8))
+
+  dynamic = DynamicTree(budget=7, depth=tree.max_depth, width=tree.max_width).layout(Proposal)
+  length = jnp.asarray([5, 9], jnp.int32)
+  np.testing.assert_array_equal(dynamic.positions(length), static.positions(length))
+  np.testing.assert_array_equal(static.positions(length)[1], 9 + tree.depth)
+  np.testing.assert_array_equal(dynamic.mask, np.broadcast_to(tree.ancestors, (2, 8, 8)))
+  np.testing.assert_array_equal(dynamic.children_for(2), static.children_for(2))
+  chain = trees.chain(3).layout()
+  assert chain.is_chain and chain.mask is None and chain.max_depth == 3
 
 
 # ----------------------------------------------------------------------------- bad input

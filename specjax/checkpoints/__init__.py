@@ -1,4 +1,4 @@
-"""Checkpoints: orbax save/restore (`orbax_io`) and Hugging Face import/export (`hf`).
+"""Checkpoints: load any model directory, save specjax models, inspect.
 
     model, tokenizer = load_model(path)
 
@@ -10,42 +10,41 @@
 The tokenizer is the Hugging Face `tokenizer.json` found there (read with `tokenizers`), the
 specjax tokenizer a trained checkpoint records, or the byte tokenizer when there is none.
 
+The package: `orbax_io` (generic orbax save/restore), `trained` (trainer checkpoints),
+`hf/` (Hugging Face import/export), `dirs` (all-or-nothing output directories), and here the
+'specjax-model' kind plus the loaders that dispatch on what a directory holds.
+
 A `save_model` checkpoint directory holds one orbax step (params in the model's dtype,
 ModelConfig, metadata: kind, family, the original config.json) plus the tokenizer files. It
 is assembled in a temporary sibling directory and renamed into place, so a failed import
 leaves nothing at the output path.
 
-Everything heavy is imported inside the functions: `specjax.checkpoints.orbax_io` is imported
-by the training code and must not pull in the Hugging Face machinery.
+Imports point one way: `specjax.training` imports `specjax.checkpoints` (orbax_io, trained),
+never the reverse. The Hugging Face machinery is imported inside the functions, so training
+code importing `specjax.checkpoints.orbax_io` does not pull it in.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
-import shutil
-import tempfile
 from typing import Any
 
+from specjax.checkpoints.trained import TRAINED_KIND, load_trained
+
 MODEL_KIND = "specjax-model"  # written by save_model (import-hf)
-TRAINED_KIND = "specjax-lm"  # written by the trainer (specjax.training.trainer.CHECKPOINT_KIND)
 
 
 def is_hf_dir(path: str | os.PathLike) -> bool:
-  from specjax.checkpoints import hf
+  from specjax.checkpoints.hf.tensor_files import FLAX_MSGPACK, SAFETENSORS, SAFETENSORS_INDEX
   p = pathlib.Path(path)
   return (p / "config.json").is_file() and any(
-      (p / n).is_file() for n in (hf.SAFETENSORS, hf.SAFETENSORS_INDEX, hf.FLAX_MSGPACK))
+      (p / n).is_file() for n in (SAFETENSORS, SAFETENSORS_INDEX, FLAX_MSGPACK))
 
 
 def is_orbax_dir(path: str | os.PathLike) -> bool:
   from specjax.checkpoints import orbax_io
   return orbax_io.latest_step(path) is not None
-
-
-def _kind(path) -> str | None:
-  from specjax.checkpoints import orbax_io
-  return orbax_io.read_meta(path)["metadata"].get("kind")
 
 
 def save_model(directory: str | os.PathLike, model, *, metadata: dict | None = None,
@@ -58,21 +57,17 @@ def save_model(directory: str | os.PathLike, model, *, metadata: dict | None = N
   """
   from flax import nnx
 
-  from specjax.checkpoints import hf, orbax_io
-  out = hf.prepare_output_dir(directory, overwrite)
+  from specjax.checkpoints import orbax_io
+  from specjax.checkpoints.dirs import assembling, prepare_output_dir
+  from specjax.checkpoints.hf.tokenizer import copy_tokenizer_files
+  out = prepare_output_dir(directory, overwrite)
   meta = {**(metadata or {}), "kind": MODEL_KIND}
   module = model.module() if hasattr(model, "graphdef") else model
   params = nnx.state(module, nnx.Param)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-  try:
+  with assembling(out) as tmp:
     orbax_io.save(tmp, step, params=params, config=module.config, metadata=meta, keep=None)
     if tokenizer_dir is not None:
-      hf.copy_tokenizer_files(tokenizer_dir, tmp)
-    hf.publish_dir(tmp, out)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
+      copy_tokenizer_files(tokenizer_dir, tmp)
   return out
 
 
@@ -82,47 +77,21 @@ def load_checkpoint(directory: str | os.PathLike, *, config=None, step: int | No
   config: the expected ModelConfig; a checkpoint saved with another one raises ValueError
   listing each differing field (orbax_io.restore).
   """
-  from flax import nnx
-
   from specjax.checkpoints import orbax_io
-  from specjax.models.transformer import ModelConfig, Transformer
+  from specjax.models.transformer import ModelConfig, abstract_model, from_params
   directory = pathlib.Path(directory)
   if not is_orbax_dir(directory):
     raise ValueError(f"no specjax checkpoint found in {str(directory)!r}")
   meta = orbax_io.read_meta(directory, step)
   kind = meta["metadata"].get("kind")
   if kind == TRAINED_KIND:
-    from specjax.training.models_io import load_trained
     trained = load_trained(directory, step=step, config=config)
     return trained.module(), {**trained.metadata, "step": trained.step}
   stored = orbax_io.config_from_json(meta["config"], ModelConfig)
-  abstract = nnx.eval_shape(lambda: Transformer(stored, rngs=nnx.Rngs(0)))
-  graphdef, target = nnx.split(abstract)
+  _, target = abstract_model(stored)
   restored = orbax_io.restore(directory, params_target=target, config=config or stored,
                               step=step)
-  return nnx.merge(graphdef, restored.params), {**restored.metadata, "step": restored.step}
-
-
-def load_tokenizer_for(directory: str | os.PathLike, hf_config: dict | None = None) -> Any:
-  """The tokenizer stored in `directory`: a Hugging Face tokenizer.json (HFTokenizer), a
-  specjax tokenizer file, or the byte tokenizer when there is no tokenizer.json."""
-  import json
-
-  from specjax.checkpoints import hf
-  from specjax.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
-  path = pathlib.Path(directory) / "tokenizer.json"
-  if not path.is_file():
-    return ByteTokenizer()
-  try:
-    data = json.loads(path.read_text())
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ValueError(f"cannot read {str(path)!r}: {e}") from e
-  if isinstance(data, dict) and data.get("kind") == "byte":
-    return ByteTokenizer()
-  vocab = {t.get("content") for t in data.get("added_tokens", []) if isinstance(t, dict)}
-  if set(BPETokenizer.SPECIALS) <= vocab:
-    return load_tokenizer(directory)  # a BPE trained by specjax
-  return hf.HFTokenizer.from_dir(directory, hf_config)
+  return from_params(stored, restored.params), {**restored.metadata, "step": restored.step}
 
 
 def load_model(path: str | os.PathLike, *, dtype: str | None = None, config=None,
@@ -138,7 +107,7 @@ def load_model(path: str | os.PathLike, *, dtype: str | None = None, config=None
     raise ValueError(f"model path {str(path)!r} is not a directory")
   if is_hf_dir(path) or (path / "config.json").is_file() and not is_orbax_dir(path):
     imported = hf.import_hf(path, dtype=dtype)  # names what is missing or broken
-    return imported.model(), load_tokenizer_for(path, imported.hf_config)
+    return imported.model(), hf.load_tokenizer_for(path, imported.hf_config)
   if is_orbax_dir(path):
     model, meta = load_checkpoint(path, config=config, step=step)
     if dtype is not None and dtype != model.config.dtype:
@@ -148,7 +117,7 @@ def load_model(path: str | os.PathLike, *, dtype: str | None = None, config=None
     if meta.get("kind") == TRAINED_KIND:
       from specjax.data.tokenizer import tokenizer_from_spec
       return model, tokenizer_from_spec(meta["tokenizer"], path)
-    return model, load_tokenizer_for(path, meta.get("hf_config"))
+    return model, hf.load_tokenizer_for(path, meta.get("hf_config"))
   raise ValueError(f"{str(path)!r} is neither a Hugging Face model directory (config.json + "
                    "model.safetensors / model.safetensors.index.json / flax_model.msgpack) nor a "
                    "specjax orbax checkpoint")

@@ -79,11 +79,11 @@ def _human(n: float) -> str:
 
 
 def run_import(args: argparse.Namespace) -> int:
-  from specjax.checkpoints import describe, hf, load_tokenizer_for, save_model
+  from specjax.checkpoints import describe, hf, save_model
   src = pathlib.Path(args.src)
   hf.prepare_output_dir(args.out, args.overwrite)  # fail before reading gigabytes
   imported = hf.import_hf(src, dtype=args.dtype)
-  tokenizer = load_tokenizer_for(src, imported.hf_config)
+  tokenizer = hf.load_tokenizer_for(src, imported.hf_config)
   metadata = {"family": imported.family, "source_layout": imported.layout,
               "source": src.name, "hf_config": imported.hf_config,
               "tokenizer": tokenizer.to_spec()}
@@ -101,6 +101,7 @@ def run_import(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
   from specjax.checkpoints import hf, is_hf_dir, load_checkpoint, load_model
+  from specjax.checkpoints.trained import TRAINED_KIND
   max_bytes = parse_size(args.max_shard_size)
   hf.prepare_output_dir(args.out, args.overwrite)
   src = pathlib.Path(args.ckpt)
@@ -108,14 +109,13 @@ def run_export(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(src)
     base = hf.read_hf_config(src)
   else:
-    from specjax.checkpoints import load_tokenizer_for
     model, meta = load_checkpoint(src)
     base = dict(meta.get("hf_config") or {})
-    if meta.get("kind") == "specjax-lm":
+    if meta.get("kind") == TRAINED_KIND:
       from specjax.data.tokenizer import tokenizer_from_spec
       tokenizer = tokenizer_from_spec(meta["tokenizer"], src)
     else:
-      tokenizer = load_tokenizer_for(src, base or None)
+      tokenizer = hf.load_tokenizer_for(src, base or None)
   for field in ("bos", "eos", "pad"):  # token ids for transformers' generate, unless recorded
     value = getattr(tokenizer, f"{field}_id", None)
     if f"{field}_token_id" not in base and value is not None and value < model.config.vocab_size:

@@ -14,7 +14,7 @@ def add_parsers(subparsers) -> None:
       "resumes: finished points are skipped, failed ones retried.")
   p.add_argument("config", help="a .gin file, or the name of one in configs/")
   p.add_argument("--gin_param", "--gin-param", action="append", default=[], dest="gin_param",
-                 metavar="BINDING", help="extra gin binding, e.g. 'common.Sweep.seed = 3'")
+                 metavar="BINDING", help="extra gin binding, e.g. 'sweeps.Sweep.seed = 3'")
   p.add_argument("--out", default=None, help="run directory (default runs/NAME/TIMESTAMP)")
   p.add_argument("--root", default="runs", help="where run directories go (default runs/)")
   p.add_argument("--shard-index", type=int, default=0)
@@ -77,7 +77,7 @@ def _compilation_cache() -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-  from experiments import launch
+  from specjax.sweeps import launch
   _distributed(args)
   _compilation_cache()
   summary = launch.run(args.config, args.gin_param, out=args.out, root=args.root,
@@ -94,11 +94,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
-  from experiments import launch
-  from specjax import runner
-  from experiments.launch import load_sweep
+  from specjax.sweeps import launch, runner
   out = runner.merge(args.run_dirs, args.out)
-  sweep, _ = load_sweep(str(out / "config.gin"))
+  sweep, _ = launch.load_sweep(str(out / "config.gin"))
   launch.write_report(sweep, out)
   print(f"merged {len(args.run_dirs)} runs into {out}")
   return 0

@@ -165,7 +165,7 @@ def run_draft(args) -> int:
   out = pathlib.Path(args.out)
   teacher = None
   if args.teacher is not None:
-    from specjax.training.models_io import load_trained
+    from specjax.checkpoints.trained import load_trained
     trained = load_trained(args.teacher)
     teacher_cfg, teacher_params, tokenizer = trained.config, trained.params, trained.tokenizer
   else:
@@ -176,8 +176,9 @@ def run_draft(args) -> int:
     pair = load_default_pair(args.preset, args.corpus, progress=not args.no_progress)
     teacher_cfg, teacher_params, tokenizer = pair[0], pair[1], pair.tokenizer
   if not args.plain:
-    from specjax.training.losses import cast_floats
     import jax.numpy as jnp
+
+    from specjax.models.transformer import cast_floats
     teacher = Teacher(teacher_cfg, cast_floats(teacher_params, jnp.float32))
   config = preset.draft.replace(vocab_size=tokenizer.vocab_size)
   tc = _train_config(preset.draft_train, args, "lm" if args.plain else "distill")
@@ -212,7 +213,7 @@ def _load_for_measure(spec: str, role: str, args):
     from specjax.training.defaults import load_default_pair
     pair = load_default_pair(args.preset, args.corpus)
     return (getattr(pair, f"{role}_config"), getattr(pair, f"{role}_params"), pair.tokenizer)
-  from specjax.training.models_io import load_trained
+  from specjax.checkpoints.trained import load_trained
   trained = load_trained(spec)
   return trained.config, trained.params, trained.tokenizer
 
@@ -223,7 +224,7 @@ def run_measure(args) -> int:
   from specjax.data.batches import TokenData
   from specjax.data.corpus import load_corpus
   from specjax.training import evaluate as ev
-  from specjax.training.losses import cast_floats
+  from specjax.models.transformer import cast_floats
   from specjax.training.trainer import evaluate as eval_bpb
   from specjax.training.trainer import compiled_steps
   from specjax.training.config import TrainConfig

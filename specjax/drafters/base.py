@@ -1,4 +1,5 @@
-"""The drafter protocol shared by every draft kind, and the `LM` handle for jitted models.
+"""The drafter protocol shared by every draft kind (`Drafter`, with defaults), and the `LM`
+handle for jitted models.
 
 A drafter is a pytree: its arrays (weights) are leaves, its static description (graph
 definition, flags) is auxiliary data, so it passes through `jax.jit` as an ordinary
@@ -11,7 +12,14 @@ a chain of k drafts being `trees.chain(k)`):
     state = drafter.init(prompt_BP, prompt_len_B, cache_len, tree)
     proposal, state = drafter.propose(state, ctx, tree, sampler, key)
     state = drafter.commit(state, ctx_after, tree, path_BP, n_accepted_B)
-    drafter.slots_needed(tree) -> int   (cache slots the drafter writes from L, optional)
+
+and, on the host, with defaults in `Drafter`:
+
+    drafter.config -> ModelConfig | None   (the draft model's; None: no model, no KV cache)
+    drafter.slots_needed(tree) -> int      (cache slots one cycle writes from L; default
+                                            the verified nodes, tree.n_nodes)
+    drafter.validate(tree, batch) -> None  (raises ValueError for a tree / batch the drafter
+                                            cannot draft; default: accepts all)
 
 `ctx` is the committed context the engine sees: the token buffer `tokens_BS` and per row
 `length_B` = L, the index of the pending token. Tokens `[0, L)` are in the target's cache;
@@ -24,7 +32,7 @@ first, padded by repeating the deepest node) and the number of drafted nodes acc
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +57,8 @@ class Proposal:
   q: float32 [B, T, V] or None. Row i is the draft law node i's children were sampled from,
     i.i.d. (rows of leaves are unused); None = deterministic distinct candidates.
   parents, depth: int32 [B, T] for trees whose shape differs per row and cycle (dynamic
-    trees), None for a static TreeSpec.
+    trees; `DynamicTree.layout(proposal)` builds the verify layout from them), None for a
+    static TreeSpec.
   """
 
   tokens: Array
@@ -58,23 +67,49 @@ class Proposal:
   depth: Array | None = None
 
 
-class Drafter(Protocol):
+class Drafter:
+  """Base of every drafter: the protocol (module doc) with the host-side defaults.
+
+  Subclasses are pytrees (`flax.struct.dataclass`) and implement init / propose / commit;
+  `decoding.speculative_generate` reads `config`, `slots_needed` and `validate` on the host
+  before it calls the loop.
+  """
+
+  @property
+  def config(self) -> ModelConfig | None:
+    """The draft model's config (vocabulary, max_len, KV cache size), None for a drafter
+    without a model of its own."""
+    return None
+
+  def slots_needed(self, tree: Any) -> int:
+    """Cache slots one cycle writes from L (the root): by default the verified nodes."""
+    return tree.n_nodes
+
+  def validate(self, tree: Any, batch: int) -> None:
+    """Raises ValueError if this drafter cannot draft `tree` for `batch` rows (host side,
+    before tracing). Default: every tree and batch is fine."""
+    del tree, batch
 
   def init(self, prompt_BP: Array, prompt_len_B: Array, cache_len: int, tree: Any) -> Any:
-    ...
+    raise NotImplementedError
 
   def propose(self, state: Any, ctx: Context, tree: Any, sampler: Any,
               key: Array) -> tuple[Proposal, Any]:
-    ...
+    raise NotImplementedError
 
   def commit(self, state: Any, ctx: Context, tree: Any, path_BP: Array,
              n_accepted_B: Array) -> Any:
-    ...
+    raise NotImplementedError
 
 
 @struct.dataclass
 class LM:
-  """A Transformer split once into a static graph and its weights (DESIGN.md jit boundary)."""
+  """A Transformer split once into a static graph and its weights.
+
+  The jit boundary (docs/architecture.md): the graph definition and config are static
+  auxiliary data, the weights are leaves, so a jitted loop takes the model as an ordinary
+  argument and new weights of the same shapes do not recompile.
+  """
 
   graphdef: Any = struct.field(pytree_node=False)
   config: ModelConfig = struct.field(pytree_node=False)

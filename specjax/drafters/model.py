@@ -42,7 +42,7 @@ import numpy as np
 from flax import struct
 
 from specjax import sampling
-from specjax.drafters.base import LM, Context, Proposal
+from specjax.drafters.base import LM, Context, Drafter, Proposal
 from specjax.models import cache as kv
 from specjax.trees import DynamicTree, TreeSpec
 
@@ -55,13 +55,17 @@ class ModelDraftState:
   node_slots: Array | None = None  # int32 [B, T] draft-cache slot (from L) of each node (dynamic)
 
 
-# ----------------------------------------------------------------------------- static plans
+# ----------------------------------------------------------------------------- plans
+#
+# A plan is what drafting one kind of tree needs: `_plan(tree)` is the single place that
+# dispatches on the tree's type; the drafter's methods call the plan's.
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _StaticPlan:
   """Numpy tables for drafting a static TreeSpec level by level (see module doc)."""
 
+  tree: TreeSpec
   depth: int  # D
   width: int  # W: rows fed per level step (the widest fed level 1..D-1), 0 if D == 1
   gen_width: int  # M: children produced per generation (the widest level 1..D)
@@ -76,9 +80,58 @@ class _Plan:
   q_row: np.ndarray  # [T] row of node i's q in [root, level-1 rows, ...] (leaves: 0)
   extent: int  # draft-cache slots written from L
 
+  def node_slots(self, batch: int) -> None:
+    del batch  # static shapes: a node's slot is bfs_pos, a constant
+    return None
 
+  def propose(self, drafter: "ModelDrafter", state, ctx, sampler, key):
+    return drafter._propose_static(state, ctx, self.tree, sampler, key)
+
+  def compact(self, state: ModelDraftState, path_BP: Array) -> kv.KVCache:
+    """The cache with the accepted path moved to slots [L, L + n] (a chain's is in place)."""
+    if self.tree.is_chain:
+      return state.cache
+    slots = jnp.take(jnp.asarray(self.tree.bfs_pos), path_BP)
+    return kv.gather_block(state.cache, slots, self.tree.n_nodes)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DynamicPlan:
+  """Drafting a DynamicTree: the shape is chosen in-graph each cycle (see module doc)."""
+
+  tree: DynamicTree
+
+  @property
+  def extent(self) -> int:
+    return max(self.tree.n_nodes, self.tree.region)
+
+  def node_slots(self, batch: int) -> Array:
+    return jnp.zeros((batch, self.tree.n_nodes), jnp.int32)
+
+  def propose(self, drafter: "ModelDrafter", state, ctx, sampler, key):
+    del sampler  # deterministic top-k candidates
+    return drafter._propose_dynamic(state, ctx, self.tree, key)
+
+  def compact(self, state: ModelDraftState, path_BP: Array) -> kv.KVCache:
+    """The cache with the accepted path moved to slots [L, L + n]; unfed nodes have slot -1
+    (never needed: clipped)."""
+    slots = jnp.maximum(jnp.take_along_axis(state.node_slots, path_BP, axis=1), 0)
+    return kv.gather_block(state.cache, slots, self.tree.region)
+
+
+@functools.singledispatch
+def _plan(tree):
+  raise ValueError(f"tree must be a trees.TreeSpec or trees.DynamicTree, got {tree!r}")
+
+
+@_plan.register(DynamicTree)
+def _(tree: DynamicTree) -> _DynamicPlan:
+  return _DynamicPlan(tree)
+
+
+@_plan.register(TreeSpec)
 @functools.lru_cache(maxsize=64)
-def _plan(tree: TreeSpec) -> _Plan:
+def _static_plan(tree: TreeSpec) -> _StaticPlan:
   D, T = tree.max_depth, tree.n_nodes
   sizes = tree.level_sizes
   starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -115,10 +168,11 @@ def _plan(tree: TreeSpec) -> _Plan:
     if 0 < d < D:
       q_row[i] = 1 + (d - 1) * W + pos[i] - starts[d]
   extent = max(T, max((int(starts[d]) + W for d in range(1, D)), default=0))
-  return _Plan(depth=D, width=W, gen_width=M, child_width=tree.max_width, lookback=lookback,
-               starts=starts, masks=masks, gen_parent_row=gen_parent_row, gen_rank=gen_rank,
-               node_gen=node_gen.astype(np.int32), node_slot=node_slot.astype(np.int32),
-               q_row=q_row, extent=extent)
+  return _StaticPlan(tree=tree, depth=D, width=W, gen_width=M, child_width=tree.max_width,
+                     lookback=lookback, starts=starts, masks=masks,
+                     gen_parent_row=gen_parent_row, gen_rank=gen_rank,
+                     node_gen=node_gen.astype(np.int32), node_slot=node_slot.astype(np.int32),
+                     q_row=q_row, extent=extent)
 
 
 def _gather_rows(x_BRX: Array, rows: np.ndarray) -> Array:
@@ -130,7 +184,7 @@ def _gather_rows(x_BRX: Array, rows: np.ndarray) -> Array:
 
 
 @struct.dataclass
-class ModelDrafter:
+class ModelDrafter(Drafter):
   """Proposes chains and trees from its own model.
 
   deterministic=False: children are i.i.d. samples of the warped draft law q, returned as
@@ -151,17 +205,13 @@ class ModelDrafter:
     return self.lm.config
 
   def slots_needed(self, tree) -> int:
-    """Cache slots written from L (the root) in one cycle."""
-    if isinstance(tree, DynamicTree):
-      return max(tree.n_nodes, tree.region)
+    """Cache slots written from L (the root) in one cycle (the drafting extent)."""
     return _plan(tree).extent
 
   def init(self, prompt_BP, prompt_len_B, cache_len: int, tree=None) -> ModelDraftState:
     cache = kv.init(self.lm.config, prompt_BP.shape[0], cache_len)
     _, cache = self.lm.prefill(cache, prompt_BP, prompt_len_B)
-    slots = None
-    if isinstance(tree, DynamicTree):
-      slots = jnp.zeros((prompt_BP.shape[0], tree.n_nodes), jnp.int32)
+    slots = None if tree is None else _plan(tree).node_slots(prompt_BP.shape[0])
     return ModelDraftState(cache=kv.set_lengths(cache, prompt_len_B - 1), node_slots=slots)
 
   # -- the shared first step: [x_{L-1}, x_L] at positions [L-1, L]
@@ -189,12 +239,10 @@ class ModelDrafter:
     return sampling.sample(key, q_BRV[:, parent_row]).astype(jnp.int32)
 
   def propose(self, state: ModelDraftState, ctx: Context, tree, sampler, key):
-    if isinstance(tree, DynamicTree):
-      return self._propose_dynamic(state, ctx, tree, key)
-    return self._propose_static(state, ctx, tree, sampler, key)
+    return _plan(tree).propose(self, state, ctx, sampler, key)
 
   def _propose_static(self, state, ctx, tree: TreeSpec, sampler, key):
-    plan = _plan(tree)
+    plan = _static_plan(tree)
     D, W = plan.depth, plan.width
     length = ctx.length
     keys = jax.random.split(key, D)
@@ -319,11 +367,5 @@ class ModelDrafter:
     moved window lies beyond the committed length.
     """
     del n_accepted_B  # the context length says it all
-    cache = state.cache  # lengths = L, the old root's slot
-    if isinstance(tree, DynamicTree):  # unfed nodes have slot -1: never needed, clip
-      slots = jnp.maximum(jnp.take_along_axis(state.node_slots, path_BP, axis=1), 0)
-      cache = kv.gather_block(cache, slots, tree.region)
-    elif not tree.is_chain:  # a chain's path is already in place
-      slots = jnp.take(jnp.asarray(tree.bfs_pos), path_BP)
-      cache = kv.gather_block(cache, slots, tree.n_nodes)
+    cache = _plan(tree).compact(state, path_BP)  # lengths = L, the old root's slot
     return state.replace(cache=kv.set_lengths(cache, ctx.length - 1))

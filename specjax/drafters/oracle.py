@@ -37,7 +37,6 @@ from flax import struct
 from specjax import sampling
 from specjax.drafters.base import LM
 from specjax.drafters.model import ModelDrafter
-from specjax.trees import DynamicTree
 
 Array = jax.Array
 
@@ -101,11 +100,11 @@ class OracleDrafter(ModelDrafter):
   def draft_law(self, logits: Array, sampler) -> Array:
     return controlled_law(sampling.warp(logits, sampler), self.alpha)
 
-  def propose(self, state, ctx, tree, sampler, key):
-    if isinstance(tree, DynamicTree):
+  def validate(self, tree, batch: int) -> None:
+    """Sampled candidates only, and α a scalar or one value per batch row."""
+    if tree.deterministic_candidates:
       raise ValueError("the controlled-α drafter samples its candidates; dynamic trees use "
                        "deterministic top-k candidates: use a chain or a static TreeSpec")
-    if self.alpha.ndim == 1 and self.alpha.shape[0] != ctx.length.shape[0]:
+    if self.alpha.ndim == 1 and self.alpha.shape[0] != batch:
       raise ValueError(f"alpha has {self.alpha.shape[0]} values for a batch of "
-                       f"{ctx.length.shape[0]} rows: pass a scalar or one per row")
-    return super().propose(state, ctx, tree, sampler, key)
+                       f"{batch} rows: pass a scalar or one per row")

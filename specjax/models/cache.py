@@ -13,7 +13,7 @@ Contract (everything outside this file relies on this and nothing else):
 - `gather_block` moves selected entries of a block into contiguous slots starting at
   `lengths` (token trees compact the accepted path with it); `lengths` is unchanged.
 
-Buffer layout (private, chosen by measurement, see PERF_NOTES.md and BUILD_NOTES.md): one
+Buffer layout (private, chosen by measurement; docs/xla_notes.md, traps 1 and 2): one
 buffer per layer, batch and KV heads merged, K stored transposed:
     K[layer]: (B·Hkv, head_dim, S)     V[layer]: (B·Hkv, S, head_dim)
 so q·Kᵀ and p·V are plain batched NN matmuls and per-layer buffers are updated in place
@@ -101,7 +101,9 @@ def check_fits(config, batch: int, max_len: int, dtype=jnp.float32, *, extra_byt
 
 
 def init(config, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-  """An empty cache (all lengths 0). Kept in float32 by default: PERF_NOTES trap 4."""
+  """An empty cache (all lengths 0). Kept in float32 by default, also for bf16 weights: a
+  bf16 cache at large batch was upcast to float32 on every step (docs/xla_notes.md,
+  trap 4)."""
   rows, hd = batch * config.n_kv_heads, config.head_dim
   k = tuple(jnp.zeros((rows, hd, max_len), dtype) for _ in range(config.n_layers))
   v = tuple(jnp.zeros((rows, max_len, hd), dtype) for _ in range(config.n_layers))
@@ -211,7 +213,8 @@ def attend(cache: KVCache, layer: int, q_BTHD: Array, block_mask_TT: Array | Non
   q = q_BTHD.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b * hkv, g * t, d)
   q = (q * (1.0 / math.sqrt(d))).astype(kbuf.dtype)
   rows = g * t
-  if rows == 1:  # PERF_NOTES trap 3: a one-row product takes a ~10x slower path; pad to 2.
+  if rows == 1:  # XLA:CPU runs a one-row product on a ~10x slower path: pad to 2 rows
+    # (docs/xla_notes.md, trap 3).
     q = jnp.concatenate([q, q], axis=1)
   scores = jnp.einsum("nrd,nds->nrs", q, kbuf, preferred_element_type=jnp.float32)
   scores = scores[:, :rows]

@@ -20,6 +20,7 @@ float32 accumulation (`preferred_element_type`), the fast path on XLA:CPU and ac
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Literal
 
@@ -116,10 +117,45 @@ class ModelConfig:
     return cls(**{**base, **overrides})
 
 
+# ----------------------------------------------------------------------------- config -> model
+# The one place a ModelConfig becomes a model structure without allocating: checkpoint
+# restore targets, Hugging Face conversion, the trainer's jitted steps and `param_count` all
+# start from `abstract_model`.
+
+
+def abstract_model(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+  """(graphdef, params) of a Transformer with this config, without allocating.
+
+  params is the nnx.Param state with `jax.ShapeDtypeStruct` leaves (`nnx.eval_shape`): a
+  restore target, or a shape/dtype listing. A Transformer holds nothing but nnx.Param, so
+  `nnx.merge(graphdef, real_params)` rebuilds the module from arrays of this structure.
+  Each call returns a fresh state (callers may fill it in place).
+  """
+  model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+  graphdef, params, _ = nnx.split(model, nnx.Param, ...)
+  return graphdef, params
+
+
+@functools.lru_cache(maxsize=64)
+def graphdef_for(config: ModelConfig) -> nnx.GraphDef:
+  """The (cached, immutable) graphdef of a Transformer with this config."""
+  return abstract_model(config)[0]
+
+
+def from_params(config: ModelConfig, params) -> "Transformer":
+  """The Transformer with this config holding `params` (an nnx.State of nnx.Param)."""
+  return nnx.merge(graphdef_for(config), params)
+
+
+def cast_floats(tree, dtype):
+  """Cast floating leaves to `dtype` (mixed precision: float32 master weights, bf16 compute)."""
+  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                      tree)
+
+
 def param_count(config: ModelConfig) -> int:
   """Number of parameters, from the config alone (no allocation)."""
-  shapes = jax.eval_shape(lambda: nnx.state(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param))
-  return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_model(config)[1]))
 
 
 # ----------------------------------------------------------------------------- layers
@@ -146,8 +182,9 @@ class Dense(nnx.Module):
 
 
 def _one_row_safe_matmul(spec: str, x: Array, w: Array) -> Array:
-  """einsum with f32 accumulation; a single bf16 row is padded to two (PERF_NOTES trap 3:
-  XLA:CPU's one-row bf16 product takes a ~10x slower path; the duplicate row is dropped)."""
+  """einsum with f32 accumulation; a single bf16 row is padded to two: XLA:CPU's one-row bf16
+  product takes a ~10x slower path (docs/xla_notes.md, trap 3); the duplicate row
+  is dropped."""
   if w.dtype == jnp.bfloat16 and x.ndim >= 2 and math.prod(x.shape[:-1]) == 1:
     y = jnp.einsum(spec, jnp.concatenate([x, x], axis=-2), w,
                    preferred_element_type=jnp.float32)

@@ -2,7 +2,7 @@
 
     pair = load_default_pair("tiny", "code")
     target_cfg, target_params, draft_cfg, draft_params, tokenizer = pair
-    target = nnx.merge(nnx.graphdef(Transformer(target_cfg, rngs=nnx.Rngs(0))), target_params)
+    target = from_params(target_cfg, target_params)   # specjax.models.transformer
 
 The params are `nnx.State`s of nnx.Param (float32; cast to the config dtype otherwise), the form
 the rest of specjax passes across jit boundaries; `pair.target_module()` / `pair.draft_module()`
@@ -38,8 +38,8 @@ from flax import nnx
 from specjax.data.batches import TokenData
 from specjax.data.corpus import EMBEDDED, load_corpus
 from specjax.data.tokenizer import ByteTokenizer, Tokenizer
-from specjax.models.transformer import ModelConfig, Transformer
-from specjax.training.models_io import load_trained
+from specjax.checkpoints.trained import load_trained
+from specjax.models.transformer import ModelConfig, Transformer, from_params
 from specjax.training.presets import get_preset
 from specjax.training.trainer import Teacher, params_fingerprint, train
 
@@ -61,15 +61,10 @@ class DefaultPair(NamedTuple):
   tokenizer: Tokenizer
 
   def target_module(self) -> Transformer:
-    return _merge(self.target_config, self.target_params)
+    return from_params(self.target_config, self.target_params)
 
   def draft_module(self) -> Transformer:
-    return _merge(self.draft_config, self.draft_params)
-
-
-def _merge(config: ModelConfig, params: nnx.State) -> Transformer:
-  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
-  return nnx.merge(graphdef, params)
+    return from_params(self.draft_config, self.draft_params)
 
 
 def _log(msg: str) -> None:

@@ -10,7 +10,8 @@ Two greedy acceptance estimates that need no speculative engine:
    earlier drafts of the cycle were accepted. So one teacher-forced draft pass over g gives the
    agreement vector a_i, and walking it in cycles of k (accept the leading run of ones, emit
    one target token more, restart after it) reproduces the engine's counts:
-       alpha (BACKGROUND §8)  = accepted drafted tokens / drafted tokens  (k drafted per cycle)
+       alpha                  = accepted drafted tokens / drafted tokens  (k drafted per cycle;
+                                the name as in docs/conventions.md)
        alpha_trial            = accepted / (accepted + rejections): the per-token acceptance
                                 probability of the i.i.d. model E[tau] = (1-a^(k+1))/(1-a)
        tau                    = tokens emitted per verification, bonus included.
@@ -32,7 +33,7 @@ from flax import nnx
 
 from specjax.models.transformer import ModelConfig
 from specjax.training import losses
-from specjax.training.trainer import graphdef_for
+from specjax.training.trainer import f32_graphdef
 
 
 def wilson_interval(successes: float, n: float, confidence: float = 0.95) -> tuple[float, float]:
@@ -83,7 +84,7 @@ def _estimate(num_R: np.ndarray, den_R: np.ndarray) -> Estimate:
 
 @partial(jax.jit, static_argnums=(0,))
 def _argmax_tokens(config: ModelConfig, params, tokens_NT):
-  graphdef = graphdef_for(config)
+  graphdef = f32_graphdef(config)
   return jnp.argmax(losses.forward_logits(graphdef, params, tokens_NT), axis=-1)
 
 
@@ -111,7 +112,7 @@ def teacher_forced_agreement(target: tuple[ModelConfig, nnx.State],
 @partial(jax.jit, static_argnums=(0, 3))
 def _greedy_continue(config: ModelConfig, params, buf_NL, prompt_len: int):
   """Fill buf[:, prompt_len:] with the target's greedy tokens (full recompute per step)."""
-  graphdef = graphdef_for(config)
+  graphdef = f32_graphdef(config)
 
   def body(i, buf):
     logits = losses.forward_logits(graphdef, params, buf)

@@ -15,18 +15,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.models.transformer import cast_floats
+
 Array = jax.Array
 
 
 def positions_for(tokens_BT: Array) -> Array:
   b, t = tokens_BT.shape
   return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
-
-
-def cast_floats(tree, dtype):
-  """Cast floating leaves to `dtype` (mixed precision: float32 master weights, bf16 compute)."""
-  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                      tree)
 
 
 def forward_logits(graphdef, params, inputs_BT: Array, dtype=jnp.float32) -> Array:

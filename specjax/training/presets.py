@@ -2,7 +2,7 @@
 
 tiny   a target and a 1-layer draft sized so that training both (target, then the draft
        distilled from it) takes at most ~3 minutes on a 2-core CPU: the quickstart trains them
-       on a fresh machine. Measured figures live in .notes/training.md / BUILD_NOTES.md.
+       on a fresh machine. Measured figures live in BUILD_NOTES.md.
 small  a target with ~90 MB of float32 weights, far beyond CPU caches, so a batch-1 decode
        step is memory-bound (streams every weight byte) as on real serving hardware; with a
        2-layer draft. Minutes on an accelerator, about an hour on a 2-core CPU (estimated from

@@ -1,8 +1,8 @@
 """Language-model training and draft distillation with optax, resumable through orbax.
 
-Jit boundary (DESIGN.md): the model is split once, `graphdef, params = nnx.split(model,
-nnx.Param)`; the jitted step takes (params, opt_state, batch, teacher_params), merges inside,
-and donates params and optimizer state. The graphdef is closed over (static), so there is one
+Jit boundary (see docs/architecture.md, "The jit boundary"): the model is split once,
+`graphdef, params = nnx.split(model, nnx.Param)`; the jitted step takes (params, opt_state,
+batch, teacher_params), merges inside, and donates params and optimizer state. The graphdef is closed over (static), so there is one
 compile per (model config, train config). This measured as fast as nnx.jit for these sizes
 and keeps the step a pure function of arrays, which is what resuming relies on.
 
@@ -36,13 +36,14 @@ import optax
 from flax import nnx
 
 from specjax.checkpoints import orbax_io
+from specjax.checkpoints.trained import TRAINED_KIND
 from specjax.data.batches import TokenData
 from specjax.data.tokenizer import Tokenizer
-from specjax.models.transformer import ModelConfig, Transformer
+from specjax.models.transformer import ModelConfig, Transformer, abstract_model, graphdef_for
 from specjax.training import losses
 from specjax.training.config import TrainConfig
 
-CHECKPOINT_KIND = "specjax-lm"
+CHECKPOINT_KIND = TRAINED_KIND  # the trainer's checkpoints; loaded by checkpoints.trained
 
 
 @dataclasses.dataclass
@@ -127,17 +128,14 @@ def init_params(config: ModelConfig, seed: int) -> tuple[Any, nnx.State]:
 
 
 def abstract_params(config: ModelConfig) -> tuple[Any, nnx.State]:
-  """(graphdef, abstract float32 params) without allocating."""
-  model = nnx.eval_shape(lambda: Transformer(config.replace(dtype="float32"),
-                                             rngs=nnx.Rngs(0)))
-  graphdef, params, _ = nnx.split(model, nnx.Param, ...)
-  return graphdef, params
+  """(graphdef, abstract float32 params) without allocating: the trainer keeps float32
+  master weights whatever config.dtype says."""
+  return abstract_model(config.replace(dtype="float32"))
 
 
-@functools.lru_cache(maxsize=64)
-def graphdef_for(config: ModelConfig):
+def f32_graphdef(config: ModelConfig):
   """The (cached) graphdef of a float32 Transformer with this config."""
-  return abstract_params(config)[0]
+  return graphdef_for(config.replace(dtype="float32"))
 
 
 def learning_rate(tc: TrainConfig, step: int) -> float:
@@ -295,14 +293,14 @@ def build_eval_step(graphdef, dtype: str = "float32", teacher_graphdef=None) -> 
 @functools.lru_cache(maxsize=16)
 def _train_step_for(config: ModelConfig, compile_key: TrainConfig,
                     teacher_config: ModelConfig | None) -> Callable:
-  teacher_graphdef = None if teacher_config is None else graphdef_for(teacher_config)
-  return build_train_step(graphdef_for(config), compile_key, teacher_graphdef)
+  teacher_graphdef = None if teacher_config is None else f32_graphdef(teacher_config)
+  return build_train_step(f32_graphdef(config), compile_key, teacher_graphdef)
 
 
 @functools.lru_cache(maxsize=16)
 def _eval_step_for(config: ModelConfig, dtype: str, teacher_config: ModelConfig | None):
-  teacher_graphdef = None if teacher_config is None else graphdef_for(teacher_config)
-  return build_eval_step(graphdef_for(config), dtype, teacher_graphdef)
+  teacher_graphdef = None if teacher_config is None else f32_graphdef(teacher_config)
+  return build_eval_step(f32_graphdef(config), dtype, teacher_graphdef)
 
 
 def compiled_steps(config: ModelConfig, tc: TrainConfig,

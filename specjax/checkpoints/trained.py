@@ -1,9 +1,11 @@
-"""Load a model trained by specjax (an orbax checkpoint written by the Trainer).
+"""Trainer checkpoints (orbax, kind 'specjax-lm'): the kind constant and loading them.
 
     model = load_trained(ckpt_dir)   # TrainedModel(config, params, tokenizer, metadata, step)
-    module = model.module()                   # nnx.Transformer with those parameters
+    module = model.module()          # nnx Transformer with those parameters
 
-Parameters are stored in float32; they come back cast to config.dtype.
+The trainer (`specjax.training.trainer`) writes these checkpoints with `TRAINED_KIND`;
+parameters are stored in float32 and come back cast to config.dtype. Imports point one way:
+training imports checkpoints, never the reverse.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from flax import nnx
 
 from specjax.checkpoints import orbax_io
 from specjax.data.tokenizer import Tokenizer, tokenizer_from_spec
-from specjax.models.transformer import ModelConfig, Transformer
-from specjax.training.losses import cast_floats
-from specjax.training.trainer import CHECKPOINT_KIND, abstract_params
+from specjax.models.transformer import (ModelConfig, Transformer, abstract_model, cast_floats,
+                                        from_params)
+
+TRAINED_KIND = "specjax-lm"  # metadata "kind" of a checkpoint written by the trainer
 
 
 @dataclasses.dataclass
@@ -29,8 +32,7 @@ class TrainedModel:
   step: int
 
   def module(self) -> Transformer:
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(self.config, rngs=nnx.Rngs(0))))
-    return nnx.merge(graphdef, self.params)
+    return from_params(self.config, self.params)
 
 
 def read_model_config(directory: str | pathlib.Path, step: int | None = None) -> ModelConfig:
@@ -40,7 +42,7 @@ def read_model_config(directory: str | pathlib.Path, step: int | None = None) ->
 
 def load_trained(directory: str | pathlib.Path, *, step: int | None = None,
                  config: ModelConfig | None = None) -> TrainedModel:
-  """Restore a Trainer checkpoint (latest step by default).
+  """Restore a trainer checkpoint (latest step by default).
 
   config: if given, the stored config must equal it (the error lists differing fields).
   """
@@ -48,10 +50,10 @@ def load_trained(directory: str | pathlib.Path, *, step: int | None = None,
   if orbax_io.latest_step(directory) is None:
     raise ValueError(f"no specjax checkpoint found in {str(directory)!r}")
   meta = orbax_io.read_meta(directory, step)
-  if meta.get("metadata", {}).get("kind") != CHECKPOINT_KIND:
+  if meta.get("metadata", {}).get("kind") != TRAINED_KIND:
     raise ValueError(f"{str(directory)!r} is not a specjax training checkpoint")
   stored = orbax_io.config_from_json(meta["config"], ModelConfig)
-  _, target = abstract_params(stored)
+  _, target = abstract_model(stored.replace(dtype="float32"))  # stored in float32
   restored = orbax_io.restore(directory, params_target=target, config=config or stored,
                               step=step)
   params = restored.params

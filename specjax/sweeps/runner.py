@@ -1,8 +1,8 @@
 """Sweep runner: points, run directories, append-only results, resume, shards, devices.
 
-Library code (no gin): `specjax run` parses a gin config into an `experiments` Sweep and
-hands it here. A sweep is the cartesian product of its axes; each point has a stable id
-(a hash of its parameters), so a rerun knows what is done.
+No gin here: `launch.py` parses a gin config into a `Sweep` and hands its points here. A
+sweep is the cartesian product of its axes; each point has a stable id (a hash of its
+parameters), so a rerun knows what is done.
 
 Run directory `runs/NAME/TIMESTAMP/`:
 - `config.gin` (operative gin config), `config.json` (sweep, shard, fingerprint),

@@ -1,9 +1,15 @@
 """`specjax run`: gin config -> Sweep -> validated points -> run directory -> report.
 
+This is the gin entry point: the only library module that imports gin. Everything below it
+(`Sweep`, the runner, the engine) is plain Python called with plain values.
+
 Everything that can be checked is checked before any work starts: the config parses, every
 binding names a real configurable and parameter (with the closest valid names suggested),
 every point's parameters have valid types and ranges, each point fits in memory, and the
 output directory is writable and not another run's.
+
+Configs named on the command line without a path are looked up in the repository's
+`configs/` directory.
 """
 
 from __future__ import annotations
@@ -20,10 +26,10 @@ from typing import Sequence
 
 import gin
 
-from experiments.common import Sweep
-from specjax import runner
+from specjax.sweeps import report, runner
+from specjax.sweeps.sweep import Sweep
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
 
 def available_configs() -> list[str]:
@@ -66,9 +72,10 @@ def _explain_gin_error(err: Exception, texts: list[str]) -> str:
         module = importlib.import_module(module_name)
       except ImportError:
         continue
+      exported = set(getattr(module, "__all__", ()))  # a package's re-exports count too
       candidates += [f"{alias}.{n}" for n, v in vars(module).items()
                      if not n.startswith("_") and callable(v)
-                     and getattr(v, "__module__", None) == module.__name__]
+                     and (n in exported or getattr(v, "__module__", None) == module.__name__)]
     close = difflib.get_close_matches(m.group(1) or m.group(2), candidates, n=3, cutoff=0.5)
     if close:
       msg += f"\nclosest valid names: {', '.join(close)}"
@@ -95,6 +102,10 @@ def load_sweep(config: str, bindings: Sequence[str] = ()) -> tuple[Sweep, str]:
   try:
     gin.parse_config_files_and_bindings([str(path)], list(bindings))
     sweep = gin.get_configurable(Sweep)()
+  except ImportError as e:  # gin re-raises it with the config line appended
+    hint = ("\n`Sweep` now lives in the library: `import specjax.sweeps as sweeps` and bind "
+            "`sweeps.Sweep`" if "experiments.common" in str(e) else "")
+    raise ValueError(f"bad gin config {str(path)!r}: {e}{hint}") from None
   except (ValueError, TypeError, AttributeError, SyntaxError) as e:
     raise ValueError(f"bad gin config {str(path)!r}: "
                      f"{_explain_gin_error(e, [path.read_text(), *bindings])}") from None
@@ -153,7 +164,6 @@ def summary_table(sweep: Sweep, run_dir: pathlib.Path) -> str:
   """The sweep's axes and `summary_columns` of every finished point, as a markdown table."""
   if not sweep.summary_columns:
     return ""
-  from specjax import report
   records = [r for r in runner.read_results(run_dir / runner.RESULTS).values()
              if r.get("status") == "ok"]
   rows = [{**r["params"], **r["metrics"]} for r in sorted(records, key=lambda r: r.get("index", 0))]
@@ -161,7 +171,6 @@ def summary_table(sweep: Sweep, run_dir: pathlib.Path) -> str:
 
 
 def write_report(sweep: Sweep, run_dir: pathlib.Path) -> pathlib.Path:
-  from specjax import report
   records = list(runner.read_results(run_dir / runner.RESULTS).values())
   text = report.results_table(sweep.name, records, list(sweep.axes))
   if sweep.report_fn is not None:

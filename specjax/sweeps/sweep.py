@@ -1,13 +1,13 @@
-"""What a gin config binds: a `Sweep` of one experiment's point function over axes.
+"""What a gin config binds: a `Sweep` of one study's point function over axes.
 
-Configs (configs/*.gin) use gin's dynamic registration, so experiment modules need no gin
-decorators:
+Configs (configs/*.gin) use gin's dynamic registration, so neither this module nor the
+experiment modules need gin decorators (gin itself is imported by `launch.py` only):
 
     from __gin__ import dynamic_registration
-    import experiments.common as common
+    import specjax.sweeps as sweeps
     import experiments.exactness as exactness
 
-    common.Sweep:
+    sweeps.Sweep:
       name = "exactness"
       point_fn = @exactness.point
       axes = {"temperature": [0.0, 1.0], "vocab": [8, 16]}

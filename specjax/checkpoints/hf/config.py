@@ -1,0 +1,215 @@
+"""Hugging Face config.json <-> specjax ModelConfig (GPT-2, Llama, Mistral, Qwen2).
+
+`config_from_hf` maps a config dict to (family, ModelConfig) and refuses every option that
+would make specjax compute something else (scaled RoPE, non-tanh GELU, biases Llama does
+not have, a head_dim that is not hidden_size / heads, ...), naming the field, its value and
+what is allowed. Fields a hand-written config.json may leave out take transformers' defaults.
+`family_for` / `hf_config_for` go the other way, for export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Iterable, Mapping
+
+from specjax.models.transformer import ModelConfig
+
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+                 "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def read_hf_config(directory: str | os.PathLike) -> dict:
+  path = pathlib.Path(directory) / "config.json"
+  if not path.is_file():
+    raise ValueError(f"{str(directory)!r} is not a Hugging Face model directory: no config.json")
+  try:
+    config = json.loads(path.read_text())
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"cannot read {str(path)!r}: {e}") from e
+  if not isinstance(config, dict):
+    raise ValueError(f"{str(path)!r} does not hold a JSON object")
+  return config
+
+
+def detect_family(hf: Mapping) -> str:
+  model_type = hf.get("model_type")
+  if model_type in FAMILIES:
+    return model_type
+  arch = (hf.get("architectures") or [None])[0]
+  raise ValueError(f"unsupported architecture {arch!r} (model_type {model_type!r}); supported: "
+                   + ", ".join(f"{ARCHITECTURES[f]} (model_type {f!r})" for f in FAMILIES))
+
+
+# transformers' defaults for fields a hand-written config.json may leave out.
+_DEFAULTS = {
+    "gpt2": {"n_positions": 1024, "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new",
+             "tie_word_embeddings": True, "n_inner": None, "scale_attn_weights": True,
+             "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False},
+    "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+              "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False},
+    "mistral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+                "tie_word_embeddings": False, "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+              "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": 4096},
+}
+_GPT2_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # all the tanh approximation
+
+
+def rope_theta_of(hf: Mapping, default: float = 10000.0) -> float:
+  """θ from transformers 5's `rope_parameters` or the older `rope_theta` + `rope_scaling`.
+
+  Only the plain ("default") rotary embedding is supported: scaled variants (linear,
+  dynamic, yarn, llama3, longrope) change the frequencies and are refused.
+  """
+  params = hf.get("rope_parameters")
+  scaling = hf.get("rope_scaling")
+  if params is not None and not isinstance(params, Mapping):
+    raise ValueError(f"config.json: rope_parameters must be an object, got {params!r}")
+  if params and all(isinstance(v, Mapping) for v in params.values()):
+    raise ValueError(f"config.json: per-layer-type rope_parameters {sorted(params)} are not "
+                     "supported")
+  spec = dict(params or scaling or {})
+  kind = spec.get("rope_type", spec.get("type", "default"))
+  if kind != "default":
+    raise ValueError(f"config.json: rope type {kind!r} is not supported (specjax implements "
+                     "the default rotary embedding only)")
+  factor = spec.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+  if factor not in (None, 1, 1.0):
+    raise ValueError(f"config.json: partial_rotary_factor={factor} is not supported (needs 1.0)")
+  theta = spec.get("rope_theta", hf.get("rope_theta", default))
+  if theta is None:
+    theta = default
+  return float(theta)
+
+
+def _need(hf: Mapping, family: str, *names: str):
+  """The first present field among `names` (aliases), else the family default, else an error."""
+  for name in names:
+    if hf.get(name) is not None:
+      return hf[name]
+  for name in names:
+    if name in _DEFAULTS[family]:
+      return _DEFAULTS[family][name]
+  raise ValueError(f"config.json ({family}) lacks the field {names[0]!r}")
+
+
+def _require(hf: Mapping, family: str, name: str, allowed: Iterable, why: str) -> None:
+  value = hf.get(name, _DEFAULTS[family].get(name))
+  allowed = tuple(allowed)
+  if value not in allowed:
+    raise ValueError(f"config.json: {name}={value!r} is not supported for {family} ({why}; "
+                     f"allowed: {allowed})")
+
+
+def config_from_hf(hf: Mapping, dtype: str = "float32") -> tuple[str, ModelConfig]:
+  """(family, ModelConfig) for a Hugging Face config dict; unsupported options raise."""
+  family = detect_family(hf)
+  if family == "gpt2":
+    _require(hf, family, "activation_function", _GPT2_GELUS, "specjax uses the tanh GELU")
+    _require(hf, family, "scale_attn_weights", (True,), "attention is scaled by 1/sqrt(head_dim)")
+    _require(hf, family, "scale_attn_by_inverse_layer_idx", (False,), "no per-layer scaling")
+    _require(hf, family, "add_cross_attention", (False,), "decoder-only")
+    d = int(_need(hf, family, "n_embd", "hidden_size"))
+    heads = int(_need(hf, family, "n_head", "num_attention_heads"))
+    n_inner = hf.get("n_inner")
+    config = ModelConfig(
+        vocab_size=int(_need(hf, family, "vocab_size")), d_model=d,
+        n_layers=int(_need(hf, family, "n_layer", "num_hidden_layers")), n_heads=heads,
+        n_kv_heads=heads, d_ff=int(n_inner) if n_inner is not None else 4 * d,
+        max_len=int(_need(hf, family, "n_positions", "max_position_embeddings")),
+        norm="layernorm", positions="learned", mlp="gelu",
+        tie_embeddings=bool(_need(hf, family, "tie_word_embeddings")), use_bias=True,
+        norm_eps=float(_need(hf, family, "layer_norm_epsilon")), dtype=dtype)
+    return family, config
+
+  _require(hf, family, "hidden_act", ("silu",), "SwiGLU uses silu")
+  if family == "llama":
+    _require(hf, family, "attention_bias", (False,), "no attention biases")
+    _require(hf, family, "mlp_bias", (False,), "no MLP biases")
+  d = int(_need(hf, family, "hidden_size"))
+  heads = int(_need(hf, family, "num_attention_heads"))
+  kv = hf.get("num_key_value_heads")
+  head_dim = hf.get("head_dim")
+  if head_dim is not None and int(head_dim) * heads != d:
+    raise ValueError(f"config.json: head_dim={head_dim} with num_attention_heads={heads} is not "
+                     f"hidden_size={d} / num_attention_heads (specjax derives head_dim)")
+  max_len = int(_need(hf, family, "max_position_embeddings"))
+  window = _sliding_window(hf, family)
+  if window is not None:
+    max_len = min(max_len, window)  # beyond the window HF attends locally: exact only up to it
+  config = ModelConfig(
+      vocab_size=int(_need(hf, family, "vocab_size")), d_model=d,
+      n_layers=int(_need(hf, family, "num_hidden_layers")), n_heads=heads,
+      n_kv_heads=int(kv) if kv is not None else heads,
+      d_ff=int(_need(hf, family, "intermediate_size")), max_len=max_len, norm="rmsnorm",
+      positions="rope", rope_theta=rope_theta_of(hf), mlp="swiglu",
+      tie_embeddings=bool(_need(hf, family, "tie_word_embeddings")), use_bias=False,
+      qkv_bias=family == "qwen2", norm_eps=float(_need(hf, family, "rms_norm_eps")),
+      dtype=dtype)
+  return family, config
+
+
+def _sliding_window(hf: Mapping, family: str) -> int | None:
+  if family == "mistral":
+    window = hf.get("sliding_window", _DEFAULTS[family]["sliding_window"])
+  elif family == "qwen2" and hf.get("use_sliding_window", False):
+    window = hf.get("sliding_window", _DEFAULTS[family]["sliding_window"])
+  else:
+    return None
+  return int(window) if window is not None else None
+
+
+def family_for(config: ModelConfig) -> str:
+  """The Hugging Face family that computes exactly what this ModelConfig does."""
+  c = config
+  if (c.norm, c.positions, c.mlp, c.use_bias) == ("layernorm", "learned", "gelu", True):
+    if c.n_kv_heads != c.n_heads:
+      raise ValueError(f"GPT-2 has no grouped-query attention: n_kv_heads={c.n_kv_heads} must "
+                       f"equal n_heads={c.n_heads} to export")
+    return "gpt2"
+  if (c.norm, c.positions, c.mlp, c.use_bias) == ("rmsnorm", "rope", "swiglu", False):
+    return "qwen2" if c.qkv_bias else "llama"
+  raise ValueError(
+      "no Hugging Face family computes this model: GPT-2 needs norm='layernorm', "
+      "positions='learned', mlp='gelu', use_bias=True; Llama/Qwen2 need norm='rmsnorm', "
+      f"positions='rope', mlp='swiglu', use_bias=False; got norm={c.norm!r}, "
+      f"positions={c.positions!r}, mlp={c.mlp!r}, use_bias={c.use_bias}")
+
+
+def hf_config_for(config: ModelConfig, family: str | None = None,
+                  base: Mapping | None = None) -> dict:
+  """A config.json dict for `transformers` (base: an original config to keep extra fields
+  of, such as token ids, when it is of the same family)."""
+  c = config
+  family = family or family_for(c)
+  base = base or {}
+  token_ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+  out = (dict(base) if base.get("model_type") == family else
+         {k: base[k] for k in token_ids if k in base})
+  for stale in ("torch_dtype", "rope_scaling", "layer_types", "transformers_version",
+                "_name_or_path"):
+    out.pop(stale, None)
+  out.update(architectures=[ARCHITECTURES[family]], model_type=family, vocab_size=c.vocab_size,
+             tie_word_embeddings=c.tie_embeddings, dtype=c.dtype)
+  if family == "gpt2":
+    out.update(n_embd=c.d_model, n_layer=c.n_layers, n_head=c.n_heads, n_inner=c.d_ff,
+               n_positions=c.max_len, layer_norm_epsilon=c.norm_eps,
+               activation_function="gelu_new", scale_attn_weights=True,
+               scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)
+    return out
+  out.update(hidden_size=c.d_model, num_hidden_layers=c.n_layers,
+             num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+             head_dim=c.head_dim, intermediate_size=c.d_ff, max_position_embeddings=c.max_len,
+             rms_norm_eps=c.norm_eps, hidden_act="silu", rope_theta=c.rope_theta,
+             rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta})
+  if family == "llama":
+    out.update(attention_bias=False, mlp_bias=False)
+  elif family == "qwen2":
+    out.update(use_sliding_window=False, sliding_window=None)
+  elif family == "mistral":
+    out.update(sliding_window=None)
+  return out
+

@@ -1,0 +1,144 @@
+"""Tokenizers in a model directory: Hugging Face `tokenizer.json` behind specjax's Tokenizer
+interface, finding which tokenizer a directory holds, and copying the tokenizer files along
+with a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def load_tokenizer_for(directory: str | os.PathLike, hf_config: dict | None = None) -> Any:
+  """The tokenizer stored in `directory`: a Hugging Face tokenizer.json (HFTokenizer), a
+  specjax tokenizer file, or the byte tokenizer when there is no tokenizer.json."""
+  from specjax.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
+  path = pathlib.Path(directory) / "tokenizer.json"
+  if not path.is_file():
+    return ByteTokenizer()
+  try:
+    data = json.loads(path.read_text())
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"cannot read {str(path)!r}: {e}") from e
+  if isinstance(data, dict) and data.get("kind") == "byte":
+    return ByteTokenizer()
+  vocab = {t.get("content") for t in data.get("added_tokens", []) if isinstance(t, dict)}
+  if set(BPETokenizer.SPECIALS) <= vocab:
+    return load_tokenizer(directory)  # a BPE trained by specjax
+  return HFTokenizer.from_dir(directory, hf_config)
+
+
+def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+  """Copy the Hugging Face tokenizer files present in `src` (a specjax byte-tokenizer marker
+  file, {"kind": "byte"}, is not a Hugging Face tokenizer and is skipped)."""
+  copied = []
+  for name in TOKENIZER_FILES:
+    path = pathlib.Path(src) / name
+    if not path.is_file():
+      continue
+    if name == "tokenizer.json" and _is_byte_marker(path):
+      continue
+    shutil.copyfile(path, pathlib.Path(dst) / name)
+    copied.append(name)
+  return copied
+
+
+def _is_byte_marker(path: pathlib.Path) -> bool:
+  try:
+    data = json.loads(path.read_text())
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    return False
+  return isinstance(data, dict) and data.get("kind") == "byte"
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+class HFTokenizer:
+  """A Hugging Face `tokenizer.json` behind specjax's Tokenizer interface.
+
+  bos/eos/pad ids come from tokenizer_config.json (token strings), else from the model's
+  config.json / generation_config.json ids; any of them may be None (no such token).
+  """
+
+  kind = "hf"
+
+  def __init__(self, backend, *, bos_id: int | None, eos_id: int | None,
+               pad_id: int | None) -> None:
+    self._tok = backend
+    self.vocab_size = int(backend.get_vocab_size())
+    self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+
+  @classmethod
+  def from_dir(cls, directory: str | os.PathLike, hf_config: Mapping | None = None
+               ) -> "HFTokenizer":
+    d = pathlib.Path(directory)
+    try:
+      import tokenizers
+    except ImportError as e:
+      raise ImportError("reading a Hugging Face tokenizer.json needs the `tokenizers` package "
+                        "(pip install 'specjax[hf]')") from e
+    try:
+      backend = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception type
+      raise ValueError(f"cannot read {str(d / 'tokenizer.json')!r}: {e}") from e
+    extra = {}
+    for name in ("generation_config.json", "tokenizer_config.json"):
+      try:
+        extra[name] = json.loads((d / name).read_text())
+      except (OSError, json.JSONDecodeError):
+        extra[name] = {}
+    tc, gc, mc = extra["tokenizer_config.json"], extra["generation_config.json"], hf_config or {}
+
+    def token_id(field: str) -> int | None:
+      tok = tc.get(f"{field}_token")
+      if isinstance(tok, Mapping):
+        tok = tok.get("content")
+      if isinstance(tok, str) and backend.token_to_id(tok) is not None:
+        return int(backend.token_to_id(tok))
+      for source in (gc, mc):
+        value = source.get(f"{field}_token_id")
+        if isinstance(value, list):
+          value = value[0] if value else None
+        if isinstance(value, int):
+          return value
+      return None
+
+    return cls(backend, bos_id=token_id("bos"), eos_id=token_id("eos"), pad_id=token_id("pad"))
+
+  def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+    ids = list(self._tok.encode(text, add_special_tokens=False).ids)
+    head = [self.bos_id] if bos and self.bos_id is not None else []
+    tail = [self.eos_id] if eos and self.eos_id is not None else []
+    return head + ids + tail
+
+  def encode_array(self, text: str) -> np.ndarray:
+    return np.asarray(self.encode(text), dtype=np.int32)
+
+  def decode(self, ids: Iterable[int]) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+  def token_byte_lengths(self) -> np.ndarray:
+    """[V] UTF-8 bytes each id decodes to (0 for special tokens)."""
+    return np.asarray([len(self._tok.decode([i], skip_special_tokens=True).encode("utf-8"))
+                       for i in range(self.vocab_size)], np.int32)
+
+  def to_json(self) -> str:
+    return self._tok.to_str()
+
+  def to_spec(self) -> dict:
+    return {"kind": "hf", "vocab_size": self.vocab_size,
+            "sha256": hashlib.sha256(self.to_json().encode()).hexdigest()}
+
+  def __repr__(self) -> str:
+    return (f"HFTokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
+            f"eos_id={self.eos_id})")

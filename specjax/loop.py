@@ -1,0 +1,243 @@
+"""The jitted decoding loops and their state: plain autoregressive and speculative, one
+`jax.lax.while_loop` each.
+
+Bookkeeping shared by both loops (per row b of a ragged batch):
+- `tokens[b]` holds the prompt then every emitted token; `length[b]` = L is the index of
+  the pending token: tokens [0, L) are in the target's KV cache, token L (the last one
+  emitted) is not yet. Prefill samples the first token, so L starts at the prompt length.
+- A row is done when it emitted `budget[b]` tokens or an EOS; done rows keep flowing
+  through the (static-shape) computation but commit nothing.
+- Emitted so far = L + 1 - prompt_len.
+
+A speculative cycle verifies a token tree (a chain of k drafts is the tree `chain(k)`;
+there is one code path). The drafter proposes N nodes under the root x_L; the tree's verify
+layout (`tree.layout(proposal)`: a constant for a `TreeSpec`, built from the proposal for
+a `DynamicTree`) places node i at position L + depth[i] under the ancestor mask (a chain: a
+causal block of k+1 tokens); the target scores [x_L, nodes] in one pass;
+`acceptance.accept_tree` keeps the deepest surviving root-to-node path (n nodes) and draws
+one more token (correction or bonus); n + 1 tokens are emitted (fewer if EOS or the budget
+cuts in). The target's cache moves the path's entries to contiguous slots
+(`cache.gather_block`, skipped for chains, where they already are) and commits by moving
+lengths; the drafter does the same with its own cache.
+
+The loops are pure, jittable and vmappable, and check nothing: the host API
+(`specjax.decoding`) validates inputs and resolves the tree before it calls them. They count
+(`Stats`); the analysis of the counts is the host's (`decoding.Generation.summary`).
+Runtime values (temperature, top-k, top-p, budgets, EOS id, seed, drafter weights) are
+arrays: changing them reuses the compiled loop. Static: model shapes, batch, prompt bucket,
+cache length, the tree shape. See docs/architecture.md for the jit boundary.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax import acceptance, sampling
+from specjax.drafters.base import LM, Context
+from specjax.models import cache as kv
+
+Array = jax.Array
+
+# Number of times each loop was traced (compiled); tests assert on it.
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+
+# ----------------------------------------------------------------------------- loop state
+
+
+@struct.dataclass
+class Stats:
+  """Per-row counters of a speculative run (D = tree depth, W = tree width; chain: D = k).
+
+  cycles, drafted (N nodes per cycle; k for a chain), accepted (accepted path length = drafts
+  accepted), hist[n] (cycles that accepted n), cycle_log (n of each cycle, -1 unused) mean
+  the same for chains as for trees. Trees add: verified (nodes the target verified),
+  depth_tried / depth_accepted [B, D] (cycles that tried / accepted a depth-d node),
+  rank_tried / rank_accepted [B, W] (candidates of sibling rank r tried / accepted).
+
+  cycle_log is int32: a cycle accepts n <= D nodes and D < the cache length, an int32, so
+  no allowed tree overflows it.
+  """
+
+  cycles: Array  # int32 [B] verification passes
+  drafted: Array  # int32 [B] drafted nodes
+  accepted: Array  # int32 [B] accepted drafted nodes (path lengths)
+  hist: Array  # int32 [B, D+1] cycles by accepted path length
+  cycle_log: Array  # int32 [B, C] accepted path length of each cycle, -1 where unused
+  verified: Array  # int32 [B] nodes verified by the target
+  depth_tried: Array  # int32 [B, D]
+  depth_accepted: Array  # int32 [B, D]
+  rank_tried: Array  # int32 [B, W]
+  rank_accepted: Array  # int32 [B, W]
+
+  @classmethod
+  def zeros(cls, batch: int, depth: int, max_cycles: int, width: int = 1) -> "Stats":
+    z = jnp.zeros((batch,), jnp.int32)
+    return cls(cycles=z, drafted=z, accepted=z, hist=jnp.zeros((batch, depth + 1), jnp.int32),
+               cycle_log=jnp.full((batch, max_cycles), -1, jnp.int32), verified=z,
+               depth_tried=jnp.zeros((batch, depth), jnp.int32),
+               depth_accepted=jnp.zeros((batch, depth), jnp.int32),
+               rank_tried=jnp.zeros((batch, width), jnp.int32),
+               rank_accepted=jnp.zeros((batch, width), jnp.int32))
+
+  def record(self, active_B, result: acceptance.TreeResult, nodes: int) -> "Stats":
+    act = active_B.astype(jnp.int32)
+    n = result.n_accepted
+    rows = jnp.arange(act.shape[0])
+    at = jnp.minimum(self.cycles, self.cycle_log.shape[1] - 1)
+    log = self.cycle_log.at[rows, at].set(
+        jnp.where(active_B, n.astype(self.cycle_log.dtype), self.cycle_log[rows, at]))
+    depth = self.depth_tried.shape[1]
+    reached = (jnp.arange(1, depth + 1, dtype=jnp.int32)[None] <= n[:, None]).astype(jnp.int32)
+    a1 = act[:, None]
+    return Stats(cycles=self.cycles + act, drafted=self.drafted + nodes * act,
+                 accepted=self.accepted + n * act,
+                 hist=self.hist.at[rows, n].add(act), cycle_log=log,
+                 verified=self.verified + nodes * act,
+                 depth_tried=self.depth_tried + result.depth_tried.astype(jnp.int32) * a1,
+                 depth_accepted=self.depth_accepted + reached * a1,
+                 rank_tried=self.rank_tried + result.rank_tried * a1,
+                 rank_accepted=self.rank_accepted + result.rank_accepted * a1)
+
+
+@struct.dataclass
+class LoopState:
+  tokens: Array  # int32 [B, S]
+  length: Array  # int32 [B] index of the pending token
+  done: Array  # bool [B]
+  cache: kv.KVCache
+  key: Array
+  draft: Any = None  # drafter state (speculative loop only)
+  stats: Stats | None = None
+
+  def context(self) -> Context:
+    return Context(tokens=self.tokens, length=self.length)
+
+
+def _not_finished(state: LoopState) -> Array:
+  return ~jnp.all(state.done)
+
+
+def _start(target: LM, prompt_BP, prompt_len_B, sampler, key, cache_len: int):
+  """Prefill the target, sample the first token, lay out the token buffer."""
+  b, p = prompt_BP.shape
+  cache = kv.init(target.config, b, cache_len)
+  hidden_BD, cache = target.prefill(cache, prompt_BP, prompt_len_B)
+  first = sampling.sample(key, sampling.warp(target.head(hidden_BD), sampler))
+  tokens = jnp.zeros((b, cache_len), jnp.int32).at[:, :p].set(prompt_BP)
+  tokens = tokens.at[jnp.arange(b), prompt_len_B].set(first)
+  return tokens, cache, first
+
+
+def _finished(emitted_B, budget_B, hit_eos_B):
+  return (emitted_B >= budget_B) | hit_eos_B
+
+
+def _write_rows(tokens_BS, start_B, values_BT, count_B):
+  """tokens[b, start[b] + j] = values[b, j] for j < count[b]; other slots unchanged."""
+  t = values_BT.shape[1]
+
+  def one(row, start, vals, count):
+    old = jax.lax.dynamic_slice(row, (start,), (t,))
+    new = jnp.where(jnp.arange(t) < count, vals, old)
+    return jax.lax.dynamic_update_slice(row, new, (start,))
+
+  return jax.vmap(one)(tokens_BS, start_B, values_BT, count_B)
+
+
+# ----------------------------------------------------------------------------- the loops
+
+
+def generate_loop(target: LM, prompt_BP, prompt_len_B, budget_B, eos, sampler, key, *,
+                  cache_len: int) -> LoopState:
+  """Plain autoregressive decoding (pure, jittable, vmappable). Returns the final LoopState."""
+  TRACE_COUNTS["generate"] += 1
+  key, first_key = jax.random.split(key)
+  tokens, cache, first = _start(target, prompt_BP, prompt_len_B, sampler, first_key, cache_len)
+  length = prompt_len_B.astype(jnp.int32)
+  done = _finished(jnp.ones_like(length), budget_B, first == eos)
+  rows = jnp.arange(length.shape[0])
+
+  def body(s: LoopState) -> LoopState:
+    key, step_key = jax.random.split(s.key)
+    cur = s.tokens[rows, s.length]
+    logits, _, cache = target(cur[:, None], s.length[:, None], s.cache)
+    nxt = sampling.sample(step_key, sampling.warp(logits[:, 0], sampler))
+    active = ~s.done
+    write_at = jnp.minimum(s.length + 1, s.tokens.shape[1] - 1)
+    tokens = s.tokens.at[rows, write_at].set(jnp.where(active, nxt, s.tokens[rows, write_at]))
+    length = s.length + active.astype(jnp.int32)
+    done = s.done | _finished(length + 1 - prompt_len_B, budget_B, active & (nxt == eos))
+    return s.replace(tokens=tokens, length=length, done=done, key=key,
+                     cache=kv.set_lengths(cache, length))
+
+  init = LoopState(tokens=tokens, length=length, done=done, cache=cache, key=key)
+  return jax.lax.while_loop(_not_finished, body, init)
+
+
+def speculative_loop(target: LM, drafter, prompt_BP, prompt_len_B, budget_B, eos, sampler,
+                     key, *, tree, cache_len: int) -> LoopState:
+  """Speculative decoding of a token tree (pure, jittable, vmappable).
+
+  tree: a resolved `trees.TreeSpec` (a chain of k drafts is `trees.chain(k)`) or
+  `trees.DynamicTree`, static. Returns the final LoopState (its `stats` hold the counters).
+  """
+  TRACE_COUNTS["speculative"] += 1
+  b = prompt_BP.shape[0]
+  nodes, depth = tree.size, tree.max_depth
+  key, first_key = jax.random.split(key)
+  tokens, cache, first = _start(target, prompt_BP, prompt_len_B, sampler, first_key, cache_len)
+  length = prompt_len_B.astype(jnp.int32)
+  done = _finished(jnp.ones_like(length), budget_B, first == eos)
+  steps = jnp.arange(depth + 1, dtype=jnp.int32)
+
+  def body(s: LoopState) -> LoopState:
+    key, draft_key, accept_key = jax.random.split(s.key, 3)
+    proposal, draft = drafter.propose(s.draft, s.context(), tree, sampler, draft_key)
+
+    # One target pass over [x_L, nodes] at positions L + depth, ancestor mask.
+    layout = tree.layout(proposal)
+    cur = jnp.take_along_axis(s.tokens, s.length[:, None], axis=1)
+    verify_BT = jnp.concatenate([cur, proposal.tokens], axis=1)
+    logits, _, cache = target(verify_BT, layout.positions(s.length), s.cache, layout.block_mask())
+    p_BTV = sampling.warp(logits, sampler)
+    result = acceptance.accept_tree(accept_key, layout, verify_BT, p_BTV, proposal.q)
+    n = result.n_accepted
+
+    # Emitted this cycle: the path's n nodes then the target's token; cut at EOS and budget.
+    path_tokens = jnp.take_along_axis(verify_BT, result.path, axis=1)  # [B, D+1], root first
+    path_tokens = jnp.concatenate([path_tokens[:, 1:], path_tokens[:, :1]], axis=1)
+    emitted_BT = jnp.where(steps[None] < n[:, None], path_tokens, result.next_token[:, None])
+    active = ~s.done
+    room = budget_B - (s.length + 1 - prompt_len_B)
+    m = jnp.minimum(n + 1, room)
+    is_eos = (emitted_BT == eos) & (steps[None] < m[:, None])
+    hit_eos = jnp.any(is_eos, axis=1)
+    m = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, m)
+    m = jnp.where(active, m, 0).astype(jnp.int32)
+
+    tokens = _write_rows(s.tokens, s.length + 1, emitted_BT, m)
+    length = s.length + m
+    done = s.done | (active & (hit_eos | (m >= room)))
+    ctx = Context(tokens=tokens, length=length)
+    if not layout.is_chain:  # the path's entries to [L, L + n]; a chain's are in place
+      cache = kv.gather_block(cache, result.path, layout.n_nodes)
+    return s.replace(tokens=tokens, length=length, done=done, key=key,
+                     cache=kv.set_lengths(cache, length),
+                     draft=drafter.commit(draft, ctx, tree, result.path, n),
+                     stats=s.stats.record(active, result, nodes))
+
+  init = LoopState(tokens=tokens, length=length, done=done, cache=cache, key=key,
+                   draft=drafter.init(prompt_BP, prompt_len_B, cache_len, tree),
+                   stats=Stats.zeros(b, depth, cache_len, tree.max_width))
+  return jax.lax.while_loop(_not_finished, body, init)
+
+
+# The compiled loops the host API calls: one compile per static configuration.
+generate_jit = jax.jit(generate_loop, static_argnames=("cache_len",))
+speculative_jit = jax.jit(speculative_loop, static_argnames=("tree", "cache_len"))
