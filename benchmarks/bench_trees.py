@@ -264,7 +264,7 @@ def main():
   args = p.parse_args()
   target, draft, prompts = make_pair(args)
   biggest = max(max(args.budgets), trees.branching((4, 2, 2)).size) + 1
-  cache_len = decoding._bucket(len(prompts[0]) + args.new_tokens + 2 * biggest, 1 << 30)
+  cache_len = decoding.cache_len_for(len(prompts[0]), args.new_tokens, 2 * biggest)
   results = {"backend": jax.default_backend(), "devices": str(jax.devices()),
              "machine": platform.machine(), "load_average": os.getloadavg(),
              "args": vars(args), "target": target.config.to_dict(),
