@@ -37,7 +37,7 @@ from experiments import measure
 from specjax import decoding, loop, metrics, sampling, theory, trees
 from specjax.drafters.base import LM
 from specjax.drafters.oracle import OracleDrafter, check_alpha
-from specjax.sweeps import parallel
+from specjax.sweeps import parallel, runner
 
 
 def validate(params: dict) -> None:
@@ -111,7 +111,9 @@ def group(params_list: list[dict]) -> list[dict]:
                                 max_new_tokens=first["max_new_tokens"], slots=slots,
                                 positions_limited=cfg.positions == "learned")
   alphas = jnp.asarray([float(p["alpha"]) for p in params_list], jnp.float32)
-  keys = jax.random.split(jax.random.key(first["seed"]), len(params_list))
+  # each point's keys from its own complete parameters: the same numbers alone or in a group
+  complete = [runner.with_defaults(point, p) for p in params_list]
+  keys = parallel.point_keys([runner.point_seed(p, "loop") for p in complete])
   sampler = sampling.make_sampler(first["temperature"])
   length, st = parallel.device_map(
       _run_fn(k, prep.cache_len), alphas, keys,
@@ -126,7 +128,8 @@ def group(params_list: list[dict]) -> list[dict]:
     out.append(_metrics(float(params["alpha"]), k, length[i], prep.prompt_len_B,
                         {f: np.asarray(getattr(st, f))[i] for f in ("cycles", "drafted",
                                                                      "accepted", "cycle_log")},
-                        costs, first["c"], first["mc_cycles"], first["seed"] + i))
+                        costs, first["c"], first["mc_cycles"],
+                        runner.point_seed(complete[i], "monte_carlo")))
   return out
 
 

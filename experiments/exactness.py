@@ -23,7 +23,7 @@ from scipy import stats
 
 from experiments import measure
 from specjax import acceptance, sampling
-from specjax.sweeps import parallel
+from specjax.sweeps import parallel, runner
 
 KINDS = ("stochastic", "deterministic")
 
@@ -106,7 +106,9 @@ def group(params_list: list[dict]) -> list[dict]:
   n = len(params_list)
   temps = jnp.asarray([p.get("temperature", 1.0) for p in params_list], jnp.float32)
   top_ps = jnp.asarray([p.get("top_p", 1.0) for p in params_list], jnp.float32)
-  keys = jax.random.split(jax.random.key(first.get("seed", 0)), n)
+  # each point's key from its own complete parameters: the same samples alone or in a group
+  keys = parallel.point_keys([runner.point_seed(runner.with_defaults(point, p), "samples")
+                              for p in params_list])
   counts, p_V, q_V = parallel.device_map(
       _row_fn(samples, kind), jnp.broadcast_to(lp, (n, vocab)), jnp.broadcast_to(lq, (n, vocab)),
       temps, top_ps, keys)

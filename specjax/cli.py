@@ -7,6 +7,7 @@ importing JAX model code it does not use.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
@@ -38,13 +39,54 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+# What to do about an OSError, by errno (the message names the path; this says the fix).
+_OS_HINTS = {
+    errno.ENOENT: "check the path",
+    errno.EACCES: "choose a path you may read or write, or fix its permissions",
+    errno.EPERM: "choose a path you may read or write, or fix its permissions",
+    errno.EROFS: "the file system is read-only: choose a writable location",
+    errno.ENOSPC: "the disk is full: free space or choose another location",
+    errno.EDQUOT: "the disk quota is exhausted: free space or choose another location",
+    errno.EISDIR: "it is a directory: give a file path",
+    errno.ENOTDIR: "a parent of it is a file, not a directory: fix the path",
+    errno.EEXIST: "it already exists: remove it or choose another path",
+}
+
+
+def error_message(e: BaseException) -> str:
+  """One line for an expected failure: the message, or for an OSError the path, the reason
+  and what to do."""
+  if isinstance(e, KeyboardInterrupt):
+    return "interrupted before the command finished: run it again to complete it"
+  if isinstance(e, OSError):
+    reason = e.strerror or str(e) or type(e).__name__
+    if reason[:1].isupper() and reason[1:2].islower():  # "No such file" -> "no such file"
+      reason = reason[0].lower() + reason[1:]
+    where = ": ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    text = f"{where}: {reason}" if where else reason
+    hint = _OS_HINTS.get(e.errno)
+    if hint and hint not in text:
+      text += f" ({hint})"
+  else:
+    text = str(e) or type(e).__name__
+  return " ".join(text.split())  # one line
+
+
+# Expected failures: bad values (ValueError, UnicodeError included) and paths that cannot be
+# read or written (OSError: missing, permission, read-only, disk full, a directory where a
+# file belongs ...). Anything else is a bug and keeps its traceback.
+EXPECTED = (ValueError, OSError, KeyboardInterrupt)
+
+
 def main(argv: list[str] | None = None) -> int:
+  """Runs one subcommand. Expected failures print one line, `specjax: error: ...`, on
+  stderr and return 2; a bug raises (traceback)."""
   parser = build_parser()
   args = parser.parse_args(argv)
   try:
     return int(args.func(args) or 0)
-  except ValueError as e:  # bad input found at the boundary: a clear message, no traceback
-    print(f"specjax {args.command}: error: {e}", file=sys.stderr)
+  except EXPECTED as e:
+    print(f"specjax: error: {error_message(e)}", file=sys.stderr)
     return 2
 
 

@@ -4,8 +4,15 @@
 `generate` (plain autoregressive decoding) and `speculative_generate` (a chain of k drafts
 or a token tree) validate every argument at the Python boundary (ValueError naming the
 argument, its value and what is allowed), resolve the tree once (k = K is
-`trees.chain(K)`), pad a ragged batch to a prompt bucket (`prepare_batch`), size the KV
-cache (`cache_len_for`), call the compiled loop and return a `Generation` on the host. The
+`trees.chain(K)`, its size checked against the context before the chain is built), pad a
+ragged batch to a prompt bucket (`prepare_batch`), size the KV cache (`cache_len_for`),
+call the compiled loop and return a `Generation` on the host.
+
+Context. A request fits when the longest prompt + max_new_tokens + the slots one cycle
+writes is at most the context: cache_len when given, else the models' max_len (learned
+position embeddings end there; a RoPE model is held to its trained length unless
+`allow_beyond_max_len=True`). The power-of-two prompt bucket and the cache length are
+capped at that context, so rounding never refuses a request that fits. The
 analysis of a run (`metrics.summarize`, `metrics.summarize_tree`) is called by
 `Generation.summary` / `Generation.tree_summary`, never by the loop.
 
@@ -82,19 +89,25 @@ class Generation:
 
 
 def _bucket(n: int, cap: int) -> int:
+  """The prompt bucket: the power of two >= max(n, MIN_BUCKET), capped at `cap` (what the
+  cache / the model's positions allow) when n fits under it, so a bucket never refuses a
+  prompt that fits."""
   b = MIN_BUCKET
   while b < n:
     b *= 2
   return min(b, cap) if cap >= n else b
 
 
-def cache_len_for(prompt_len: int, max_new_tokens: int, slots: int = 1) -> int:
+def cache_len_for(prompt_len: int, max_new_tokens: int, slots: int = 1,
+                  limit: int | None = None) -> int:
   """The engine's cache-length rule: the prompt's bucket + the token budget + the `slots`
   one cycle writes from the pending token (1 for plain decoding, k + 1 for a chain of k, a
   tree's nodes or its drafter's extent), rounded up to a power of two, so budgets that change
-  within it do not recompile. Experiments use this rule too, so what they time is what the
-  engine runs."""
-  return _bucket(_bucket(prompt_len, 1 << 62) + max_new_tokens + slots, 1 << 62)
+  within it do not recompile; capped at `limit` (the positions the model allows, e.g. its
+  max_len) when given. Experiments use this rule too, so what they time is what the engine
+  runs."""
+  n = _bucket(_bucket(prompt_len, 1 << 62) + max_new_tokens + slots, 1 << 62)
+  return n if limit is None else min(n, limit)
 
 
 def _check_int(name: str, value, lo: int) -> int:
@@ -115,14 +128,18 @@ class Batch:
 
 def prepare_batch(prompts: Sequence[Sequence[int]], *, vocab_size: int, max_len: int,
                   max_new_tokens, slots: int = 1, cache_len: int | None = None,
-                  positions_limited: bool = True) -> Batch:
+                  positions_limited: bool = True, max_len_opt_in: bool = False) -> Batch:
   """Validates prompts and budgets at the Python boundary and pads to a length bucket.
 
   slots: the cache slots one cycle writes from the pending token (1 for plain decoding,
-  k + 1 for a chain of k, a tree's nodes or its drafter's extent). The cache needs
-  `bucket + max budget + slots` of them; by default the cache length is that rounded up to
-  a power of two (`cache_len_for`), so budgets that change within it do not recompile.
-  positions_limited: the cache may not exceed max_len (learned position embeddings).
+  k + 1 for a chain of k, a tree's nodes or its drafter's extent). The longest row needs
+  `prompt + max budget + slots` positions; the prompt bucket (a power of two, so prompt
+  lengths share compiled loops) is capped at what the cache or the model allows, so it
+  never refuses a request that fits. By default the cache length is `cache_len_for` (a
+  power of two, so budgets that change within it do not recompile), capped at max_len.
+  positions_limited: positions may not reach max_len (learned position embeddings, or a
+  RoPE model held to its trained length). max_len_opt_in: max_len is a RoPE model's trained
+  length, which `allow_beyond_max_len=True` lifts; the error says so.
   """
   if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) and not isinstance(
       prompts, np.ndarray):
@@ -150,21 +167,31 @@ def prepare_batch(prompts: Sequence[Sequence[int]], *, vocab_size: int, max_len:
     budgets = [_check_int(f"max_new_tokens[{i}]", v, 1) for i, v in enumerate(max_new_tokens)]
     if len(budgets) != batch:
       raise ValueError(f"max_new_tokens has {len(budgets)} entries for {batch} prompts")
-  longest = max(len(r) for r in rows)
-  bucket = _bucket(longest, cache_len or (1 << 62))
-  need = bucket + max(budgets) + slots
+  longest, budget = max(len(r) for r in rows), max(budgets)
+  need = longest + budget + slots
+  position_limit = max_len if positions_limited else None
   if cache_len is None:
-    cache_len = cache_len_for(longest, max(budgets), slots)
-    if positions_limited:
-      cache_len = min(cache_len, max_len)
+    cache_len = cache_len_for(longest, budget, slots, limit=position_limit)
   else:
     cache_len = _check_int("cache_len", cache_len, 1)
-  if need > cache_len or (positions_limited and need > max_len):
-    limit = min(cache_len, max_len) if positions_limited else cache_len
+  limit = cache_len if position_limit is None else min(cache_len, position_limit)
+  if need > limit:
+    if position_limit is not None and position_limit < need and position_limit <= cache_len:
+      what = f"the model's max_len {position_limit}"
+      if max_len_opt_in:
+        what += (" (the length this RoPE model was trained for; pass allow_beyond_max_len="
+                 "True, --allow-beyond-max-len on the command line, to generate past it "
+                 "anyway: quality past the trained length is not guaranteed)")
+      else:
+        what += " (learned position embeddings end there)"
+    else:
+      what = f"cache_len {cache_len}"
     raise ValueError(
-        f"prompt length {longest} (bucket {bucket}) + max_new_tokens {max(budgets)} + slots "
-        f"{slots} (cache slots one cycle writes) = {need} exceeds the cache/context length "
-        f"{limit}: shorten the prompt or lower max_new_tokens")
+        f"prompt length {longest} + max_new_tokens {budget} + slots {slots} (cache slots one "
+        f"cycle writes: k + 1 for a chain of k, a tree's nodes) = {need} exceeds the "
+        f"cache/context length {limit}, {what}: shorten the prompt or lower max_new_tokens "
+        f"or k")
+  bucket = _bucket(longest, limit)
   prompt = np.zeros((batch, bucket), np.int32)
   for i, r in enumerate(rows):
     prompt[i, :len(r)] = r
@@ -200,18 +227,40 @@ def _collect(state: loop.LoopState, batch: Batch, seconds: float, k: int,
                     seconds=seconds, k=k, tree=tree)
 
 
-def _positions_limited(config) -> bool:
-  return config.positions == "learned"
+def _check_opt_in(value) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"allow_beyond_max_len must be True or False, got {value!r}")
+  return bool(value)
+
+
+def _limits(configs, allow_beyond_max_len: bool) -> tuple[int, bool, bool]:
+  """(max_len, positions_limited, max_len_opt_in) for the models of one call.
+
+  Learned position embeddings end at max_len: a hard limit. A RoPE model has no table, but
+  past the length it was trained for its outputs are not to be trusted, so it is held to
+  max_len too unless the caller opts in (`allow_beyond_max_len=True`)."""
+  allow = _check_opt_in(allow_beyond_max_len)
+  shortest = min(c.max_len for c in configs)
+  hard = [c.max_len for c in configs if c.positions == "learned"]
+  if allow:
+    return (min(hard), True, False) if hard else (shortest, False, False)
+  return shortest, True, not hard or min(hard) > shortest
 
 
 def generate(target, prompts, *, max_new_tokens, sampler=None, seed=0, eos_id=None,
-             cache_len: int | None = None) -> Generation:
-  """Plain autoregressive decoding of a ragged batch of prompts (one compiled loop)."""
+             cache_len: int | None = None, allow_beyond_max_len: bool = False) -> Generation:
+  """Plain autoregressive decoding of a ragged batch of prompts (one compiled loop).
+
+  allow_beyond_max_len: let a RoPE model generate past its trained length `max_len`
+  (refused by default: quality past it is not guaranteed). Learned position embeddings
+  always end at max_len.
+  """
   target = LM.of(target)
   cfg = target.config
-  batch = prepare_batch(prompts, vocab_size=cfg.vocab_size, max_len=cfg.max_len,
+  max_len, limited, opt_in = _limits([cfg], allow_beyond_max_len)
+  batch = prepare_batch(prompts, vocab_size=cfg.vocab_size, max_len=max_len,
                         max_new_tokens=max_new_tokens, cache_len=cache_len,
-                        positions_limited=_positions_limited(cfg))
+                        positions_limited=limited, max_len_opt_in=opt_in)
   kv.check_fits(cfg, len(batch.budget_B), batch.cache_len, what="target KV cache")
   sampler = sampler if sampler is not None else sampling.make_sampler(0.0)
   start = time.perf_counter()
@@ -245,33 +294,38 @@ def resolve_tree(k: int | None, tree: TreeSpec | DynamicTree | None) -> TreeSpec
 
 def speculative_generate(target, draft, prompts, *, k: int | None = None,
                          tree: TreeSpec | DynamicTree | None = None, max_new_tokens,
-                         sampler=None, seed=0, eos_id=None,
-                         cache_len: int | None = None) -> Generation:
+                         sampler=None, seed=0, eos_id=None, cache_len: int | None = None,
+                         allow_beyond_max_len: bool = False) -> Generation:
   """Speculative decoding of a chain of k drafts, or of a token tree (exactly one of them).
 
   tree: a `trees.TreeSpec` (static shape, e.g. trees.branching((3, 2, 1)),
   trees.optimal(16, rank_probs)) or a `trees.DynamicTree` (EAGLE-2 style, deterministic
   candidates). k = K is tree = trees.chain(K): the same compiled code path.
+  allow_beyond_max_len: as in `generate` (for the target and the draft).
   """
   target = LM.of(target)
   drafter = as_drafter(draft)
   cfg = target.config
+  draft_cfg = drafter.config
+  if draft_cfg is not None and draft_cfg.vocab_size != cfg.vocab_size:
+    raise ValueError(f"draft vocabulary ({draft_cfg.vocab_size}) must match the target's "
+                     f"({cfg.vocab_size})")
+  configs = [cfg] if draft_cfg is None else [cfg, draft_cfg]
+  max_len, limited, opt_in = _limits(configs, allow_beyond_max_len)
+  sizes = dict(vocab_size=cfg.vocab_size, max_len=max_len, max_new_tokens=max_new_tokens,
+               cache_len=cache_len, positions_limited=limited, max_len_opt_in=opt_in)
+  if tree is None and k is not None:
+    # A chain of k writes k + 1 slots a cycle: check that against the context before the
+    # chain (and anything sized by it) is built.
+    prepare_batch(prompts, slots=_check_int("k", k, 1) + 1, **sizes)
   tree = resolve_tree(k, tree)
   width = tree.max_width
   if width > cfg.vocab_size:
     raise ValueError(f"tree has a node with {width} candidates (width {width}) but the "
                      f"vocabulary has only {cfg.vocab_size} tokens: width must be <= "
                      f"{cfg.vocab_size}")
-  draft_cfg = drafter.config
-  if draft_cfg is not None and draft_cfg.vocab_size != cfg.vocab_size:
-    raise ValueError(f"draft vocabulary ({draft_cfg.vocab_size}) must match the target's "
-                     f"({cfg.vocab_size})")
-  limited = _positions_limited(cfg) or (draft_cfg is not None and _positions_limited(draft_cfg))
-  max_len = min(cfg.max_len, draft_cfg.max_len) if draft_cfg is not None else cfg.max_len
   slots = max(tree.n_nodes, drafter.slots_needed(tree))
-  batch = prepare_batch(prompts, vocab_size=cfg.vocab_size, max_len=max_len,
-                        max_new_tokens=max_new_tokens, slots=slots, cache_len=cache_len,
-                        positions_limited=limited)
+  batch = prepare_batch(prompts, slots=slots, **sizes)
   b = len(batch.budget_B)
   drafter.validate(tree, b)
   extra = kv.cache_bytes(draft_cfg, b, batch.cache_len) if draft_cfg is not None else 0

@@ -74,18 +74,26 @@ def _validate_parents(parents: Any) -> tuple[int, ...]:
                      f"(the root) or a node index in [0, {n})")
   roots = [i for i, x in enumerate(p) if x == -1]
   if len(roots) > 1:
-    raise ValueError(f"parents has several roots (-1 at nodes {roots}): only node 0, the "
+    shown = ", ".join(map(str, roots[:8])) + (", ..." if len(roots) > 8 else "")
+    raise ValueError(f"parents has several roots (-1 at nodes [{shown}]): only node 0, the "
                      f"pending token, may be the root")
   if p[0] != -1:
     raise ValueError(f"parents[0] must be -1 (node 0 is the root), got {p[0]}")
-  for i in range(n):  # follow the parent pointers: a walk longer than n nodes is a cycle
-    seen, j = [], i
-    while j != -1 and j not in seen:
-      seen.append(j)
-      j = p[j]
-    if j != -1:
-      cycle = seen[seen.index(j):]
-      raise ValueError(f"parents has a cycle through nodes {sorted(cycle)}")
+  # Node 0 is the root and every other node points at an earlier one: then the parent
+  # pointers are acyclic. Only if some pointer goes forward (or to itself) can there be a
+  # cycle; find it by walking each node once (linear: a walk stops at a visited node).
+  if any(p[i] >= i for i in range(1, n)):
+    state = [0] * n  # 0 unvisited, 1 on the current walk, 2 finished
+    for i in range(n):
+      walk, j = [], i
+      while j != -1 and state[j] == 0:
+        state[j] = 1
+        walk.append(j)
+        j = p[j]
+      if j != -1 and state[j] == 1:  # the walk came back to itself: a cycle
+        raise ValueError(f"parents has a cycle through nodes {sorted(walk[walk.index(j):])}")
+      for node in walk:
+        state[node] = 2
   late = [i for i in range(1, n) if p[i] >= i]
   if late:
     i = late[0]
@@ -426,10 +434,11 @@ def from_paths(paths: Sequence[Sequence[int]]) -> TreeSpec:
       if not _is_int(r) or r < 0:
         raise ValueError(f"paths[{i}] must hold ints >= 0 (candidate ranks), got {path!r}")
     norm.append(tuple(int(r) for r in path))
-  if len(set(norm)) != len(norm):
-    dup = next(p for p in norm if norm.count(p) > 1)
-    raise ValueError(f"paths lists {dup} more than once")
-  known = set(norm)
+  known: set = set()
+  for p in norm:
+    if p in known:
+      raise ValueError(f"paths lists {p} more than once")
+    known.add(p)
   for p in norm:
     if len(p) > 1 and p[:-1] not in known:
       raise ValueError(f"paths has {p} but not its prefix {p[:-1]}")

@@ -2,10 +2,12 @@
 
 import os
 import pathlib
+import time
 
 
 def point(x: int, y: str = "a", scale: float = 1.0) -> dict:
-  """Fails at x == 13; hard-kills the process at x == KILL_AT until the marker file exists."""
+  """Fails at x == 13; hard-kills the process at x == KILL_AT until the marker file exists;
+  sleeps SWEEP_SLEEP seconds per point; x == 2 gives non-finite metrics."""
   if x == 13:
     raise ValueError("x = 13 is unlucky")
   kill_at = os.environ.get("SWEEP_KILL_AT")
@@ -13,7 +15,12 @@ def point(x: int, y: str = "a", scale: float = 1.0) -> dict:
   if kill_at is not None and x == int(kill_at) and marker and not pathlib.Path(marker).exists():
     pathlib.Path(marker).write_text("killed once")
     os._exit(137)  # like SIGKILL: no cleanup, no exception handling
-  return {"value": x * scale, "label": f"{y}{x}"}
+  sleep = os.environ.get("SWEEP_SLEEP")
+  if sleep:
+    time.sleep(float(sleep))
+  return {"value": x * scale, "label": f"{y}{x}",
+          # not JSON numbers: the record must still be standard JSON
+          "ratio": float("inf") if x == 2 else 1.0, "spread": float("nan") if x == 2 else 0.0}
 
 
 def validate(params: dict) -> None:

@@ -24,3 +24,15 @@ def test_generate_cli_rejects_bad_input_with_a_clear_message(capsys):
   assert "did you mean tiny-gpt2" in capsys.readouterr().err
   assert main(["generate", "--k", "0", "--max-new-tokens", "4", "--repeats", "1"]) == 2
   assert "k must be an int >= 1" in capsys.readouterr().err
+
+
+def test_generate_cli_rope_past_max_len_only_with_the_opt_in(capsys):
+  argv = ["generate", "--target-config", "tiny-llama:max_len=32", "--draft-config", "self",
+          "--max-new-tokens", "8", "--k", "2", "--repeats", "1", "--json",
+          "--prompt", "def fibonacci(n):\n    return n if n < 2 else"]  # 42 tokens > 32
+  assert main(argv) == 2
+  err = capsys.readouterr().err
+  assert "max_len 32" in err and "--allow-beyond-max-len" in err
+  assert main(argv + ["--allow-beyond-max-len"]) == 0
+  report = json.loads(capsys.readouterr().out)
+  assert report["identical_to_plain"] is True and report["plain"]["tokens"] == 8

@@ -109,7 +109,7 @@ def test_model_config_workload(capsys, tmp_path):
     (["roofline", "--batches", "0,4"], "batch"),
     (["roofline", "--k", "-2"], "k"),
     (["long-context", "--alpha", "nan"], "alpha"),
-    (["sample-size", "--half-width", "0"], "half_width"),
+    (["sample-size", "--half-width", "0"], "--half-width"),
     (["tree", "--parents=0", "--rank-probs", "0.5"], "parents"),
 ])
 def test_bad_input_is_a_clean_error(capsys, argv, name):

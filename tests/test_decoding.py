@@ -286,9 +286,10 @@ def test_stats_record_logs_cycles_that_accept_128_or_more_nodes():
 def test_self_speculation_logs_a_cycle_of_130_accepted_drafts():
   """End to end: the target drafting for itself at T = 0 with k = 130 accepts whole chains;
   the log and the summary see 130, not an int8 wrap-around."""
-  target = model(TINY["llama"], logit_scale=4.0)  # RoPE: the cache may exceed max_len
-  plain = decoding.generate(target, [[1, 2, 3]], max_new_tokens=140)
-  run = decoding.speculative_generate(target, target, [[1, 2, 3]], k=130, max_new_tokens=140)
+  target = model(TINY["llama"], logit_scale=4.0)  # RoPE: may run past max_len on opt-in
+  plain = decoding.generate(target, [[1, 2, 3]], max_new_tokens=140, allow_beyond_max_len=True)
+  run = decoding.speculative_generate(target, target, [[1, 2, 3]], k=130, max_new_tokens=140,
+                                      allow_beyond_max_len=True)
   assert run.tokens == plain.tokens
   log = run.stats["cycle_log"][0]
   assert log[0] == 130, log[:4]
@@ -307,7 +308,9 @@ def tiny_pair():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(prompts=[[1, 2]], max_new_tokens=500), "exceeds the cache/context length 128"),
-    (dict(prompts=[[1, 2]], max_new_tokens=10, cache_len=16), "exceeds"),
+    (dict(prompts=[[1, 2]], max_new_tokens=14, cache_len=16), "exceeds .* cache_len 16"),
+    (dict(prompts=[[1, 2]], max_new_tokens=5, k=10_000), "exceeds .* max_len 128"),
+    (dict(prompts=[[1, 2]], max_new_tokens=5, allow_beyond_max_len=1), "allow_beyond_max_len"),
     (dict(prompts=[[1, 2]], max_new_tokens=5, k=0), "k must be an int >= 1"),
     (dict(prompts=[[]], max_new_tokens=5), r"prompts\[0\] must be a non-empty"),
     (dict(prompts=[[1, 61]], max_new_tokens=5), "token id 61 out of range"),
@@ -333,3 +336,42 @@ def test_bad_sampler_settings_and_vocab_mismatch(tiny_pair):
   other = model(TINY["gpt2"].replace(vocab_size=60))
   with pytest.raises(ValueError, match=r"draft vocabulary \(60\) must match the target's \(61\)"):
     decoding.speculative_generate(target, other, [[1]], k=2, max_new_tokens=3)
+
+
+# ----------------------------------------------------------------------------- context limits
+
+
+def test_prompt_bucket_is_capped_at_what_the_model_allows():
+  """A 300-token prompt + 16 new tokens needs 317 of a learned-position model's 512
+  positions: the power-of-two bucket (512) is capped, never a reason to refuse."""
+  batch = decoding.prepare_batch([[1] * 300], vocab_size=61, max_len=512, max_new_tokens=16)
+  assert batch.prompt_BP.shape == (1, 512) and batch.cache_len == 512
+  assert decoding.cache_len_for(300, 16, 1, limit=512) == 512
+  assert decoding.cache_len_for(300, 16, 1) == 1024  # the uncapped rule
+  with pytest.raises(ValueError, match="318 exceeds the cache/context length 317"):
+    decoding.prepare_batch([[1] * 300], vocab_size=61, max_len=512, max_new_tokens=17,
+                           cache_len=317)
+
+
+def test_300_token_prompt_generates_on_a_512_position_learned_model():
+  target = model(TINY["gpt2"].replace(max_len=512), logit_scale=4.0)
+  prompt = [(7 * i) % 61 for i in range(300)]
+  plain = decoding.generate(target, [prompt], max_new_tokens=16)
+  assert len(plain.tokens[0]) == 16
+  spec = decoding.speculative_generate(target, target, [prompt], k=1, max_new_tokens=16)
+  assert spec.tokens == plain.tokens
+
+
+def test_rope_model_past_max_len_is_refused_unless_opted_in():
+  target = model(TINY["llama"])  # RoPE, max_len 128
+  for call in (lambda **kw: decoding.generate(target, [[1, 2, 3]], **kw),
+               lambda **kw: decoding.speculative_generate(target, target, [[1, 2, 3]], k=2,
+                                                          **kw)):
+    with pytest.raises(ValueError, match=r"max_len 128 \(the length this RoPE model was "
+                       r"trained for; pass allow_beyond_max_len=True"):
+      call(max_new_tokens=130)
+  run = decoding.generate(target, [[1, 2, 3]], max_new_tokens=130, allow_beyond_max_len=True)
+  assert len(run.tokens[0]) == 130
+  learned = model(TINY["gpt2"])  # the opt-in cannot lift learned position embeddings
+  with pytest.raises(ValueError, match="learned position embeddings end there"):
+    decoding.generate(learned, [[1, 2, 3]], max_new_tokens=130, allow_beyond_max_len=True)

@@ -210,3 +210,199 @@ def test_sweep_over_four_fake_devices_matches_serial_run(tmp_path):
     assert ma["counts"] == mb["counts"]  # the same samples, token for token
     assert ma["p_value"] == pytest.approx(mb["p_value"], rel=1e-5)  # p in float32 on each side
     assert ma["passed"] and mb["passed"]
+
+
+# ----------------------------------------------------------------------------- issue 16
+
+
+def _strict(line: str) -> dict:
+  def refuse(name):
+    raise ValueError(f"not standard JSON: {name}")
+  return json.loads(line, parse_constant=refuse)
+
+
+SMALL_EXACTNESS = ['sweeps.Sweep.axes = {"vocab": [8], "kind": ["stochastic"], '
+                   '"temperature": [0.7, 1.0, 1.3], "top_p": [1.0]}',
+                   'sweeps.Sweep.fixed = {"samples": 400}']
+
+
+def test_a_point_gives_the_same_numbers_alone_in_a_group_resumed_and_sharded(tmp_path):
+  from experiments import exactness
+  full = launch.run("exactness", SMALL_EXACTNESS, out=str(tmp_path / "full"), progress=False)
+  assert full.ok == 3
+  grouped = {pid: r for pid, r in runner.read_results(full.run_dir / runner.RESULTS).items()}
+  middle = next(r for r in grouped.values() if r["params"]["temperature"] == 1.0)
+  # alone, called directly (defaults filled in by the point function itself)
+  alone = json.loads(json.dumps(exactness.point(**middle["params"])))
+  assert alone == middle["metrics"]
+  # resumed: the middle point's line lost, the re-run computes it alone
+  res = tmp_path / "resumed"
+  launch.run("exactness", SMALL_EXACTNESS, out=str(res), progress=False)
+  lines = (res / runner.RESULTS).read_text().splitlines()
+  (res / runner.RESULTS).write_text(
+      "".join(l + "\n" for l in lines if json.loads(l)["id"] != middle["id"]))
+  again = launch.run("exactness", SMALL_EXACTNESS, out=str(res), progress=False)
+  assert (again.skipped, again.ok) == (2, 1)
+  # two shards: points 0 and 2 as a group of two, point 1 alone
+  sharded = {}
+  for i in range(2):
+    s = launch.run("exactness", SMALL_EXACTNESS, out=str(tmp_path / f"s{i}"), shard_index=i,
+                   num_shards=2, progress=False)
+    sharded.update(runner.read_results(s.run_dir / runner.RESULTS))
+  for other in (runner.read_results(res / runner.RESULTS), sharded):
+    assert other.keys() == grouped.keys()
+    for pid in grouped:
+      assert other[pid]["metrics"] == grouped[pid]["metrics"]  # bit-identical records
+
+
+def test_point_seed_depends_on_the_point_only():
+  from specjax.sweeps import parallel
+  a = {"x": 1, "seed": 0}
+  assert runner.point_seed(a) == runner.point_seed(dict(reversed(list(a.items()))))
+  assert runner.point_seed(a) != runner.point_seed({"x": 1, "seed": 1})
+  assert runner.point_seed(a, "mc") != runner.point_seed(a, "loop")
+  assert 0 <= runner.point_seed(a) < 2**31
+  import jax
+  keys = parallel.point_keys([5, 7])
+  assert (jax.random.key_data(keys[1]) == jax.random.key_data(jax.random.key(7))).all()
+
+
+def test_sweep_seed_becomes_the_points_seed(tmp_path):
+  s, _ = launch.load_sweep("exactness", [*SMALL_EXACTNESS, "sweeps.Sweep.seed = 5"])
+  assert all(p.params["seed"] == 5 for p in launch.plan(s))
+  with pytest.raises(ValueError, match="both set the points' seed"):
+    launch.load_sweep("exactness", ['sweeps.Sweep.fixed = {"seed": 1}', "sweeps.Sweep.seed = 5"])
+
+
+def test_two_concurrent_runs_into_one_directory_one_writer(config, tmp_path):
+  out = tmp_path / "run"
+  env = {**os.environ, "SWEEP_SLEEP": "0.4",
+         "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+  first = subprocess.Popen([sys.executable, "-m", "specjax.cli", "run", str(config), "--out",
+                            str(out), "--no-progress"], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+  import time
+  deadline = time.time() + 240
+  while not (out / runner.RESULTS).exists() and first.poll() is None and time.time() < deadline:
+    time.sleep(0.1)  # the first run holds the lock and is computing
+  second = _run(["run", str(config), "--out", str(out), "--no-progress"])
+  _, err = first.communicate(timeout=300)
+  assert first.returncode == 0, err[-2000:]
+  assert second.returncode == 2, second.stderr[-2000:]
+  message = second.stderr.strip().splitlines()
+  assert len(message) == 1 and "Traceback" not in second.stderr
+  assert f"pid {first.pid}" in message[0] and str(out) in message[0]
+  ids = [_strict(l)["id"] for l in (out / runner.RESULTS).read_text().splitlines()]
+  assert len(ids) == len(set(ids)) == 10  # every point recorded exactly once
+  third = _run(["run", str(config), "--out", str(out), "--no-progress", "--json"])
+  assert third.returncode == 0 and json.loads(third.stdout)["skipped"] == 10  # lock released
+
+
+def test_lock_held_in_process_refuses_a_run_and_frees_on_release(config, tmp_path):
+  out = tmp_path / "run"
+  launch.run(str(config), out=str(out), progress=False)
+  lock = runner.RunLock(out).acquire()
+  try:
+    with pytest.raises(runner.RunDirError, match=f"in use by another specjax run \\(pid "
+                       f"{os.getpid()}\\)"):
+      launch.run(str(config), out=str(out), progress=False)
+  finally:
+    lock.release()
+  assert launch.run(str(config), out=str(out), progress=False).skipped == 10
+
+
+def test_disk_full_keeps_results_well_formed_and_ends_with_one_line(config, tmp_path,
+                                                                    monkeypatch, capsys):
+  import errno
+  out = tmp_path / "run"
+  real_write = os.write
+  calls = []
+
+  def write(fd, data):
+    calls.append(1)
+    if len(calls) == 4:  # the fourth line: half of it reaches the disk, then the disk is full
+      real_write(fd, data[:len(data) // 2])
+      raise OSError(errno.ENOSPC, "No space left on device")
+    return real_write(fd, data)
+
+  monkeypatch.setattr(runner, "_os_write", write)
+  assert main(["run", str(config), "--out", str(out), "--no-progress"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert "no space left on device" in err[-1] and str(out / runner.RESULTS) in err[-1]
+  assert "Traceback" not in "\n".join(err)
+  lines = (out / runner.RESULTS).read_text().splitlines()
+  assert len(lines) == 3 and all(_strict(l)["status"] == "ok" for l in lines)
+  monkeypatch.setattr(runner, "_os_write", real_write)
+  s = launch.run(str(config), out=str(out), progress=False)
+  assert (s.skipped, s.ok) == (3, 7)
+  assert len([_strict(l) for l in (out / runner.RESULTS).read_text().splitlines()]) == 10
+
+
+def test_records_are_standard_json_failed_and_non_finite_points_included(tmp_path):
+  path = tmp_path / "fail.gin"
+  path.write_text(CONFIG.replace('"x": [1, 2, 3, 4, 5]', '"x": [2, 13]'))
+  s = launch.run(str(path), out=str(tmp_path / "run"), progress=False)
+  assert (s.ok, s.failed) == (2, 2)
+  records = [_strict(l) for l in (tmp_path / "run" / runner.RESULTS).read_text().splitlines()]
+  ok = [r for r in records if r["status"] == "ok"]
+  assert all(r["metrics"]["ratio"] is None and r["metrics"]["spread"] is None for r in ok)
+  assert all(r["non_finite"] == {"metrics.ratio": "inf", "metrics.spread": "nan"} for r in ok)
+  assert all("x = 13 is unlucky" in r["error"] for r in records if r["status"] == "error")
+  read = [r for r in runner.read_results(tmp_path / "run" / runner.RESULTS).values()
+          if r["status"] == "ok"]  # readers get the point's own values back
+  assert all(r["metrics"]["ratio"] == float("inf") and r["metrics"]["spread"] !=
+             r["metrics"]["spread"] for r in read)
+  path = tmp_path / "nested.jsonl"
+  runner.append_result(path, {"id": "n", "m": {"h": [1.0, float("-inf")]}})
+  assert _strict(path.read_text())["non_finite"] == {"m.h[1]": "-inf"}
+  assert runner.read_results(path)["n"]["m"]["h"] == [1.0, float("-inf")]
+
+
+@pytest.mark.parametrize("binding, match", [
+    ("sweeps.Sweep.axes = 5", r"Sweep.axes must be a dict of parameter name -> list"),
+    ('sweeps.Sweep.axes = {"x": 5}', r"Sweep.axes\['x'\] must be a non-empty list"),
+    ('sweeps.Sweep.axes = {"x": []}', r"Sweep.axes\['x'\] is empty"),
+    ("sweeps.Sweep.fixed = [1]", r"Sweep.fixed must be a dict"),
+    ("sweeps.Sweep.vectorized = 'x'", r"Sweep.vectorized must be a list of names"),
+    ("sweeps.Sweep.seed = -1", r"Sweep.seed must be None or an int"),
+])
+def test_bad_sweep_field_bindings_are_one_line_errors(config, tmp_path, capsys, binding, match):
+  assert main(["run", str(config), "--gin_param", binding, "--out", str(tmp_path / "r")]) == 2
+  err = capsys.readouterr().err
+  assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+  import re
+  assert re.search(match, err), err
+  assert not (tmp_path / "r").exists()
+
+
+def test_out_pointing_at_a_file_is_a_one_line_error_for_run_and_merge(config, tmp_path, capsys):
+  afile = tmp_path / "afile"
+  afile.write_text("keep")
+  for args in (["run", str(config), "--out", str(afile)],
+               ["run", str(config), "--out", str(afile / "sub")]):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "is a file, not a directory" in err and str(afile) in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+  run = launch.run(str(config), out=str(tmp_path / "r"), progress=False).run_dir
+  assert main(["merge", str(run), "--out", str(afile)]) == 2
+  err = capsys.readouterr().err
+  assert "is a file, not a directory" in err and str(afile) in err
+  assert main(["merge", str(afile), "--out", str(tmp_path / "m")]) == 2
+  assert "is not a directory" in capsys.readouterr().err
+  assert afile.read_text() == "keep"
+
+
+def test_alpha_k_point_alone_equals_the_point_in_its_vectorised_group(tmp_path):
+  """The issue's case: α = 0.8, k = 3 gave another alpha_trial when resumed alone."""
+  from experiments import alpha_k_sweep
+  s = launch.run("alpha_k_sweep", out=str(tmp_path / "ak"), progress=False, bindings=[
+      'sweeps.Sweep.axes = {"alpha": [0.5, 0.8], "k": [3]}',
+      'sweeps.Sweep.fixed = {"models": "random", "max_new_tokens": 16, "batch": 1, '
+      '"repeats": 1, "mc_cycles": 200}'])
+  assert s.ok == 2
+  grouped = next(r for r in runner.read_results(s.run_dir / runner.RESULTS).values()
+                 if r["params"]["alpha"] == 0.8)
+  alone = alpha_k_sweep.point(**grouped["params"])
+  for name in ("alpha_trial", "trials", "tau_cycle", "histogram", "cycles", "tau_mc"):
+    assert alone[name] == grouped["metrics"][name], name  # timings aside, bit-identical

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pathlib
 import shutil
@@ -18,12 +19,26 @@ from typing import Iterator
 
 
 def prepare_output_dir(out: str | os.PathLike, overwrite: bool) -> pathlib.Path:
-  """Refuse a non-empty output directory unless `overwrite` (checked before any work)."""
+  """Refuse a non-empty output directory unless `overwrite`, and a location that cannot be
+  written (read-only file system, no permission, a file where a directory belongs): checked
+  before any work, by creating and removing a probe directory where `out` will be
+  assembled. Raises ValueError or OSError naming `out`."""
   out = pathlib.Path(out)
   if out.exists() and not out.is_dir():
     raise ValueError(f"output path {str(out)!r} exists and is not a directory")
   if out.is_dir() and any(out.iterdir()) and not overwrite:
     raise ValueError(f"output directory {str(out)!r} is not empty (pass overwrite to replace it)")
+  parent = out.absolute().parent
+  while not parent.exists():  # the directories assembling() will create start here
+    parent = parent.parent
+  if not parent.is_dir():
+    raise NotADirectoryError(errno.ENOTDIR, f"cannot create it: {str(parent)!r} is a file",
+                             str(out))
+  try:
+    os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=parent))
+  except OSError as e:
+    raise OSError(e.errno, f"cannot write under {str(parent)!r}: {e.strerror or e}",
+                  str(out)) from None
   return out
 
 

@@ -29,6 +29,11 @@ def add_parsers(subparsers) -> None:
   p.add_argument("--out", required=True, help="checkpoint directory to create")
   _dtype_flag(p)
   p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+  p.add_argument("--tokenizer", metavar="byte|DIR", default=None,
+                 help="the tokenizer to attach: a directory holding tokenizer.json (and its "
+                 "companions), or 'byte' for specjax's 259-id byte tokenizer. Default: the "
+                 "tokenizer files in the model directory; without any, the byte tokenizer "
+                 "only if every one of its ids is in the model's vocabulary (else refused)")
   p.add_argument("--json", action="store_true", help="print one JSON document")
   p.set_defaults(func=run_import)
 
@@ -78,17 +83,65 @@ def _human(n: float) -> str:
   return str(n)
 
 
+def _output_dir(args: argparse.Namespace) -> pathlib.Path:
+  """hf.prepare_output_dir, its errors naming --out."""
+  from specjax.checkpoints import hf
+  try:
+    return hf.prepare_output_dir(args.out, args.overwrite)
+  except ValueError as e:
+    raise ValueError(f"--out: {e}" + (" (--overwrite)" if "overwrite" in str(e) else "")) \
+        from None
+  except OSError as e:
+    raise OSError(e.errno, e.strerror or str(e), f"--out {args.out}") from None
+
+
+def _import_tokenizer(args: argparse.Namespace, src: pathlib.Path, hf_config: dict,
+                      vocab_size: int):
+  """(tokenizer, directory whose tokenizer files to copy or None) for import-hf.
+
+  A model directory without tokenizer files gets the byte tokenizer only when its ids all
+  lie in the model's vocabulary; otherwise the vocabulary belongs to a tokenizer we do not
+  have, and attaching the byte one would produce wrong ids later: refused, naming
+  --tokenizer."""
+  from specjax.checkpoints import hf
+  from specjax.data.tokenizer import ByteTokenizer
+  if args.tokenizer == "byte":
+    tokenizer, tok_dir = ByteTokenizer(), None
+  elif args.tokenizer is not None:
+    tok_dir = pathlib.Path(args.tokenizer)
+    if not (tok_dir / "tokenizer.json").is_file():
+      raise ValueError(f"--tokenizer {args.tokenizer}: no tokenizer.json there: give a "
+                       f"directory holding the model's tokenizer files, or 'byte'")
+    tokenizer = hf.load_tokenizer_for(tok_dir, hf_config)
+  else:
+    tok_dir = src
+    tokenizer = hf.load_tokenizer_for(src, hf_config)
+  if isinstance(tokenizer, ByteTokenizer) and tokenizer.vocab_size > vocab_size:
+    where = ("--tokenizer byte" if args.tokenizer == "byte" else
+             f"{src} has no tokenizer files (no Hugging Face tokenizer.json), so the byte "
+             f"tokenizer would be attached")
+    raise ValueError(
+        f"{where}: its {tokenizer.vocab_size} ids do not fit the model's vocabulary of "
+        f"{vocab_size}: pass --tokenizer DIR, a directory with the model's own tokenizer.json")
+  return tokenizer, tok_dir
+
+
 def run_import(args: argparse.Namespace) -> int:
   from specjax.checkpoints import describe, hf, save_model
   src = pathlib.Path(args.src)
-  hf.prepare_output_dir(args.out, args.overwrite)  # fail before reading gigabytes
+  _output_dir(args)  # fail before reading gigabytes
   imported = hf.import_hf(src, dtype=args.dtype)
-  tokenizer = hf.load_tokenizer_for(src, imported.hf_config)
+  tokenizer, tok_dir = _import_tokenizer(args, src, imported.hf_config,
+                                         imported.config.vocab_size)
   metadata = {"family": imported.family, "source_layout": imported.layout,
               "source": src.name, "hf_config": imported.hf_config,
               "tokenizer": tokenizer.to_spec()}
-  out = save_model(args.out, imported.model(), metadata=metadata, tokenizer_dir=src,
-                   overwrite=args.overwrite)
+  try:
+    out = save_model(args.out, imported.model(), metadata=metadata, tokenizer_dir=tok_dir,
+                     overwrite=args.overwrite)
+  except OSError as e:  # disk full, read-only, permissions: nothing was written at --out
+    raise OSError(e.errno, f"{e.strerror or e} (nothing was written)", f"--out {args.out}") \
+        from None
   info = describe(out)
   if args.json:
     print(json.dumps(info, indent=2))
@@ -103,7 +156,7 @@ def run_export(args: argparse.Namespace) -> int:
   from specjax.checkpoints import hf, is_hf_dir, load_checkpoint, load_model
   from specjax.checkpoints.trained import TRAINED_KIND
   max_bytes = parse_size(args.max_shard_size)
-  hf.prepare_output_dir(args.out, args.overwrite)
+  _output_dir(args)
   src = pathlib.Path(args.ckpt)
   if is_hf_dir(src):
     model, tokenizer = load_model(src)

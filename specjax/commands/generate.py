@@ -36,8 +36,34 @@ def add_parser(subparsers) -> None:
                  help="propose the draft's argmax (point masses) instead of sampling from q")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--repeats", type=int, default=3, help="timed calls after the compile call")
+  p.add_argument("--allow-beyond-max-len", action="store_true",
+                 help="let a RoPE model generate past max_len, the length it was trained for "
+                 "(refused by default: quality past it is not guaranteed; learned position "
+                 "embeddings cannot go past it at all)")
   p.add_argument("--json", action="store_true", help="print one JSON document")
   p.set_defaults(func=run)
+
+
+def _config(flag: str, spec: str, vocab_size: int):
+  """parse_config, its errors naming the flag."""
+  from specjax.models.presets import parse_config
+  try:
+    return parse_config(spec, vocab_size=vocab_size)
+  except (ValueError, TypeError) as e:  # bad JSON, unknown preset or field, bad value
+    raise ValueError(f"{flag} {spec!r}: {e}") from None
+  except OSError as e:
+    raise OSError(e.errno, e.strerror, f"{flag} {spec}") from None
+
+
+def _load(flag: str, path: str):
+  """checkpoints.load_model, its errors naming the flag."""
+  from specjax.checkpoints import load_model
+  try:
+    return load_model(path)
+  except ValueError as e:
+    raise ValueError(f"{flag} {path}: {e}") from None
+  except OSError as e:
+    raise OSError(e.errno, e.strerror or str(e), f"{flag} {path}") from None
 
 
 def _models(args):
@@ -45,21 +71,22 @@ def _models(args):
   from flax import nnx
 
   from specjax.data.tokenizer import ByteTokenizer
-  from specjax.models.presets import parse_config
   from specjax.models.transformer import Transformer
 
   pair = None
   if "default" in (args.target, args.draft):
     from specjax.training.defaults import load_default_pair
+    from specjax.training.presets import get_preset
+    preset = get_preset("tiny")  # sizes known before the pair is trained or loaded
+    _check_context(args, [preset.target, preset.draft], 1, known=False)
     pair = load_default_pair("tiny", "code")
   if args.target == "default":
     target, tok = pair.target_module(), pair.tokenizer
   elif args.target is not None:
-    from specjax.checkpoints import load_model
-    target, tok = load_model(args.target)
+    target, tok = _load("--target", args.target)
   else:
     tok = ByteTokenizer()
-    target = Transformer(parse_config(args.target_config, vocab_size=tok.vocab_size),
+    target = Transformer(_config("--target-config", args.target_config, tok.vocab_size),
                          rngs=nnx.Rngs(args.seed))
   draft_spec = args.draft or ("self" if args.draft_config == "self" else None)
   if draft_spec == "self":
@@ -67,12 +94,47 @@ def _models(args):
   elif draft_spec == "default":
     draft = pair.draft_module()
   elif draft_spec is not None:
-    from specjax.checkpoints import load_model
-    draft, _ = load_model(draft_spec)
+    draft, _ = _load("--draft", draft_spec)
   else:
-    draft = Transformer(parse_config(args.draft_config, vocab_size=target.config.vocab_size),
-                        rngs=nnx.Rngs(args.seed + 1))
+    draft = Transformer(_config("--draft-config", args.draft_config,
+                                target.config.vocab_size), rngs=nnx.Rngs(args.seed + 1))
   return target, draft, tok
+
+
+def _check_args(args) -> None:
+  """The flags that need no model, checked before any model is loaded or built."""
+  for flag, value, lo in (("--batch", args.batch, 1), ("--repeats", args.repeats, 1),
+                          ("--max-new-tokens", args.max_new_tokens, 1), ("--k", args.k, 1),
+                          ("--seed", args.seed, 0)):
+    if value < lo:
+      raise ValueError(f"{flag} must be an int >= {lo}, got {value}")
+  for i, text in enumerate(args.prompt or []):
+    try:
+      text.encode("utf-8")
+    except UnicodeEncodeError as e:  # argv bytes that are not UTF-8 arrive as surrogates
+      raise ValueError(f"--prompt #{i + 1} is not valid UTF-8 (character {e.start} of "
+                       f"{len(text)}): pass the prompt as UTF-8 text") from None
+
+
+def _check_context(args, configs, n_prompt_tokens: int, known: bool = True) -> None:
+  """The longest prompt + --max-new-tokens + --k + 1 against the models' max_len, before the
+  chain of --k drafts is built or anything compiles: a clear message naming the flags.
+  known=False: the prompt is not tokenized yet and n_prompt_tokens is a lower bound."""
+  if args.allow_beyond_max_len:
+    configs = [c for c in configs if c.positions == "learned"]
+  if not configs:
+    return
+  max_len = min(c.max_len for c in configs)
+  need = n_prompt_tokens + args.max_new_tokens + args.k + 1
+  if need > max_len:
+    hard = [c.max_len for c in configs if c.positions == "learned"]
+    opt_in = "" if args.allow_beyond_max_len or (hard and min(hard) < need) else (
+        ", or pass --allow-beyond-max-len to let a RoPE model run past the length it was "
+        "trained for")
+    raise ValueError(
+        f"{'the longest prompt (' if known else 'a prompt (at least '}{n_prompt_tokens} "
+        f"tokens) + --max-new-tokens {args.max_new_tokens} + --k {args.k} + 1 = {need} positions exceeds the models' "
+        f"max_len {max_len}: shorten the prompt or lower --max-new-tokens or --k{opt_in}")
 
 
 DEFAULT_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
@@ -85,18 +147,16 @@ def run(args: argparse.Namespace) -> int:
   from specjax import decoding, sampling
   from specjax.drafters.model import ModelDrafter
 
-  if args.batch < 1:
-    raise ValueError(f"--batch must be >= 1, got {args.batch}")
-  if args.repeats < 1:
-    raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+  _check_args(args)
   sampler = sampling.make_sampler(args.temperature, args.top_k, args.top_p)
   target, draft, tok = _models(args)
   target_cfg = target.config
-  drafter = ModelDrafter.of(draft, deterministic=args.deterministic_draft)
   texts = (args.prompt or [DEFAULT_PROMPT]) * args.batch
   prompts = [tok.encode(t, bos=True) for t in texts]
+  _check_context(args, [target.config, draft.config], max(len(p) for p in prompts))
+  drafter = ModelDrafter.of(draft, deterministic=args.deterministic_draft)
   common = dict(max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed,
-                eos_id=tok.eos_id)
+                eos_id=tok.eos_id, allow_beyond_max_len=args.allow_beyond_max_len)
 
   def timed(fn):
     fn()  # compile

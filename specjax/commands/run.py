@@ -11,10 +11,13 @@ def add_parsers(subparsers) -> None:
       "run", help="run an experiment sweep from a gin config (resumes if re-run)",
       description="Runs the sweep a gin config binds (configs/NAME.gin or a path). Results go "
       "to runs/NAME/TIMESTAMP/ (results.jsonl, report.md, plots); re-running the same command "
-      "resumes: finished points are skipped, failed ones retried.")
+      "resumes: finished points are skipped, failed ones retried. One run at a time per directory: "
+      "a second run into a directory in use is refused. A point's numbers depend on its "
+      "parameters and seed only (not on its group, shard or device count).")
   p.add_argument("config", help="a .gin file, or the name of one in configs/")
   p.add_argument("--gin_param", "--gin-param", action="append", default=[], dest="gin_param",
-                 metavar="BINDING", help="extra gin binding, e.g. 'sweeps.Sweep.seed = 3'")
+                 metavar="BINDING",
+                 help="extra gin binding, e.g. 'sweeps.Sweep.seed = 3' (every point's seed)")
   p.add_argument("--out", default=None, help="run directory (default runs/NAME/TIMESTAMP)")
   p.add_argument("--root", default="runs", help="where run directories go (default runs/)")
   p.add_argument("--shard-index", type=int, default=0)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import math
+import os
 import sys
 from typing import Any
 
@@ -136,6 +138,35 @@ def _ints(name: str, text: str) -> list[int]:
   return [int(v) for v in values]
 
 
+def _check_flag(flag: str, value: Any, ok: bool, allowed: str) -> None:
+  """ValueError naming the flag (not the library argument behind it) and what is allowed."""
+  if not ok:
+    raise ValueError(f"{flag} must be {allowed}, got {value!r}")
+
+
+def _finite(x: Any) -> bool:
+  return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _check_alpha(flag: str, a: float) -> None:
+  _check_flag(flag, a, _finite(a) and 0.0 <= a <= 1.0, "a number in [0, 1]")
+
+
+def _check_k(flag: str, k: int, lo: int = 1) -> None:
+  _check_flag(flag, k, k >= lo, f"an integer >= {lo}")
+
+
+def _check_spec(args) -> None:
+  """--alpha, --k, --c of the roofline subcommands, checked before the model is built."""
+  _check_alpha("--alpha", args.alpha)
+  _check_k("--k", args.k)
+  _check_flag("--c", args.c, _finite(args.c) and args.c >= 0, "a finite number >= 0")
+  if getattr(args, "context_len", None) is not None:
+    _check_k("--context-len", args.context_len)
+  if getattr(args, "k_max", None) is not None:
+    _check_k("--k-max", args.k_max, 0)
+
+
 def _hardware(args) -> roofline.Hardware:
   hw = roofline.calibrate() if args.hardware == "calibrate" else roofline.HARDWARE[args.hardware]
   changes = {}
@@ -153,8 +184,25 @@ def _hardware(args) -> roofline.Hardware:
 def _workload(args) -> roofline.Workload:
   if args.model_config:
     from specjax.models.transformer import ModelConfig  # lazy: pulls in JAX
-    with open(args.model_config) as f:
-      config = ModelConfig.from_dict(json.load(f))
+    path = args.model_config
+    try:
+      with open(path) as f:
+        doc = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"--model-config {path}: not valid JSON ({e}): give a ModelConfig as "
+                       f"a JSON object (ModelConfig.to_dict)") from None
+    except UnicodeDecodeError:
+      raise ValueError(f"--model-config {path}: not a text file: give a ModelConfig as a "
+                       f"JSON object (ModelConfig.to_dict)") from None
+    except OSError as e:
+      raise _path_error("--model-config", path, e, "give a readable JSON file") from None
+    if not isinstance(doc, dict):
+      raise ValueError(f"--model-config {path}: expected a JSON object of ModelConfig fields, "
+                       f"got {type(doc).__name__}")
+    try:
+      config = ModelConfig.from_dict(doc)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"--model-config {path}: {e}") from None
     wl = roofline.Workload.from_model_config(config, args.context_len)
   else:
     wl = roofline.Workload.lecture_7b(args.context_len)
@@ -204,6 +252,21 @@ def _print_table(headers: list[str], rows: list[list[Any]], title: str | None = 
     print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
 
 
+def _path_error(flag: str, path: str, e: OSError, todo: str) -> OSError:
+  """`e` again, naming the flag and the path and saying what to do (the CLI prints it as
+  one line: `FLAG PATH: reason; todo`)."""
+  return OSError(e.errno, f"{e.strerror or e}; {todo}", f"{flag} {path}")
+
+
+def _savefig(fig, path: str) -> None:
+  if os.path.isdir(path):  # matplotlib would write PATH.png beside it instead
+    raise IsADirectoryError(errno.EISDIR, "is a directory; give a FILE.png path", f"--plot {path}")
+  try:
+    fig.savefig(path, dpi=120)
+  except OSError as e:
+    raise _path_error("--plot", path, e, "give a writable FILE.png") from None
+
+
 def _pyplot():
   import matplotlib
   matplotlib.use("Agg")
@@ -216,6 +279,11 @@ def _pyplot():
 
 def _table(args) -> int:
   alphas = _floats("--alphas", args.alphas)
+  for a in alphas:
+    _check_alpha("--alphas", a)
+  _check_flag("--c", args.c, _finite(args.c) and args.c >= 0, "a finite number >= 0")
+  _check_k("--k-max", args.k_max)
+  _check_k("--k-search", args.k_search)
   grid = theory.speedup_table(alphas, args.c, args.k_max)
   best = [theory.optimal_k(a, args.c, args.k_search) for a in alphas]
   if args.plot:
@@ -231,7 +299,7 @@ def _table(args) -> int:
            title=f"speedup vs k at c = {args.c:g} (★ best k)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(args.plot, dpi=120)
+    _savefig(fig, args.plot)
     plt.close(fig)
   if args.json:
     return _emit_json({
@@ -252,6 +320,10 @@ def _table(args) -> int:
 
 def _optimal_k(args) -> int:
   alphas = _floats("--alpha", args.alpha)
+  for a in alphas:
+    _check_alpha("--alpha", a)
+  _check_flag("--c", args.c, _finite(args.c) and args.c >= 0, "a finite number >= 0")
+  _check_k("--k-max", args.k_max)
   rows = []
   for a in alphas:
     k, s = theory.optimal_k(a, args.c, args.k_max)
@@ -270,8 +342,11 @@ def _model_doc(hw: roofline.Hardware, wl: roofline.Workload) -> dict:
 
 
 def _roofline(args) -> int:
-  hw, wl = _hardware(args), _workload(args)
+  _check_spec(args)
   batches = _ints("--batches", args.batches)
+  for b in batches:
+    _check_k("--batches", b)
+  hw, wl = _hardware(args), _workload(args)
   a, k, c = args.alpha, args.k, args.c
   policy = roofline.AdaptiveKPolicy(hw, wl, a, c, k_max=args.k_max, draft_cost=args.draft_cost,
                                     max_batch=max(4096, max(batches)))
@@ -338,11 +413,12 @@ def _plot_roofline(path, hw, wl, a, k, c, be, b_max) -> None:
          title=f"{hw.name}, {wl.name}, L = {wl.context_len}: α = {a:g}, k = {k}, c = {c:g}")
   ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  _savefig(fig, path)
   plt.close(fig)
 
 
 def _long_context(args) -> int:
+  _check_spec(args)
   hw, wl = _hardware(args), _workload(args)
   budget = None if args.memory_budget_gb is None else args.memory_budget_gb * 1e9
   lc = roofline.long_context(hw, wl, args.context_len, args.alpha, args.k, args.c, budget)
@@ -360,6 +436,17 @@ def _long_context(args) -> int:
 
 
 def _sample_size(args) -> int:
+  _check_alpha("--alpha", args.alpha)
+  if args.method == "wald" and args.alpha in (0.0, 1.0):
+    raise ValueError(
+        f"--alpha {args.alpha:g} with --method wald: the Wald interval has zero width at "
+        f"α = 0 or 1, so it would answer 0 tokens; give --alpha in (0, 1) (your best guess "
+        f"of α) or use --method wilson, which stays positive there")
+  _check_flag("--half-width", args.half_width,
+              _finite(args.half_width) and 0 < args.half_width <= 0.5, "in (0, 0.5]")
+  _check_flag("--confidence", args.confidence,
+              _finite(args.confidence) and 0 < args.confidence < 1, "in (0, 1)")
+  _check_flag("--rho", args.rho, _finite(args.rho) and -1 < args.rho < 1, "in (-1, 1)")
   n = theory.alpha_sample_size(args.alpha, args.half_width, args.confidence, rho=args.rho,
                                method=args.method)
   n_iid = theory.alpha_sample_size(args.alpha, args.half_width, args.confidence,
@@ -377,6 +464,7 @@ def _sample_size(args) -> int:
 
 
 def _draft_kv(args) -> int:
+  _check_spec(args)
   hw, wl = _hardware(args), _workload(args)
   f = args.draft_fraction
   if not (math.isfinite(f) and f >= 0):
@@ -402,8 +490,15 @@ def _draft_kv(args) -> int:
 
 
 def _burstiness(args) -> int:
+  _check_alpha("--alpha", args.alpha)
+  _check_k("--k", args.k)
+  _check_k("--cycles", args.cycles)
+  _check_k("--seed", args.seed, 0)
+  rhos = _floats("--rhos", args.rhos)
+  for rho in rhos:
+    _check_flag("--rhos", rho, _finite(rho) and 0 <= rho < 1, "numbers in [0, 1)")
   rows = []
-  for rho in _floats("--rhos", args.rhos):
+  for rho in rhos:
     sim = theory.simulate_chain(args.alpha, args.k, cycles=args.cycles, seed=args.seed, rho=rho)
     rows.append({"rho": rho, "tau_exact": theory.bursty_expected_tokens(args.alpha, args.k, rho),
                  "tau_mc": sim.tau, "tau_mc_se": sim.tau_se, "alpha_measured": sim.alpha_hat,

@@ -127,6 +127,16 @@ def _make_tokenizer(spec: str, out: pathlib.Path, corpus_spec: str, max_bytes):
   return load_tokenizer(spec)
 
 
+def _out_dir(path: str) -> pathlib.Path:
+  """--out: a directory to create or resume, never an existing file (checked before any
+  work)."""
+  out = pathlib.Path(path)
+  if out.exists() and not out.is_dir():
+    raise ValueError(f"--out {path} exists and is not a directory: give a checkpoint "
+                     f"directory (created, or resumed if it exists)")
+  return out
+
+
 def _finish(result) -> int:
   print(result.summary())
   return 0
@@ -145,7 +155,7 @@ def run_target(args) -> int:
   from specjax.training.presets import get_preset
   from specjax.training.trainer import Trainer
   preset = get_preset(args.preset)
-  out = pathlib.Path(args.out)
+  out = _out_dir(args.out)
   tokenizer = _make_tokenizer(args.tokenizer, out, args.corpus, args.max_bytes)
   config = preset.target.replace(vocab_size=tokenizer.vocab_size)
   tc = _train_config(preset.target_train, args, "lm")
@@ -162,7 +172,7 @@ def run_draft(args) -> int:
   from specjax.training.presets import get_preset
   from specjax.training.trainer import Teacher, Trainer
   preset = get_preset(args.preset)
-  out = pathlib.Path(args.out)
+  out = _out_dir(args.out)
   teacher = None
   if args.teacher is not None:
     from specjax.checkpoints.trained import load_trained

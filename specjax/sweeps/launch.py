@@ -115,7 +115,8 @@ def load_sweep(config: str, bindings: Sequence[str] = ()) -> tuple[Sweep, str]:
 
 def plan(sweep: Sweep, shard_index: int = 0, num_shards: int = 1) -> list[runner.Point]:
   """The points this process runs, validated (types, ranges, memory) before any work."""
-  points = runner.shard(runner.expand(sweep.axes, sweep.fixed), shard_index, num_shards)
+  points = runner.shard(runner.expand(sweep.axes, sweep.fixed_params()), shard_index,
+                        num_shards)
   for p in points:
     if sweep.validate_fn is not None:
       try:
@@ -139,22 +140,23 @@ def run(config: str, bindings: Sequence[str] = (), out: str | None = None,
   sweep, config_text = load_sweep(config, bindings)
   points = plan(sweep, shard_index, num_shards)
   fp = runner.fingerprint(config_text, shard_index, num_shards)
-  run_dir, resumed = runner.resolve_run_dir(root, sweep.name, fp, out)
-  run_dir.mkdir(parents=True, exist_ok=True)
-  if not resumed:
-    (run_dir / "config.gin").write_text(config_text)
+
+  def init(run_dir: pathlib.Path) -> None:
+    runner.atomic_write_text(run_dir / "config.gin", config_text)
     runner.atomic_write_text(run_dir / "config.json", json.dumps({
         "name": sweep.name, "fingerprint": fp, "shard_index": shard_index,
         "num_shards": num_shards, "axes": dict(sweep.axes), "fixed": dict(sweep.fixed),
         "vectorized": list(sweep.vectorized), "points": len(points)}, indent=2, default=repr))
-  runner.atomic_write_text(run_dir / "environment.json",
-                           json.dumps(runner.environment(sweep.seed), indent=2, default=repr))
-  print(f"specjax run: {sweep.name}: {len(points)} points -> {run_dir}"
-        f"{' (resuming)' if resumed else ''}", file=sys.stderr)
-  skipped, ok, failed = runner.run_points(
-      points, run_dir, lambda group: sweep.run_group([p.params for p in group]),
-      group_key=lambda p: sweep.group_key(p.params), progress=progress)
-  write_report(sweep, run_dir)
+
+  with runner.open_run_dir(root, sweep.name, fp, out, init=init) as (run_dir, resumed):
+    runner.atomic_write_text(run_dir / "environment.json",
+                             json.dumps(runner.environment(sweep.seed), indent=2, default=repr))
+    print(f"specjax run: {sweep.name}: {len(points)} points -> {run_dir}"
+          f"{' (resuming)' if resumed else ''}", file=sys.stderr)
+    skipped, ok, failed = runner.run_points(
+        points, run_dir, lambda group: sweep.run_group([p.params for p in group]),
+        group_key=lambda p: sweep.group_key(p.params), progress=progress)
+    write_report(sweep, run_dir)
   return runner.RunSummary(run_dir=run_dir, resumed=resumed, total=len(points),
                            skipped=skipped, ok=ok, failed=failed,
                            table=summary_table(sweep, run_dir))

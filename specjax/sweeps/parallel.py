@@ -48,3 +48,10 @@ def device_map(fn, *stacked, shared: tuple = (), n_devices: int | None = None):
         lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)], axis=0), stacked)
   out = _mapped(fn, n, len(shared), len(stacked))(*shared, *stacked)
   return jax.tree.map(lambda x: x[:rows], out)
+
+
+def point_keys(seeds) -> jax.Array:
+  """One PRNG key per row, `jax.random.key(seed_i)`: row i's key depends on its own seed only
+  (use `runner.point_seed` of the point's parameters), never on the row's position or the
+  group's size, so a point draws the same numbers alone or in any group."""
+  return jnp.stack([jax.random.key(int(s)) for s in seeds])

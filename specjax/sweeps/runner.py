@@ -11,21 +11,30 @@ Run directory `runs/NAME/TIMESTAMP/`:
   so a killed run loses at most the point in flight. A torn last line is ignored on read and
   fenced off with a newline before the next append. Later lines win: a point recorded as
   failed is retried on the next run and its new line supersedes the old one;
-- `report.md` and PNG plots, rebuilt from results.jsonl after every run.
+- `report.md` and PNG plots, rebuilt from results.jsonl after every run;
+- `.lock`: one writer per directory (`RunLock`); a second run into it is refused.
 Re-running the same command finds the directory whose fingerprint (operative config + shard)
 matches and resumes there; a different config never writes into an existing directory.
+Records are standard JSON (non-finite floats become null, listed under "non_finite"); a full
+disk rolls back the partial line and ends the run with a one-line `RunDirError`. A point's
+randomness comes from its own parameters (`point_seed`), never from its place in a group.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
+import errno
+import fcntl
 import hashlib
 import itertools
 import json
+import math
 import os
 import pathlib
 import platform
+import re
 import sys
 import time
 import traceback
@@ -40,6 +49,28 @@ RESULTS = "results.jsonl"
 def point_id(params: Mapping[str, Any]) -> str:
   blob = json.dumps(params, sort_keys=True, default=repr)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def point_seed(params: Mapping[str, Any], stream: str = "") -> int:
+  """A point's own random seed in [0, 2**31): a hash of its parameters (its `seed` included)
+  and a stream name, so one point can draw several independent streams ("key", "mc", ...).
+
+  This is what makes a result a function of its point only: the same seed whether the point
+  runs alone, in a vectorised group (any size, any order), resumed, sharded, or on 1 or N
+  devices. Pass the point's COMPLETE parameters (defaults filled in, `with_defaults`), so a
+  point called directly and the same point built by the runner hash alike.
+  """
+  blob = json.dumps(dict(params), sort_keys=True, default=repr) + "\x00" + stream
+  return int.from_bytes(hashlib.sha256(blob.encode()).digest()[:4], "big") & 0x7FFFFFFF
+
+
+def with_defaults(fn: Callable, params: Mapping[str, Any]) -> dict:
+  """`params` completed with the defaults of `fn`'s keyword parameters."""
+  import inspect
+  full = {n: p.default for n, p in inspect.signature(fn).parameters.items()
+          if p.default is not p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+  full.update(params)
+  return full
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,14 +131,65 @@ def read_results(path: str | os.PathLike) -> dict[str, dict]:
       except json.JSONDecodeError:
         continue
       if isinstance(record, dict) and "id" in record:
-        latest[record["id"]] = record
+        latest[record["id"]] = _restore_non_finite(record)
   return latest
 
 
+def _restore_non_finite(record: dict) -> dict:
+  """Puts the floats listed under "non_finite" (written as null) back in place, so readers of
+  a record see the NaN/±inf the point returned."""
+  notes = record.get("non_finite")
+  if not isinstance(notes, dict):
+    return record
+  for where, value in notes.items():
+    steps = [int(s[:-1]) if s.endswith("]") else s
+             for s in re.split(r"\.|\[", str(where)) if s]
+    try:
+      parent = record
+      for step in steps[:-1]:
+        parent = parent[step]
+      if parent[steps[-1]] is None:
+        parent[steps[-1]] = float(value)
+    except (KeyError, IndexError, TypeError, ValueError):
+      continue  # a note that does not fit the record: leave the null
+  return record
+
+
+class RunDirError(OSError, ValueError):
+  """An expected failure of a run directory (full disk, unwritable path, another writer):
+  its message is one complete line naming the path and what to do. Both an OSError and a
+  ValueError, so the CLI reports it as a one-line error (exit 2), never a traceback."""
+
+  def __init__(self, message: str, errno_: int | None = None):
+    super().__init__(message)
+    self.errno = errno_
+
+
+def _write_failed(path, e: OSError, what: str) -> RunDirError:
+  if e.errno == errno.ENOSPC:
+    return RunDirError(f"no space left on device writing {str(path)!r} ({what}); the results "
+                       f"recorded so far are intact: free space and re-run the same command "
+                       f"to resume", errno.ENOSPC)
+  return RunDirError(f"cannot write {str(path)!r} ({what}): {e.strerror or e}", e.errno)
+
+
 def append_result(path: str | os.PathLike, record: dict) -> None:
-  """Appends one JSON line with a single write and fsync (atomic for our purposes)."""
-  line = json.dumps(record, sort_keys=True, default=_json_default) + "\n"
-  fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+  """Appends one standard-JSON line with a single write and fsync (atomic for our purposes).
+
+  Non-finite floats (NaN, ±Infinity: not JSON) become null and are listed under
+  `"non_finite"` as {"metrics.name": "inf"}. A failed write (ENOSPC, EIO) is rolled back to
+  the previous size, so the file never keeps a partial line, and raised as `RunDirError`.
+  """
+  notes: dict[str, str] = {}
+  clean = _finite(record, "", notes)
+  if notes:
+    clean["non_finite"] = {**clean.get("non_finite", {}), **notes}
+  line = json.dumps(clean, sort_keys=True, allow_nan=False) + "\n"
+  try:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+  except OSError as e:
+    raise _write_failed(path, e, "results") from None
+  size = None
   try:
     size = os.fstat(fd).st_size
     if size:
@@ -115,29 +197,60 @@ def append_result(path: str | os.PathLike, record: dict) -> None:
         f.seek(size - 1)
         if f.read(1) != b"\n":
           line = "\n" + line
-    os.write(fd, line.encode("utf-8"))
+    data = line.encode("utf-8")
+    written = 0
+    while written < len(data):
+      written += _os_write(fd, data[written:])
     os.fsync(fd)
+  except OSError as e:
+    if size is not None:
+      try:  # roll back a partial line; if even that fails the reader skips it as torn
+        os.ftruncate(fd, size)
+      except OSError:
+        pass
+    raise _write_failed(path, e, "results") from None
   finally:
     os.close(fd)
 
 
-def _json_default(x):
+_os_write = os.write  # the one write of a result line (tests replace it to simulate ENOSPC)
+
+
+def _finite(x, where: str, notes: dict):
+  """A copy of `x` that is plain JSON: numpy scalars/arrays as Python values, non-finite
+  floats as None (noted in `notes` under their dotted path)."""
   try:
     import numpy as np
-    if isinstance(x, np.generic):
-      return x.item()
     if isinstance(x, np.ndarray):
-      return x.tolist()
+      x = x.tolist()
+    elif isinstance(x, np.generic):
+      x = x.item()
   except ImportError:  # pragma: no cover
     pass
+  if isinstance(x, float) and not math.isfinite(x):
+    notes[where] = repr(x)
+    return None
+  if isinstance(x, dict):
+    return {str(k): _finite(v, f"{where}.{k}" if where else str(k), notes) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_finite(v, f"{where}[{i}]", notes) for i, v in enumerate(x)]
+  if x is None or isinstance(x, (bool, int, float, str)):
+    return x
   return repr(x)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+  """Writes `text` to a temporary file and renames it over `path`: readers see the old or
+  the new file, never half of one; a failed write (ENOSPC) leaves the old file and raises
+  `RunDirError`."""
   path = pathlib.Path(path)
   tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-  tmp.write_text(text, encoding="utf-8")
-  os.replace(tmp, path)
+  try:
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+  except OSError as e:
+    tmp.unlink(missing_ok=True)
+    raise _write_failed(path, e, path.name) from None
 
 
 # ----------------------------------------------------------------------------- run directory
@@ -170,12 +283,40 @@ def fingerprint(config_text: str, shard_index: int, num_shards: int) -> str:
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _check_writable(path: pathlib.Path) -> None:
+LOCK = ".lock"
+
+
+def _check_writable(path: pathlib.Path, what: str = "output directory") -> None:
+  """`path` (a directory to be) is not a file and lies under a writable directory."""
+  if path.exists() and not path.is_dir():
+    raise RunDirError(f"{what} {str(path)!r} is a file, not a directory; choose a directory "
+                      f"path: nothing was written", errno.ENOTDIR)
   probe = path
   while not probe.exists():
     probe = probe.parent
+  if not probe.is_dir():
+    raise RunDirError(f"{what} {str(path)!r}: {str(probe)!r} is a file, not a directory; "
+                      f"choose a directory path: nothing was written", errno.ENOTDIR)
   if not os.access(probe, os.W_OK):
-    raise ValueError(f"output directory {str(path)!r} is not writable")
+    raise RunDirError(f"{what} {str(path)!r} is not writable", errno.EACCES)
+
+
+def _claim(out: pathlib.Path, fp: str) -> bool:
+  """Whether `out` holds this run (resume) or nothing yet; refuses anything else."""
+  cfg = out / "config.json"
+  if cfg.exists():
+    try:
+      old = json.loads(cfg.read_text()).get("fingerprint")
+    except (json.JSONDecodeError, AttributeError):
+      old = "unreadable"
+    if old != fp:
+      raise ValueError(f"--out {str(out)!r} holds a different run (fingerprint {old}, this "
+                       f"config {fp}); choose another directory: nothing was written")
+    return True
+  if out.exists() and any(p.name != LOCK for p in out.iterdir()):
+    raise ValueError(f"--out {str(out)!r} exists and is not a specjax run directory; "
+                     f"choose another directory: nothing was written")
+  return False
 
 
 def resolve_run_dir(root: str | os.PathLike, name: str, fp: str,
@@ -184,18 +325,8 @@ def resolve_run_dir(root: str | os.PathLike, name: str, fp: str,
   the newest directory there with the same fingerprint."""
   if out is not None:
     out = pathlib.Path(out)
-    _check_writable(out)
-    cfg = out / "config.json"
-    if cfg.exists():
-      old = json.loads(cfg.read_text()).get("fingerprint")
-      if old != fp:
-        raise ValueError(f"--out {str(out)!r} holds a different run (fingerprint {old}, this "
-                         f"config {fp}); choose another directory: nothing was written")
-      return out, True
-    if out.exists() and any(out.iterdir()):
-      raise ValueError(f"--out {str(out)!r} exists and is not a specjax run directory; "
-                       f"choose another directory: nothing was written")
-    return out, False
+    _check_writable(out, "--out")
+    return out, _claim(out, fp)
   base = pathlib.Path(root) / name
   _check_writable(base)
   if base.exists():
@@ -214,6 +345,101 @@ def resolve_run_dir(root: str | os.PathLike, name: str, fp: str,
     d = base / f"{stamp}-{n}"
     n += 1
   return d, False
+
+
+class RunLock:
+  """One writer per run directory: an exclusive `fcntl.flock` on DIR/.lock, held for the
+  whole run and released by the kernel when the process ends (even by kill -9), so a stale
+  lock file never blocks. A second run into a locked directory is refused at once
+  (`RunDirError` naming the directory and the holder's pid); nothing is computed twice."""
+
+  def __init__(self, run_dir: str | os.PathLike, wait: bool = False):
+    self.path = pathlib.Path(run_dir) / LOCK
+    self.wait = wait
+    self.fd: int | None = None
+
+  def acquire(self) -> "RunLock":
+    try:
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+      raise _write_failed(self.path, e, "lock") from None
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+      holder = os.pread(fd, 64, 0).decode("utf-8", "replace").strip() or "unknown"
+      os.close(fd)
+      raise RunDirError(f"run directory {str(self.path.parent)!r} is in use by another specjax "
+                        f"run (pid {holder}); wait for it to finish (then re-run to resume) or "
+                        f"choose another --out", errno.EBUSY) from None
+    try:  # best effort: the pid is only for the message above
+      os.ftruncate(fd, 0)
+      os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+      pass
+    self.fd = fd
+    return self
+
+  def release(self) -> None:
+    if self.fd is not None:
+      os.close(self.fd)  # closing the descriptor drops the flock
+      self.fd = None
+
+  def __enter__(self) -> "RunLock":
+    return self.acquire()
+
+  def __exit__(self, *exc) -> None:
+    self.release()
+
+
+@contextlib.contextmanager
+def open_run_dir(root: str | os.PathLike, name: str, fp: str,
+                 out: str | os.PathLike | None = None,
+                 init: Callable[[pathlib.Path], None] | None = None):
+  """Finds or creates the run directory and holds its lock: yields (directory, resuming).
+
+  `init(dir)` writes a new directory's config (under the lock, before any point runs). Without
+  `out`, finding or creating the directory happens under a lock on root/NAME/.lock, so two
+  runs of one config started together share one directory (and the second is refused)
+  instead of each doing all the work in its own.
+  """
+  def claim_and_init(run_dir: pathlib.Path) -> bool:
+    resumed = _claim(run_dir, fp)  # under the lock: the truth, whoever wrote before
+    if not resumed and init is not None:
+      init(run_dir)
+    return resumed
+
+  if out is not None:
+    run_dir, _ = resolve_run_dir(root, name, fp, out)  # refuses before anything is written
+    try:
+      run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+      raise _write_failed(run_dir, e, "--out") from None
+    lock = RunLock(run_dir).acquire()
+    try:
+      resumed = claim_and_init(run_dir)
+    except BaseException:
+      lock.release()
+      raise
+  else:
+    base = pathlib.Path(root) / name
+    _check_writable(base)
+    try:
+      base.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+      raise _write_failed(base, e, "run root") from None
+    with RunLock(base, wait=True):  # held for milliseconds: find or create, then write config
+      run_dir, _ = resolve_run_dir(root, name, fp)
+      run_dir.mkdir(parents=True, exist_ok=True)
+      lock = RunLock(run_dir).acquire()
+      try:
+        resumed = claim_and_init(run_dir)
+      except BaseException:
+        lock.release()
+        raise
+  try:
+    yield run_dir, resumed
+  finally:
+    lock.release()
 
 
 # ----------------------------------------------------------------------------- running
@@ -254,37 +480,40 @@ def run_points(points: list[Point], run_dir: pathlib.Path,
     groups.setdefault(group_key(p), []).append(p)
   ok = failed = 0
   bar = _progress(len(points), len(points) - len(todo), progress)
-  for group in groups.values():
-    start = time.perf_counter()
-    try:
-      outcomes = run_group(group)
-      if len(outcomes) != len(group):
-        raise RuntimeError(f"run_group returned {len(outcomes)} results for {len(group)} points")
-      per_point = (time.perf_counter() - start) / len(group)
-      results = [(p, {"status": "ok", "metrics": m, "seconds": per_point})
-                 for p, m in zip(group, outcomes)]
-    except Exception:  # noqa: BLE001 - fall back to one point at a time
-      results = []
-      for p in group:
-        t0 = time.perf_counter()
-        try:
-          m = run_group([p])[0]
-          results.append((p, {"status": "ok", "metrics": m,
-                              "seconds": time.perf_counter() - t0}))
-        except Exception as e:  # noqa: BLE001 - record and continue
-          results.append((p, {"status": "error", "error": f"{type(e).__name__}: {e}",
-                              "traceback": traceback.format_exc(limit=8),
-                              "seconds": time.perf_counter() - t0}))
-    for p, outcome in results:
-      record = {"id": p.id, "index": p.index, "params": p.params, **outcome,
-                "finished": _dt.datetime.now().isoformat(timespec="seconds")}
-      append_result(path, record)
-      ok += outcome["status"] == "ok"
-      failed += outcome["status"] != "ok"
-      if on_point_done is not None:
-        on_point_done(p, record)
-      bar.update(1)
-  bar.close()
+  try:
+    for group in groups.values():
+      start = time.perf_counter()
+      try:
+        outcomes = run_group(group)
+        if len(outcomes) != len(group):
+          raise RuntimeError(f"run_group returned {len(outcomes)} results for "
+                             f"{len(group)} points")
+        per_point = (time.perf_counter() - start) / len(group)
+        results = [(p, {"status": "ok", "metrics": m, "seconds": per_point})
+                   for p, m in zip(group, outcomes)]
+      except Exception:  # noqa: BLE001 - fall back to one point at a time
+        results = []
+        for p in group:
+          t0 = time.perf_counter()
+          try:
+            m = run_group([p])[0]
+            results.append((p, {"status": "ok", "metrics": m,
+                                "seconds": time.perf_counter() - t0}))
+          except Exception as e:  # noqa: BLE001 - record and continue
+            results.append((p, {"status": "error", "error": f"{type(e).__name__}: {e}",
+                                "traceback": traceback.format_exc(limit=8),
+                                "seconds": time.perf_counter() - t0}))
+      for p, outcome in results:
+        record = {"id": p.id, "index": p.index, "params": p.params, **outcome,
+                  "finished": _dt.datetime.now().isoformat(timespec="seconds")}
+        append_result(path, record)
+        ok += outcome["status"] == "ok"
+        failed += outcome["status"] != "ok"
+        if on_point_done is not None:
+          on_point_done(p, record)
+        bar.update(1)
+  finally:
+    bar.close()
   return len(points) - len(todo), ok, failed
 
 
@@ -306,6 +535,8 @@ def merge(run_dirs: Sequence[str | os.PathLike], out: str | os.PathLike) -> path
   dirs = [pathlib.Path(d) for d in run_dirs]
   configs = []
   for d in dirs:
+    if not d.is_dir():
+      raise ValueError(f"{str(d)!r} is not a directory: merge takes run directories")
     if not (d / "config.json").exists():
       raise ValueError(f"{str(d)!r} is not a specjax run directory (no config.json)")
     configs.append(json.loads((d / "config.json").read_text()))
@@ -313,6 +544,7 @@ def merge(run_dirs: Sequence[str | os.PathLike], out: str | os.PathLike) -> path
   if len(texts) != 1:
     raise ValueError("cannot merge runs of different configs (their config.gin differ)")
   out = pathlib.Path(out)
+  _check_writable(out, "merge --out")
   if out.exists() and any(out.iterdir()):
     raise ValueError(f"merge output {str(out)!r} exists and is not empty: nothing was written")
   records: dict[str, dict] = {}
@@ -320,8 +552,11 @@ def merge(run_dirs: Sequence[str | os.PathLike], out: str | os.PathLike) -> path
     for pid, r in read_results(d / RESULTS).items():
       if pid not in records or r.get("finished", "") >= records[pid].get("finished", ""):
         records[pid] = r
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "config.gin").write_text(texts.pop())
+  try:
+    out.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise _write_failed(out, e, "merge --out") from None
+  atomic_write_text(out / "config.gin", texts.pop())
   merged_cfg = {**configs[0], "merged_from": [str(d) for d in dirs],
                 "shard_index": None, "num_shards": None}
   atomic_write_text(out / "config.json", json.dumps(merged_cfg, indent=2))

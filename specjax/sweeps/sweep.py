@@ -17,6 +17,14 @@ Every key of `axes` and `fixed` must be a parameter of `point_fn`; `validate_fn`
 and ranges and `memory_fn` estimates bytes per point, both before any work starts.
 `vectorized` names runtime-valued axes: points that differ only there share static shapes
 and run as one group through `group_fn` (vectorised, spread over the local devices).
+
+Randomness: a point's result must be a function of its parameters only, never of its place
+in a group, shard or run. Point and group functions derive each point's keys from its own
+complete parameters (`runner.point_seed(runner.with_defaults(point_fn, params))`), so
+a point gives the same numbers alone, in a group, resumed, sharded, on 1 or N devices.
+`seed` (the sweep seed), when set, becomes every point's `seed` parameter (for point
+functions that take one and whose `seed` is not already an axis or fixed); it is recorded in
+environment.json either way.
 """
 
 from __future__ import annotations
@@ -39,16 +47,18 @@ class Sweep:
   memory_fn: Callable[[dict], int] | None = None
   report_fn: Callable[..., str] | None = None
   summary_columns: Sequence[str] = ()  # metrics `specjax run` prints when the sweep ends
-  seed: int = 0
+  seed: int | None = None
 
   def parameters(self) -> list[str]:
     return [n for n, p in inspect.signature(self.point_fn).parameters.items()
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
   def check(self) -> None:
-    """Names and shape of the sweep: unknown or missing parameters, bad vectorized axes."""
+    """Names and shape of the sweep: field types, unknown or missing parameters, bad
+    vectorized axes."""
     if not isinstance(self.name, str) or not self.name.isidentifier():
       raise ValueError(f"Sweep.name must be an identifier-like string, got {self.name!r}")
+    self._check_types()
     allowed = self.parameters()
     for where, names in (("axes", self.axes), ("fixed", self.fixed)):
       for name in names:
@@ -69,6 +79,50 @@ class Sweep:
                          f"(axes: {list(self.axes)})")
     if self.vectorized and self.group_fn is None:
       raise ValueError("Sweep.vectorized needs a group_fn to run the grouped points")
+    if self.seed is not None and "seed" in allowed and ("seed" in self.axes
+                                                        or "seed" in self.fixed):
+      raise ValueError(f"Sweep.seed = {self.seed!r} and a 'seed' in Sweep.axes or Sweep.fixed "
+                       f"both set the points' seed: keep one")
+
+  def _check_types(self) -> None:
+    """Every field has the type the runner needs (a config binding can put anything there)."""
+    def bad(field: str, value, allowed: str):
+      return ValueError(f"Sweep.{field} must be {allowed}, got {value!r} "
+                        f"({type(value).__name__})")
+    if not callable(self.point_fn):
+      raise bad("point_fn", self.point_fn, "a function (e.g. @module.point)")
+    for field in ("group_fn", "validate_fn", "memory_fn", "report_fn"):
+      value = getattr(self, field)
+      if value is not None and not callable(value):
+        raise bad(field, value, "a function or None")
+    if not isinstance(self.axes, Mapping):
+      raise bad("axes", self.axes, 'a dict of parameter name -> list of values, e.g. '
+                '{"x": [1, 2, 3]}')
+    for name, values in self.axes.items():
+      if not isinstance(name, str):
+        raise bad("axes", self.axes, "a dict keyed by parameter names (strings)")
+      if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Sequence):
+        raise ValueError(f"Sweep.axes[{name!r}] must be a non-empty list of values, got "
+                         f"{values!r} ({type(values).__name__})")
+      if len(values) == 0:
+        raise ValueError(f"Sweep.axes[{name!r}] is empty: give at least one value")
+    if not isinstance(self.fixed, Mapping) or not all(isinstance(k, str) for k in self.fixed):
+      raise bad("fixed", self.fixed, 'a dict of parameter name -> value, e.g. {"samples": 1000}')
+    for field in ("vectorized", "summary_columns"):
+      value = getattr(self, field)
+      if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not all(
+          isinstance(v, str) for v in value):
+        raise bad(field, value, "a list of names (strings)")
+    if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                  or not 0 <= self.seed < 2**31):
+      raise bad("seed", self.seed, "None or an int in [0, 2**31)")
+
+  def fixed_params(self) -> dict:
+    """`fixed`, plus `seed = Sweep.seed` when set and the point function takes a seed."""
+    fixed = dict(self.fixed)
+    if self.seed is not None and "seed" in self.parameters() and "seed" not in self.axes:
+      fixed.setdefault("seed", self.seed)
+    return fixed
 
   def group_key(self, params: dict) -> tuple:
     return tuple(sorted((k, repr(v)) for k, v in params.items() if k not in self.vectorized))
