@@ -13,16 +13,19 @@ report; everything it measures goes through here:
   length (attention reads every slot, so a different length is a different cost);
 - timing: `alternate(fns, repeats)`, the one alternating-timing loop (drift and other load
   hit every callable alike); `forward_seconds`, one jitted forward of T tokens per row at a
-  fixed context; `step_costs`, the costs every prediction is built from (t_1, v, c);
+  fixed context; `step_costs`, the standalone costs (t_1, v, c) a prediction is built from
+  when no calibrated loop costs are given;
 - `compare(...) -> Comparison`: plain vs speculative decoding measured side by side, their
-  speedup, and the speedup predicted from the measured costs:
+  speedup, and the speedup predicted from the costs. With `loop_costs` (a
+  `specjax.calibration.LoopCosts`: the compiled loop's own step and cycle times, see
+  docs/cost_model.md, "Calibrated loop costs") the prediction is
 
-      predicted = τ / (D·c + v),   efficiency = measured ÷ predicted speedup,
+      predicted = τ / cycle_steps(tree),   efficiency = measured ÷ predicted speedup;
 
-  with τ the tokens per cycle the experiment predicts (E[τ](α, k) for a chain, the measured
-  τ for a tree), D the draft passes per cycle, c the draft's cost per pass and v the
-  verification cost, both in one-token target steps (see docs/cost_model.md, "c as
-  measured");
+  without, it is built from standalone forward timings, τ / (D·c + v), with D the draft
+  passes per cycle, c the draft's cost per pass and v the verification cost, both in
+  one-token target steps (see docs/cost_model.md, "c as measured"); τ is the tokens per
+  cycle the experiment predicts (E[τ](α, k) for a chain, the measured τ for a tree);
 - `hardware()`: this machine's roofline, calibrated once per process;
 - `check_int` / `check_number` / `check_choice`: the parameter checks of every `validate`.
 """
@@ -40,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import decoding, roofline, sampling, trees
+from specjax import calibration, decoding, roofline, sampling, trees
 from specjax.drafters.base import LM
 from specjax.drafters.model import ModelDrafter
 from specjax.models import cache as kv
@@ -103,7 +106,7 @@ def models(which: str):
   if which == "default":
     from specjax.data.corpus import load_corpus
     from specjax.training.defaults import load_default_pair
-    pair = load_default_pair("tiny", "code")
+    pair = load_default_pair()  # the embedded pair (training.presets.DEFAULT_PRESET)
     texts = [d.text for d in load_corpus("code").validation[:64]]  # held out from training
     return pair.target_module(), pair.draft_module(), pair.tokenizer, texts
   from flax import nnx
@@ -136,8 +139,8 @@ def draft_model(name: str, which: str):
 def model_configs(which: str):
   """(target, draft) ModelConfigs of `models(which)`, without loading anything."""
   if which == "default":
-    from specjax.training.presets import PRESETS
-    return PRESETS["tiny"].target, PRESETS["tiny"].draft
+    from specjax.training.presets import DEFAULT_PRESET, PRESETS
+    return PRESETS[DEFAULT_PRESET].target, PRESETS[DEFAULT_PRESET].draft
   from specjax.models.presets import PRESETS
   cfg = PRESETS["tiny-llama"]
   return cfg, cfg.replace(n_layers=1)
@@ -211,15 +214,9 @@ class Timing:
 
 
 def alternate(fns: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, Timing]:
-  """{name: Timing} of each callable: one warm-up call each (compilation excluded), then
-  every callable in turn, `repeats` times, so drift hits all of them alike."""
-  last = {name: jax.block_until_ready(fn()) for name, fn in fns.items()}
-  times: dict[str, list[float]] = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      last[name] = jax.block_until_ready(fn())
-      times[name].append(time.perf_counter() - start)
+  """{name: Timing} of each callable, alternated (`specjax.calibration.alternate`: one
+  warm-up call each, then every callable in turn, `repeats` times)."""
+  times, last = calibration.alternate(fns, repeats)
   return {name: Timing(tuple(times[name]), last[name]) for name in fns}
 
 
@@ -328,19 +325,21 @@ class Comparison:
   per call (the median of the alternated calls, or the fastest); with `decode_only`, also
   the seconds of the same calls with max_new_tokens = 1 (the prefill alone), and rates are
   of the decode phase (the difference), NaN when the difference is lost in the noise.
-  costs: the standalone step costs at the mean decoding context, same cache length.
+  costs: the standalone step costs at the mean decoding context, same cache length (None
+  when `loop_costs`, the calibrated loop costs, make the prediction instead).
   """
 
   plain: Any
   spec: Any
   plain_s: float
   spec_s: float
-  costs: StepCosts
+  costs: StepCosts | None
   tree: Any
   cache_len: int
   context: int
   plain_prefill_s: float | None = None
   spec_prefill_s: float | None = None
+  loop_costs: Any = None  # specjax.calibration.LoopCosts
 
   @staticmethod
   def _rate(run, seconds: float, prefill_s: float | None) -> float:
@@ -368,7 +367,10 @@ class Comparison:
     return self.plain.tokens == self.spec.tokens
 
   def predicted(self, tau: float) -> float:
-    """Predicted speedup at τ tokens per cycle: τ / (D·c + v)."""
+    """Predicted speedup at τ tokens per cycle: τ / cycle_steps(tree) with the calibrated
+    loop costs, else τ / (D·c + v) from the standalone step costs."""
+    if self.loop_costs is not None:
+      return self.loop_costs.predicted_speedup(self.tree, tau)
     return tau / self.costs.cycle
 
   def efficiency(self, predicted: float) -> float:
@@ -380,7 +382,7 @@ def compare(target, draft, prompt_ids: Sequence[Sequence[int]], *, tree, max_new
             repeats: int, temperature: float = 0.0, seed: int = 0,
             deterministic: bool = False, cache_len: int | None = None,
             forward_repeats: int | None = None, statistic: str = "median",
-            decode_only: bool = False) -> Comparison:
+            decode_only: bool = False, loop_costs=None) -> Comparison:
   """Plain `decoding.generate` and `decoding.speculative_generate` of `tree` (a chain is
   `trees.chain(k)`) with the draft model `draft`, on the same prompts, alternated `repeats`
   times (`alternate`); then the step costs at the mean decoding context (the longest prompt
@@ -391,6 +393,8 @@ def compare(target, draft, prompt_ids: Sequence[Sequence[int]], *, tree, max_new
   proposes distinct top-k candidates (the point-mass rule) instead of sampling.
   statistic: "median" or "fastest" call. decode_only: also time both with max_new_tokens =
   1 and rate the decode phase only (long contexts, where the prefill dominates a call).
+  loop_costs: a `specjax.calibration.LoopCosts` of these models at this batch: the
+  prediction uses it (`Comparison.predicted`) and the standalone forwards are not timed.
   """
   if statistic not in ("median", "fastest"):
     raise ValueError(f"statistic must be 'median' or 'fastest', got {statistic!r}")
@@ -413,10 +417,10 @@ def compare(target, draft, prompt_ids: Sequence[Sequence[int]], *, tree, max_new
   timed = alternate(fns, repeats)
   seconds = {name: getattr(t, statistic) for name, t in timed.items()}
   context = prompt_len + max_new_tokens // 2
-  costs = step_costs(target, draft, len(prompt_ids), tree, context, cache_len,
-                     forward_repeats or repeats)
+  costs = None if loop_costs is not None else step_costs(
+      target, draft, len(prompt_ids), tree, context, cache_len, forward_repeats or repeats)
   return Comparison(plain=timed["plain"].result, spec=timed["spec"].result,
                     plain_s=seconds["plain"], spec_s=seconds["spec"], costs=costs, tree=tree,
                     cache_len=cache_len, context=context,
                     plain_prefill_s=seconds.get("plain_prefill"),
-                    spec_prefill_s=seconds.get("spec_prefill"))
+                    spec_prefill_s=seconds.get("spec_prefill"), loop_costs=loop_costs)

@@ -1,107 +1,290 @@
-"""The quickstart: plain vs chain vs tree speculative decoding on the embedded models.
+"""The quickstart: does speculative decoding pay on these models, and does the cost model
+predict by how much?
 
-Each point is one (mode, batch): the same prompts (held-out code from the embedded corpus)
-are decoded with plain `generate` and with speculative decoding, alternately, `repeats`
-times (`measure.compare`); medians give tokens/s of both and their ratio (the speedup,
-measured side by side). The analytic prediction beside it uses what the point measured
-itself:
+One point = (mode, batch, temperature): mode "chain" (k drafts) or "tree" (`tree_widths`).
+The same prompts (held-out code from the embedded corpus) are decoded with plain `generate`
+and with speculative decoding, alternately, `repeats` times (`measure.compare`, decode
+phase only: each call is also timed with max_new_tokens = 1 and the prefill subtracted);
+medians (or, with statistic="fastest", the fastest calls: load on a shared machine only
+slows a call down) give tokens/s of both and their ratio, the measured speedup.
 
-    predicted speedup = τ_pred / (D·c + v)      τ_pred = E[τ](α_trial, k) for chains,
-                                                the measured τ for trees,
+The prediction beside it (`specjax.calibration`, docs/cost_model.md, "Calibrated loop
+costs"): the compiled loops are timed once per (batch, temperature) on a few shapes (chains
+of `calibration_k` and k, and the tree), cached on disk, giving the cycle of this point's
+shape in plain target steps; the tokens one loop iteration emits come from the measured
+acceptance:
 
-with D draft passes per cycle (k for a chain, one per level for a tree), N drafted nodes,
-c = the draft's cost per pass in target decode steps, measured as (d(2) + (D − 1)·d(W)) ÷
-(D·t_1) — the first pass feeds 2 tokens (the catch-up rule), later passes W (1 for a chain,
-the widest level for a tree) — and v = target forward of N + 1 tokens ÷ one-token decode
-t_1, all timed in the same process at one cache length (`decoding.cache_len_for`).
-Efficiency = measured ÷ predicted speedup.
+    chain: the geometric law P(n) = αⁿ(1 − α) (n < k), α^k (n = k) at the measured
+           α_trial, so E[τ] = (1 − α^(k+1)) / (1 − α);
+    tree:  the measured reach by depth, P(n ≥ d) = depth_accepted ÷ cycles;
+
+    τ_loop = the tokens per row per iteration of a batch that runs until its slowest row
+             has emitted its budget (`calibration.tokens_per_iteration`; ≈ E[τ] at batch 1)
+    predicted speedup = τ_loop ÷ cycle_steps(shape),  efficiency = measured ÷ predicted.
+
+Temperature is a runtime value: T = 0 and T = 1 share every compiled loop. Each point
+prints a verdict line; the report adds measured vs predicted speedup, acceptance by draft
+position, the accepted run lengths against αⁿ(1 − α), and a sample decoded plain and
+speculatively side by side (identical at T = 0).
 """
 
 from __future__ import annotations
 
+import sys
+
 import jax
+import numpy as np
 
 from experiments import measure
-from specjax import theory, trees
+from specjax import calibration, theory, trees
 
 MODES = ("chain", "tree")
+SAMPLE_CHARS = 240
 
 
 def validate(params: dict) -> None:
   measure.check_choice(params, "mode", None, MODES)
-  for name, lo in (("batch", 1), ("k", 1), ("max_new_tokens", 1), ("repeats", 1),
-                   ("prompt_len", 8)):
+  for name, lo in (("batch", 1), ("k", 1), ("max_new_tokens", 2), ("repeats", 1),
+                   ("prompt_len", 8), ("calibration_repeats", 1)):
     measure.check_int(params, name, lo, lo)
   measure.check_choice(params, "models", "default", measure.MODELS)
   measure.check_number(params, "temperature", 0.0, 0)
+  measure.check_choice(params, "recalibrate", False, (False, True))
+  measure.check_choice(params, "statistic", "median", ("median", "fastest"))
+  ks = params.get("calibration_k", (1, 2))
+  if isinstance(ks, (str, bytes)) or not isinstance(ks, (list, tuple)) or not all(
+      isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in ks):
+    raise ValueError(f"calibration_k must be a list of chain lengths (ints >= 1), got {ks!r}")
+  widths = params.get("tree_widths", (2, 1, 1, 1))
+  if isinstance(widths, (str, bytes)) or not isinstance(widths, (list, tuple)) or not all(
+      isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in widths) or not widths:
+    raise ValueError(f"tree_widths must be a non-empty list of ints >= 1, got {widths!r}")
 
 
 def _tree(mode: str, k: int, tree_widths):
   return trees.chain(k) if mode == "chain" else trees.branching(tuple(tree_widths))
 
 
+def _shapes(k: int, tree_widths, calibration_k) -> list:
+  """The calibrated shapes: chains of calibration_k and k, and the tree (the same for both
+  modes, so the two modes of a (batch, temperature) share one calibration)."""
+  ks = sorted(set(calibration_k) | {k})
+  return [trees.chain(j) for j in ks] + [trees.branching(tuple(tree_widths))]
+
+
 def memory(params: dict) -> int:
-  """KV bytes of one point (target + draft caches of plain and speculative runs and of the
-  forward timings), from the models' preset configs: no model is loaded."""
+  """KV bytes of one point (target + draft caches of plain and speculative runs), from the
+  models' preset configs: no model is loaded. Calibration runs one loop at a time at the
+  same cache length."""
   from specjax import decoding
-  tree = _tree(params.get("mode", "chain"), params.get("k", 4),
-               params.get("tree_widths", (2, 1, 1, 1)))
+  k, widths = params.get("k", 4), params.get("tree_widths", (2, 1, 1, 1))
+  slots = max(t.n_nodes for t in _shapes(k, widths, params.get("calibration_k", (1, 2))))
   n = decoding.cache_len_for(params.get("prompt_len", 64), params.get("max_new_tokens", 64),
-                             tree.n_nodes)
-  return 3 * sum(measure.cache_bytes(params.get("models", "default"), params.get("batch", 1),
+                             slots + 1)
+  return 2 * sum(measure.cache_bytes(params.get("models", "default"), params.get("batch", 1),
                                      n))
+
+
+def _label(mode: str, k: int, tree_widths) -> str:
+  return f"chain k={k}" if mode == "chain" else f"tree {tuple(tree_widths)}"
+
+
+def verdict(label: str, batch: int, temperature: float, speedup: float,
+            predicted: float, efficiency: float) -> str:
+  """"chain k=4, batch 1, T=0: 2.10× measured, 2.00× predicted, efficiency 1.05"."""
+  return (f"{label}, batch {batch}, T={temperature:g}: {speedup:.2f}× measured, "
+          f"{predicted:.2f}× predicted, efficiency {efficiency:.2f}")
 
 
 def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 1),
           max_new_tokens: int = 64, prompt_len: int = 64, temperature: float = 0.0,
-          repeats: int = 3, models: str = "default", seed: int = 0) -> dict:
+          repeats: int = 3, models: str = "default", seed: int = 0,
+          calibration_k: tuple = (1, 2), calibration_repeats: int = 3,
+          recalibrate: bool = False, statistic: str = "median") -> dict:
   target, draft, tok, texts = measure.models(models)
   tree = _tree(mode, k, tree_widths)
-  # Trees draft distinct top-k candidates (the point-mass rule): i.i.d. sampled siblings
-  # would all be the argmax at T = 0 and the tree would degenerate into its chain.
-  cmp = measure.compare(target, draft, measure.prompts(tok, texts, batch, prompt_len),
-                        tree=tree, max_new_tokens=max_new_tokens, repeats=repeats,
-                        temperature=temperature, seed=seed, deterministic=(mode == "tree"))
+  prompt_ids = measure.prompts(tok, texts, batch, prompt_len)
+  shapes = _shapes(k, tree_widths, calibration_k)
+  cache_len = calibration.default_cache_len(target, draft, prompt_ids, shapes, max_new_tokens)
+  # Chains draft sampled candidates; trees distinct top-k ones (the point-mass rule: i.i.d.
+  # siblings would all be the argmax at T = 0 and the tree would degenerate into its chain).
+  # The calibration's default drafters follow the same rule, so its loops are these loops.
+  costs = calibration.calibrate(target, draft, prompt_ids, shapes,
+                                max_new_tokens=max_new_tokens, repeats=calibration_repeats,
+                                temperature=temperature, seed=seed, cache_len=cache_len,
+                                recalibrate=recalibrate, statistic=statistic)
+  cmp = measure.compare(target, draft, prompt_ids, tree=tree, max_new_tokens=max_new_tokens,
+                        repeats=repeats, temperature=temperature, seed=seed,
+                        deterministic=(mode == "tree"), cache_len=cache_len,
+                        decode_only=True, loop_costs=costs, statistic=statistic)
   summary = cmp.spec.summary()
+  st = cmp.spec.stats
+  cycles = int(st["cycles"].sum())
+  depth_tried = st["depth_tried"].sum(axis=0)
+  depth_accepted = st["depth_accepted"].sum(axis=0)
   if mode == "chain":
     alpha = summary.alpha_trial
     tau_pred = float(theory.expected_tokens(alpha, k))
+    law = calibration.chain_length_probs(alpha, k)
   else:
     alpha = summary.alpha
     tau_pred = summary.tau
-  predicted = cmp.predicted(tau_pred)
+    law = calibration.length_probs_from_reach(depth_accepted / max(cycles, 1))
+  tau_loop = calibration.tokens_per_iteration(law, batch, max_new_tokens - 1)
+  predicted = cmp.predicted(tau_loop)
+  efficiency = cmp.efficiency(predicted)
+  label = _label(mode, k, tree_widths)
+  line = verdict(label, batch, temperature, cmp.speedup, predicted, efficiency)
+  _say(line)
+  decode = (lambda ids: tok.decode(ids)[:SAMPLE_CHARS]) if tok is not None else str
   return {
+      "verdict": line, "label": label,
       "plain_tok_s": cmp.plain_tok_s, "spec_tok_s": cmp.spec_tok_s, "speedup": cmp.speedup,
+      "predicted_speedup": predicted, "efficiency": efficiency,
       "alpha": summary.alpha, "alpha_trial": summary.alpha_trial,
       "alpha_ci": list(summary.alpha_ci), "tau": summary.tau, "tau_predicted": tau_pred,
-      "c": cmp.costs.c, "verify_cost": cmp.costs.v, "predicted_speedup": predicted,
-      "efficiency": cmp.efficiency(predicted),
+      "tau_loop_predicted": tau_loop, "loop_iterations": int(np.max(st["cycles"])),
+      "cycle_steps": costs.cycle_steps(tree), "t_step_ms": 1e3 * costs.t_step,
+      "calibration": {"cycle_steps": {
+                          key if key.startswith("chain") else f"tree N={n} D={d}":
+                          sec / costs.t_step for key, (n, d, sec) in costs.cycles.items()},
+                      "fit_steps": None if costs.fitted is None else {
+                          "t_fixed": costs.fitted.t_fixed / costs.t_step,
+                          "t_verify": costs.fitted.t_verify / costs.t_step,
+                          "t_draft": costs.fitted.t_draft / costs.t_step,
+                          "rel_rms": costs.fitted.rel_rms},
+                      "cached": bool(costs.meta.get("cached")),
+                      "key": costs.meta.get("key")},
       "identical_to_plain": cmp.identical if temperature == 0 else None,
       "drafted_per_cycle": tree.size, "alpha_used_for_prediction": alpha,
+      "depth_tried": depth_tried.tolist(), "depth_accepted": depth_accepted.tolist(),
+      "run_lengths": st["hist"].sum(axis=0).tolist(),
+      "sample": {"prompt": decode(prompt_ids[0][-80:]),
+                 "plain": decode(cmp.plain.tokens[0]),
+                 "speculative": decode(cmp.spec.tokens[0])},
       "backend": jax.default_backend(),
   }
 
 
+def _say(line: str) -> None:
+  """A verdict line on the console, above the progress bar."""
+  try:
+    from tqdm import tqdm
+    tqdm.write(line, file=sys.stderr)
+  except ImportError:  # pragma: no cover
+    print(line, file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _tag(r: dict) -> str:
+  p = r["params"]
+  return f"{p['mode']} b{p['batch']} T{p.get('temperature', 0.0):g}"
+
+
+def _plot_speedups(records, run_dir, rep) -> str:
+  fig, ax = rep.new_figure(figsize=(5, 4))
+  hi = 1.0
+  for r in records:
+    m = r["metrics"]
+    ax.plot(m["predicted_speedup"], m["speedup"],
+            "o" if r["params"]["mode"] == "chain" else "s",
+            color="C0" if r["params"].get("temperature", 0.0) == 0 else "C1")
+    ax.annotate(_tag(r), (m["predicted_speedup"], m["speedup"]), fontsize=7,
+                xytext=(3, 3), textcoords="offset points")
+    hi = max(hi, m["predicted_speedup"], m["speedup"])
+  ax.plot([0, 1.1 * hi], [0, 1.1 * hi], color="gray", lw=0.8, label="measured = predicted")
+  ax.axhline(1.0, color="gray", lw=0.5, ls=":")
+  ax.set_xlabel("predicted speedup (calibrated loop costs)")
+  ax.set_ylabel("measured speedup")
+  ax.set_title("o chain, s tree; blue T=0, orange T=1", fontsize=8)
+  ax.legend(fontsize=7)
+  return rep.save(fig, run_dir / "quickstart_speedup.png")
+
+
+def _plot_acceptance(records, run_dir, rep) -> str:
+  fig, ax = rep.new_figure(figsize=(5.5, 3.5))
+  for r in records:
+    m = r["metrics"]
+    tried = np.asarray(m["depth_tried"], float)
+    acc = np.where(tried > 0, np.asarray(m["depth_accepted"], float) / np.maximum(tried, 1),
+                   np.nan)
+    ax.plot(np.arange(1, acc.size + 1), acc, "o-" if r["params"]["mode"] == "chain" else "s--",
+            label=_tag(r))
+  ax.set_xlabel("draft position (depth)")
+  ax.set_ylabel("P(accepted | reached)")
+  ax.set_ylim(0, 1.02)
+  ax.legend(fontsize=6, ncol=2)
+  return rep.save(fig, run_dir / "quickstart_acceptance.png")
+
+
+def _plot_run_lengths(records, run_dir, rep) -> str | None:
+  chains = [r for r in records if r["params"]["mode"] == "chain"]
+  if not chains:
+    return None
+  fig, axes = rep.new_figure(ncols=len(chains), figsize=(2.6 * len(chains), 2.8), squeeze=False)
+  for ax, r in zip(axes[0], chains):
+    m = r["metrics"]
+    hist = np.asarray(m["run_lengths"], float)
+    n = np.arange(hist.size)
+    law = calibration.chain_length_probs(m["alpha_trial"], hist.size - 1)
+    ax.bar(n, hist / max(hist.sum(), 1), color="C0", alpha=0.7, label="measured")
+    ax.plot(n, law, "k.-", label="αⁿ(1−α)")
+    ax.set_title(f"{_tag(r)}, α={m['alpha_trial']:.2f}", fontsize=8)
+    ax.set_xlabel("accepted run length n")
+  axes[0][0].set_ylabel("fraction of cycles")
+  axes[0][0].legend(fontsize=6)
+  return rep.save(fig, run_dir / "quickstart_run_lengths.png")
+
+
+def _sample_table(r: dict) -> list[str]:
+  s = r["metrics"]["sample"]
+
+  def cell(text: str) -> str:
+    return "<pre>" + (text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+                      .replace("|", "&#124;").replace("\n", "<br>")) + "</pre>"
+
+  same = "identical" if s["plain"] == s["speculative"] else "different (sampled)"
+  return [f"**{r['metrics']['verdict']}** — outputs {same}", "",
+          f"Prompt (its end): {cell(s['prompt'])}", "",
+          "| plain | speculative |", "|---|---|",
+          f"| {cell(s['plain'])} | {cell(s['speculative'])} |", ""]
+
+
 def report(records: list[dict], run_dir) -> str:
   from specjax.sweeps import report as rep
-  fig, ax = rep.new_figure(figsize=(5.5, 3.5))
-  for mode in MODES:
-    rows = sorted((r for r in records if r["params"]["mode"] == mode),
-                  key=lambda r: r["params"]["batch"])
-    if not rows:
-      continue
-    b = [r["params"]["batch"] for r in rows]
-    line, = ax.plot(b, [r["metrics"]["speedup"] for r in rows], "o-", label=f"{mode} measured")
-    ax.plot(b, [r["metrics"]["predicted_speedup"] for r in rows], "x--", color=line.get_color(),
-            label=f"{mode} predicted")
-  ax.axhline(1.0, color="gray", lw=0.8)
-  ax.set_xscale("log", base=2)
-  ax.set_xlabel("batch")
-  ax.set_ylabel("speedup vs plain")
-  ax.legend(fontsize=8)
-  name = rep.save(fig, run_dir / "quickstart_speedup.png")
+  records = sorted(records, key=lambda r: r.get("index", 0))
   lines = ["## Quickstart", "",
-           "Speedup = speculative ÷ plain tokens/s, measured side by side; predicted from the "
-           "measured α, c and verification cost (see experiments/quickstart.py).", "",
-           f"![speedup vs batch]({name})", ""]
+           "Speedup = speculative ÷ plain tokens/s of the decode phase, measured side by side; "
+           "predicted = tokens per loop iteration (from the measured acceptance) ÷ the "
+           "calibrated cycle cost in plain target steps (docs/cost_model.md, \"Calibrated "
+           "loop costs\"); efficiency = measured ÷ predicted.", ""]
+  lines += [f"- {r['metrics']['verdict']}" for r in records] + [""]
+  lines += [f"![measured vs predicted speedup]({_plot_speedups(records, run_dir, rep)})",
+            f"![acceptance by draft position]({_plot_acceptance(records, run_dir, rep)})"]
+  runs = _plot_run_lengths(records, run_dir, rep)
+  if runs:
+    lines.append(f"![accepted run lengths]({runs})")
+  lines += ["", "### Calibrated cycle costs (plain target steps)", ""]
+  seen = set()
+  for r in records:
+    cal = r["metrics"].get("calibration", {})
+    key = (r["params"]["batch"], r["params"].get("temperature", 0.0))
+    if key in seen or not cal:
+      continue
+    seen.add(key)
+    shapes = ", ".join(f"{s} {v:.2f}" for s, v in cal["cycle_steps"].items())
+    fit = cal.get("fit_steps")
+    fit_text = "" if fit is None else (
+        f"; fit {fit['t_fixed']:.2f} + {fit['t_verify']:.2f}·(N+1) + {fit['t_draft']:.2f}·D "
+        f"(rms {100 * fit['rel_rms']:.1f}%)")
+    lines.append(f"- batch {key[0]}, T={key[1]:g} (t_step {r['metrics']['t_step_ms']:.3f} ms"
+                 f"{', cached' if cal.get('cached') else ''}): {shapes}{fit_text}")
+  lines += ["", "### Sample: plain vs speculative", ""]
+  smallest = min(r["params"]["batch"] for r in records)
+  picked = [r for r in records if r["params"]["batch"] == smallest]
+  chains = [r for r in picked if r["params"]["mode"] == "chain"]
+  for r in (chains or picked)[:2]:
+    lines += _sample_table(r)
   return "\n".join(lines)

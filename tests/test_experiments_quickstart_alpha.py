@@ -19,22 +19,47 @@ def _models() -> str:
   return "default" if defaults.entry_dir("tiny", "code").exists() else "random"
 
 
-def test_quickstart_reduced_end_to_end(tmp_path):
+def test_quickstart_reduced_end_to_end(tmp_path, monkeypatch, capsys):
+  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))  # a fresh calibration
   models = _models()
   s = launch.run("quickstart", out=str(tmp_path / "qs"), progress=False, bindings=[
-      'sweeps.Sweep.axes = {"mode": ["chain", "tree"], "batch": [1, 2]}',
-      f'sweeps.Sweep.fixed = {{"k": 3, "tree_widths": (2, 1, 1), "max_new_tokens": 16, '
-      f'"prompt_len": 16, "temperature": 0.0, "repeats": 1, "models": "{models}"}}'])
-  assert (s.total, s.ok, s.failed) == (4, 4, 0)
+      'sweeps.Sweep.axes = {"mode": ["chain", "tree"], "batch": [1, 2], '
+      '"temperature": [0.0, 1.0]}',
+      # tiny random models decode in microseconds: the fastest of 3 alternated calls keeps
+      # the decode-phase differences (64 tokens minus the prefill) out of the load's noise
+      f'sweeps.Sweep.fixed = {{"k": 3, "tree_widths": (2, 1, 1), "max_new_tokens": 64, '
+      f'"prompt_len": 16, "repeats": 3, "models": "{models}", "calibration_k": (1,), '
+      f'"calibration_repeats": 3, "statistic": "fastest"}}'])
+  assert (s.total, s.ok, s.failed) == (8, 8, 0)
   records = runner.read_results(tmp_path / "qs" / runner.RESULTS).values()
   for r in records:
-    m = r["metrics"]
-    assert m["identical_to_plain"] is True, r  # greedy: speculative output == plain output
+    m, p = r["metrics"], r["params"]
+    if p["temperature"] == 0.0:
+      assert m["identical_to_plain"] is True, r  # greedy: speculative output == plain output
+      assert m["sample"]["plain"] == m["sample"]["speculative"]
+    else:
+      assert m["identical_to_plain"] is None
     assert 1.0 <= m["tau"] <= 4.0 and 0.0 <= m["alpha"] <= 1.0
-    assert m["speedup"] > 0 and m["predicted_speedup"] > 0 and m["c"] > 0
+    assert m["speedup"] > 0 and m["predicted_speedup"] > 0 and m["cycle_steps"] > 0
+    assert 1.0 <= m["tau_loop_predicted"] <= m["tau_predicted"] + 1e-9 or p["mode"] == "tree"
+    label = "chain k=3" if p["mode"] == "chain" else "tree (2, 1, 1)"
+    assert m["verdict"].startswith(f"{label}, batch {p['batch']}, T={p['temperature']:g}: ")
+    assert "× measured" in m["verdict"] and "efficiency" in m["verdict"]
+    assert sum(m["run_lengths"]) == sum(m["depth_tried"][:1])  # every cycle tries depth 1
+  # one calibration per (batch, temperature), shared by both modes (cached on disk)
+  cals = {(r["params"]["batch"], r["params"]["temperature"]): r["metrics"]["calibration"]["key"]
+          for r in records}
+  assert len(set(cals.values())) == 4
+  assert len(list((tmp_path / "cache" / "calibration").glob("*.json"))) == 4
+  err = capsys.readouterr().err
+  assert err.count("× predicted, efficiency") == 8  # a verdict line per point
   report = (tmp_path / "qs" / "report.md").read_text()
-  assert "4 points finished, 0 failed" in report
-  assert (tmp_path / "qs" / "quickstart_speedup.png").stat().st_size > 1000
+  assert "8 points finished, 0 failed" in report
+  assert "chain k=3, batch 1, T=0: " in report and "### Sample: plain vs speculative" in report
+  assert "outputs identical" in report
+  for png in ("quickstart_speedup", "quickstart_acceptance", "quickstart_run_lengths"):
+    assert (tmp_path / "qs" / f"{png}.png").stat().st_size > 1000, png
+  assert s.table.count("\n") >= 10 and "efficiency" in s.table
 
 
 def test_alpha_k_sweep_runs_vectorised_and_tracks_the_dial(tmp_path):
@@ -75,6 +100,11 @@ def test_alpha_k_sweep_validation(change, match):
     ({"mode": "beam"}, "mode must be one of"),
     ({"batch": 0}, "batch must be an int >= 1"),
     ({"models": "x"}, "models must be"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"calibration_k": (0,)}, "calibration_k must be"),
+    ({"tree_widths": ()}, "tree_widths must be"),
+    ({"recalibrate": "yes"}, "recalibrate must be one of"),
+    ({"statistic": "mean"}, "statistic must be one of"),
 ])
 def test_quickstart_validation(change, match):
   with pytest.raises(ValueError, match=match):

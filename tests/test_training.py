@@ -247,6 +247,47 @@ def test_default_pair_cache_builds_loads_and_rebuilds(monkeypatch, tmp_path, cap
     defaults.load_default_pair("tiny", "/some/dir")
 
 
+def test_bpe_preset_pair_is_built_cached_and_resumed_with_its_tokenizer(monkeypatch, tmp_path,
+                                                                         capfd):
+  """The default preset's shape of build: a BPE trained on the corpus, saved before training,
+  restored with the pair, and reused (not retrained) when an interrupted build resumes."""
+  pytest.importorskip("tokenizers")
+  cfg = STUDENT.replace(vocab_size=300)
+  micro = presets.Preset("micro-bpe", cfg, cfg, TC.replace(steps=3, ckpt_every=2),
+                         TC.replace(steps=3, objective="distill"), "test preset",
+                         tokenizer="bpe:300")
+  monkeypatch.setitem(presets.PRESETS, "micro-bpe", micro)
+  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+  real_load_corpus = defaults.load_corpus
+  monkeypatch.setattr(defaults, "load_corpus",
+                      lambda spec: real_load_corpus(spec, max_bytes=MAX_BYTES))
+  pair = defaults.load_default_pair("micro-bpe", "code", progress=False)
+  assert pair.tokenizer.kind == "bpe" and pair.tokenizer.vocab_size == 300
+  text = "def f(x):\n    return x + 1\n"
+  assert pair.tokenizer.decode(pair.tokenizer.encode(text)) == text
+  entry = defaults.entry_dir("micro-bpe", "code")
+  assert (entry / "tokenizer.json").is_file()
+
+  # an interrupted build resumes with the tokenizer it saved first (a different BPE would
+  # make the saved target checkpoint unusable): count BPE trainings during the resume.
+  partial = entry.with_name(entry.name + ".partial")
+  entry.rename(partial)
+  (partial / "manifest.json").unlink()
+  trained = []
+  real_train = defaults.BPETokenizer.train
+  monkeypatch.setattr(defaults.BPETokenizer, "train",
+                      classmethod(lambda cls, *a, **k: trained.append(1) or real_train(*a, **k)))
+  again = defaults.load_default_pair("micro-bpe", "code", progress=False)
+  assert "resuming an interrupted build" in capfd.readouterr().err
+  assert not trained and again.tokenizer.to_spec() == pair.tokenizer.to_spec()
+  assert _same(again.target_params, pair.target_params)
+
+  with pytest.raises(ValueError, match="vocab_size 259 != 300 ids of tokenizer 'bpe:300'"):
+    presets.Preset("bad", STUDENT, cfg, TC, TC, "x", tokenizer="bpe:300")
+  with pytest.raises(ValueError, match="tokenizer must be 'byte' or 'bpe:N'"):
+    presets.Preset("bad", STUDENT, STUDENT, TC, TC, "x", tokenizer="wordpiece")
+
+
 def test_bad_input_is_a_clear_error(data, tmp_path):
   with pytest.raises(ValueError, match="preset must be one of"):
     presets.get_preset("huge")

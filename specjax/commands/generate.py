@@ -76,10 +76,10 @@ def _models(args):
   pair = None
   if "default" in (args.target, args.draft):
     from specjax.training.defaults import load_default_pair
-    from specjax.training.presets import get_preset
-    preset = get_preset("tiny")  # sizes known before the pair is trained or loaded
+    from specjax.training.presets import DEFAULT_PRESET, get_preset
+    preset = get_preset(DEFAULT_PRESET)  # sizes known before the pair is trained or loaded
     _check_context(args, [preset.target, preset.draft], 1, known=False)
-    pair = load_default_pair("tiny", "code")
+    pair = load_default_pair(DEFAULT_PRESET, "code")
   if args.target == "default":
     target, tok = pair.target_module(), pair.tokenizer
   elif args.target is not None:

@@ -17,8 +17,22 @@ import pathlib
 import sys
 
 
+def _preset(name: str) -> str:
+  from specjax.training.presets import get_preset
+  try:
+    return get_preset(name).name
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _preset_name(args) -> str:
+  from specjax.training.presets import DEFAULT_PRESET
+  return args.preset or DEFAULT_PRESET
+
+
 def _common(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--preset", default="tiny", help="size preset: tiny or small (default tiny)")
+  p.add_argument("--preset", default=None, type=_preset,
+                 help="size preset: base, tiny or small (default: the embedded pair's, base)")
   p.add_argument("--corpus", default="code",
                  help="'code', 'prose' (embedded, from Python's standard library) or a "
                       "directory of text files (default code)")
@@ -65,7 +79,8 @@ def add_parser(subparsers) -> None:
   p.set_defaults(func=run_draft)
 
   p = sub.add_parser("defaults", help="build (first use) or load the cached default pair")
-  p.add_argument("--preset", default="tiny")
+  p.add_argument("--preset", default=None, type=_preset,
+                 help="size preset (default: the embedded pair's, base)")
   p.add_argument("--corpus", default="code", choices=("code", "prose"))
   p.add_argument("--rebuild", action="store_true", help="discard the cached pair and retrain")
   p.add_argument("--no-progress", action="store_true")
@@ -74,7 +89,8 @@ def add_parser(subparsers) -> None:
   p = sub.add_parser("measure", help="validation bits/byte and greedy acceptance of a pair")
   p.add_argument("--target", required=True, help="target checkpoint ('default' for the cache)")
   p.add_argument("--draft", required=True, help="draft checkpoint ('default' for the cache)")
-  p.add_argument("--preset", default="tiny", help="preset of 'default' checkpoints")
+  p.add_argument("--preset", default=None, type=_preset,
+                 help="preset of 'default' checkpoints (default: the embedded pair's, base)")
   p.add_argument("--corpus", default="code")
   p.add_argument("--k", type=int, default=4, help="draft length of the simulated chain")
   p.add_argument("--prompts", type=int, default=64, help="validation prompts")
@@ -154,7 +170,7 @@ def _interrupted(out) -> int:
 def run_target(args) -> int:
   from specjax.training.presets import get_preset
   from specjax.training.trainer import Trainer
-  preset = get_preset(args.preset)
+  preset = get_preset(_preset_name(args))
   out = _out_dir(args.out)
   tokenizer = _make_tokenizer(args.tokenizer, out, args.corpus, args.max_bytes)
   config = preset.target.replace(vocab_size=tokenizer.vocab_size)
@@ -171,7 +187,7 @@ def run_target(args) -> int:
 def run_draft(args) -> int:
   from specjax.training.presets import get_preset
   from specjax.training.trainer import Teacher, Trainer
-  preset = get_preset(args.preset)
+  preset = get_preset(_preset_name(args))
   out = _out_dir(args.out)
   teacher = None
   if args.teacher is not None:
@@ -183,7 +199,7 @@ def run_draft(args) -> int:
     if args.corpus not in ("code", "prose"):
       raise ValueError("--teacher is required when --corpus is a directory (the cached default "
                        "targets exist for 'code' and 'prose')")
-    pair = load_default_pair(args.preset, args.corpus, progress=not args.no_progress)
+    pair = load_default_pair(_preset_name(args), args.corpus, progress=not args.no_progress)
     teacher_cfg, teacher_params, tokenizer = pair[0], pair[1], pair.tokenizer
   if not args.plain:
     import jax.numpy as jnp
@@ -204,11 +220,11 @@ def run_draft(args) -> int:
 
 def run_defaults(args) -> int:
   from specjax.training.defaults import entry_dir, load_default_pair
-  pair = load_default_pair(args.preset, args.corpus, progress=not args.no_progress,
+  pair = load_default_pair(_preset_name(args), args.corpus, progress=not args.no_progress,
                            rebuild=args.rebuild)
-  entry = entry_dir(args.preset, args.corpus)
+  entry = entry_dir(_preset_name(args), args.corpus)
   manifest = json.loads((entry / "manifest.json").read_text())
-  print(f"default {args.preset} pair for corpus {args.corpus!r}: {entry}")
+  print(f"default {_preset_name(args)} pair for corpus {args.corpus!r}: {entry}")
   for role in ("target", "draft"):
     cfg = getattr(pair, f"{role}_config")
     val = manifest[role].get("val") or {}
@@ -221,7 +237,7 @@ def run_defaults(args) -> int:
 def _load_for_measure(spec: str, role: str, args):
   if spec == "default":
     from specjax.training.defaults import load_default_pair
-    pair = load_default_pair(args.preset, args.corpus)
+    pair = load_default_pair(_preset_name(args), args.corpus)
     return (getattr(pair, f"{role}_config"), getattr(pair, f"{role}_params"), pair.tokenizer)
   from specjax.checkpoints.trained import load_trained
   trained = load_trained(spec)

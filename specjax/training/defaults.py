@@ -1,6 +1,6 @@
 """The embedded default models: a trained (target, draft) pair, built on first use and cached.
 
-    pair = load_default_pair("tiny", "code")
+    pair = load_default_pair()            # the "base" preset on the "code" corpus
     target_cfg, target_params, draft_cfg, draft_params, tokenizer = pair
     target = from_params(target_cfg, target_params)   # specjax.models.transformer
 
@@ -37,10 +37,10 @@ from flax import nnx
 
 from specjax.data.batches import TokenData
 from specjax.data.corpus import EMBEDDED, load_corpus
-from specjax.data.tokenizer import ByteTokenizer, Tokenizer
+from specjax.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
 from specjax.checkpoints.trained import load_trained
 from specjax.models.transformer import ModelConfig, Transformer, from_params
-from specjax.training.presets import get_preset
+from specjax.training.presets import DEFAULT_PRESET, get_preset
 from specjax.training.trainer import Teacher, params_fingerprint, train
 
 CACHE_FORMAT = 1
@@ -74,13 +74,14 @@ def _log(msg: str) -> None:
 def _recipe(preset_name: str, corpus: str) -> dict:
   preset = get_preset(preset_name)
   return {"format": CACHE_FORMAT, "preset": preset_name, "corpus": corpus,
-          "tokenizer": ByteTokenizer().to_spec(),
+          "tokenizer": (ByteTokenizer().to_spec() if preset.tokenizer == "byte"
+                        else {"recipe": preset.tokenizer, "trained_on": "train split"}),
           "target": preset.target.to_dict(), "draft": preset.draft.to_dict(),
           "target_train": dataclasses.asdict(preset.target_train),
           "draft_train": dataclasses.asdict(preset.draft_train)}
 
 
-def entry_dir(preset: str = "tiny", corpus: str = "code") -> pathlib.Path:
+def entry_dir(preset: str = DEFAULT_PRESET, corpus: str = "code") -> pathlib.Path:
   """Where the default pair for (preset, corpus) lives in the cache."""
   recipe = _recipe(preset, corpus)
   key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
@@ -141,14 +142,35 @@ def _lock(path: pathlib.Path):
       fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _build_tokenizer(preset, corpus, out: pathlib.Path) -> Tokenizer:
+  """The preset's tokenizer: the byte tokenizer, or a BPE trained on the corpus's training
+  split (about a second) and saved first, so a resumed build reuses exactly the same one."""
+  if preset.tokenizer == "byte":
+    return ByteTokenizer()
+  saved = out / "tokenizer.json"
+  if saved.is_file():
+    tokenizer = load_tokenizer(saved)
+  else:
+    n = preset.target.vocab_size
+    tokenizer = BPETokenizer.train((d.text for d in corpus.train), n)
+    if tokenizer.vocab_size != n:
+      raise ValueError(f"the BPE trained on corpus {corpus.name!r} has {tokenizer.vocab_size} "
+                       f"ids, not the {n} preset {preset.name!r} needs: use a smaller "
+                       "vocabulary or a larger corpus")
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(out)
+  _log(f"tokenizer: {tokenizer!r}")
+  return tokenizer
+
+
 def build_pair(preset_name: str, corpus_name: str, out: pathlib.Path, *,
                progress: bool = True) -> dict:
   """Train the preset's target, then distill its draft, into `out` (resumable). Returns the
   manifest body (without file checksums)."""
   preset = get_preset(preset_name)
-  tokenizer = ByteTokenizer()
   t0 = time.perf_counter()
   corpus = load_corpus(corpus_name)
+  tokenizer = _build_tokenizer(preset, corpus, out)
   data = TokenData.from_corpus(corpus, tokenizer)
   _log(corpus.summary())
   target = train(preset.target, preset.target_train, data, tokenizer, out_dir=out / "target",
@@ -165,7 +187,7 @@ def build_pair(preset_name: str, corpus_name: str, out: pathlib.Path, *,
           "draft": {"fingerprint": params_fingerprint(draft.params), "val": draft.val}}
 
 
-def load_default_pair(preset: str = "tiny", corpus: str = "code", *, progress: bool = True,
+def load_default_pair(preset: str = DEFAULT_PRESET, corpus: str = "code", *, progress: bool = True,
                       rebuild: bool = False) -> DefaultPair:
   """The trained default (target, draft) pair for `preset` on an embedded corpus.
 

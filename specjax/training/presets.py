@@ -1,17 +1,22 @@
-"""Size presets: a target and a draft (same byte tokenizer) and how to train each.
+"""Size presets: a target, a draft and a tokenizer, and how to train each.
 
-tiny   a target and a 1-layer draft sized so that training both (target, then the draft
-       distilled from it) takes at most ~3 minutes on a 2-core CPU: the quickstart trains them
-       on a fresh machine. Measured figures live in BUILD_NOTES.md.
-small  a target with ~90 MB of float32 weights, far beyond CPU caches, so a batch-1 decode
-       step is memory-bound (streams every weight byte) as on real serving hardware; with a
-       2-layer draft. Minutes on an accelerator, about an hour on a 2-core CPU (estimated from
-       the FLOP count: 6 x 22.7M params x 2M target tokens at ~100 GFLOP/s; not yet run here).
+base   the default pair: a 4.8M-parameter target (6 layers, d_model 256, ~19 MB of float32
+       weights) over a 2,048-id byte-level BPE trained on the corpus, and a 1-layer d_model 96
+       draft distilled from it. Sized so that a batch-1 decode step is dominated by the
+       target's weights (~1 ms of matrix-vector work against a loop overhead of a few tens of
+       microseconds) while the draft's step is a few percent of it, and so that the first-use
+       build (tokenizer, target, draft) fits in about four minutes on a 2-core CPU. The
+       measurements behind the choice are in BUILD_NOTES.md ("Embedded pair").
+tiny   the first-wave pair (0.25M-parameter target, byte vocabulary): overhead-bound, kept for
+       tests and comparisons.
+small  a target with ~90 MB of float32 weights, far beyond CPU caches, with a 2-layer draft.
+       Minutes on an accelerator, about an hour on a 2-core CPU (estimated from the FLOP count:
+       6 x 22.7M params x 2M target tokens at ~100 GFLOP/s; not run here).
 
-Both use Llama-family blocks (RMSNorm, RoPE, no biases) with tied embeddings: on the byte
-vocabulary the embedding is tiny, and RoPE lets the engine run past the training length. tiny
-uses a GELU MLP (two matrices): at d_model 96 it measured ~25% cheaper per step than SwiGLU on
-this CPU; small keeps SwiGLU.
+All use Llama-family blocks (RMSNorm, RoPE, no biases) with tied embeddings; base and tiny use a
+GELU MLP (two matrices), measured ~25% cheaper per step than SwiGLU at these widths on this
+CPU; small keeps SwiGLU. `tokenizer` is "byte" (the 259-id ByteTokenizer) or "bpe:N" (a
+byte-level BPE with N ids, trained on the corpus's training split when the pair is built).
 """
 
 from __future__ import annotations
@@ -25,9 +30,24 @@ from specjax.training.config import TrainConfig
 _VOCAB = ByteTokenizer.vocab_size
 
 
+DEFAULT_PRESET = "base"  # what `--target default`, the experiments and the quickstart use
+_BPE_VOCAB = 2048
+
+
 def _llama(**kw) -> ModelConfig:
   base = dict(vocab_size=_VOCAB, tie_embeddings=True, max_len=256)
   return ModelConfig.llama(**{**base, **kw})
+
+
+def tokenizer_vocab_size(tokenizer: str) -> int:
+  """Ids of a preset's tokenizer: 259 for "byte", N for "bpe:N"."""
+  if tokenizer == "byte":
+    return _VOCAB
+  kind, _, n = tokenizer.partition(":")
+  if kind != "bpe" or not n.isdigit() or int(n) < _VOCAB:
+    raise ValueError(f"tokenizer must be 'byte' or 'bpe:N' with N >= {_VOCAB}, got "
+                     f"{tokenizer!r}")
+  return int(n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,9 +58,32 @@ class Preset:
   target_train: TrainConfig
   draft_train: TrainConfig   # objective 'distill' (the plain baseline uses objective 'lm')
   description: str
+  tokenizer: str = "byte"    # "byte" or "bpe:N"
+
+  def __post_init__(self):
+    n = tokenizer_vocab_size(self.tokenizer)
+    for role, cfg in (("target", self.target), ("draft", self.draft)):
+      if cfg.vocab_size != n:
+        raise ValueError(f"preset {self.name!r}: {role} vocab_size {cfg.vocab_size} != "
+                         f"{n} ids of tokenizer {self.tokenizer!r}")
 
 
 PRESETS: dict[str, Preset] = {
+    "base": Preset(
+        name="base",
+        target=_llama(d_model=256, n_layers=6, n_heads=4, n_kv_heads=4, d_ff=1024, mlp="gelu",
+                      vocab_size=_BPE_VOCAB, max_len=512),
+        draft=_llama(d_model=96, n_layers=1, n_heads=3, n_kv_heads=3, d_ff=256, mlp="gelu",
+                     vocab_size=_BPE_VOCAB, max_len=512),
+        target_train=TrainConfig(steps=200, batch_size=16, seq_len=128, lr=4e-3,
+                                 warmup_steps=20, eval_every=0, ckpt_every=50,
+                                 eval_windows=64),
+        draft_train=TrainConfig(steps=200, batch_size=16, seq_len=128, lr=6e-3,
+                                warmup_steps=20, eval_every=0, ckpt_every=50,
+                                eval_windows=64, objective="distill"),
+        description="4.8M-parameter target + 1-layer draft, BPE 2048, ~4 minutes on a 2-core "
+                    "CPU",
+        tokenizer=f"bpe:{_BPE_VOCAB}"),
     "tiny": Preset(
         name="tiny",
         target=_llama(d_model=96, n_layers=2, n_heads=3, n_kv_heads=3, d_ff=384, mlp="gelu"),

@@ -1,0 +1,512 @@
+"""Calibrated loop costs: what a speculative cycle costs inside the compiled loop, measured
+on the machine at hand, and the speedup predicted from it (docs/cost_model.md, "Calibrated
+loop costs").
+
+Standalone forward timings miss most of what a cycle costs when the models are small: the
+acceptance, the cache bookkeeping, the draft's scan, loop control, small-shape kernels. So
+this module times the compiled loops themselves, through the public host API:
+
+- t_step: seconds per plain decode step, from `decoding.generate` run with max_new_tokens
+  = M and = 1 (the prefill alone) and differenced: (T(M) − T(1)) / (M − 1);
+- t_cycle(shape): seconds per speculative cycle of each calibration shape (a chain
+  `trees.chain(k)` or a tree), from `decoding.speculative_generate` with the real drafter,
+  differenced the same way and divided by the loop's iterations (the most cycles any row
+  ran: a batched loop runs until its slowest row is done);
+
+every call compiled first, then all of them alternated `repeats` times, medians (or the
+fastest calls, `statistic="fastest"`: load on a shared machine only slows a call). The
+cycle times are then fitted (pure numpy, `fit`) to
+
+    cycle(N, D) = t_fixed + t_verify·(N + 1) + D·t_draft        (seconds, all ≥ 0)
+
+N = drafted nodes (k for a chain), D = draft passes (the depth; k for a chain). Chains alone
+cannot separate the three (N = D), so the fit needs a tree among the shapes. In target-step
+units (÷ t_step) a cycle costs `LoopCosts.cycle_steps(tree)`:
+
+- a shape that was calibrated itself uses its own measured cycle time (the table);
+- any other shape uses the fit.
+
+Predicted speedup = τ ÷ cycle_steps(tree), τ the tokens one loop iteration emits: E[τ](α, k)
+for a chain (`theory.expected_tokens`), a tree's expected tokens, or `tokens_per_iteration`
+for a batch whose loop waits for its slowest row.
+
+Calibrations are cached as JSON under $SPECJAX_CACHE_DIR/calibration/ (default
+~/.cache/specjax), keyed by a fingerprint of the machine, the JAX version and backend, the
+models' configs and weights, the drafters, the batch, the temperature, the prompts, the
+budget, the cache length, the shapes and the statistic, so a re-run reuses them;
+`recalibrate=True` measures again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import os
+import pathlib
+import platform
+import statistics
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from specjax import decoding, sampling, trees
+from specjax.drafters.base import LM, Drafter
+from specjax.drafters.model import ModelDrafter
+
+VERSION = 1  # bump when what a cached calibration holds changes
+DEFAULT_CHAINS = (1, 2, 4, 6)
+
+Tree = Any  # trees.TreeSpec | trees.DynamicTree
+
+
+# ----------------------------------------------------------------------------- shapes
+
+
+def shape_key(tree: Tree) -> str:
+  """The table key of a shape (its exact structure, not only N and D)."""
+  if isinstance(tree, trees.TreeSpec):
+    return "chain(%d)" % tree.size if tree.is_chain else "tree%s" % (tree.parents,)
+  return repr(tree)
+
+
+def shape_of(tree: Tree) -> tuple[int, int]:
+  """(N, D): drafted nodes and draft passes per cycle (one pass per level: the depth)."""
+  return int(tree.size), int(tree.max_depth)
+
+
+def _check_tree(name: str, tree) -> Tree:
+  if not isinstance(tree, (trees.TreeSpec, trees.DynamicTree)):
+    raise ValueError(f"{name} must be a trees.TreeSpec or trees.DynamicTree (e.g. "
+                     f"trees.chain(4)), got {tree!r}")
+  if tree.size < 1:
+    raise ValueError(f"{name} must draft at least one node, got {tree!r}")
+  return tree
+
+
+# ----------------------------------------------------------------------------- the fit
+
+
+@dataclasses.dataclass(frozen=True)
+class CycleFit:
+  """cycle(N, D) = t_fixed + t_verify·(N + 1) + D·t_draft, seconds; rms = root-mean-square
+  residual of the fit (seconds), rel_rms = rms ÷ mean cycle time."""
+
+  t_fixed: float
+  t_verify: float
+  t_draft: float
+  rms: float
+  rel_rms: float
+
+  def seconds(self, nodes: int, passes: int) -> float:
+    return self.t_fixed + self.t_verify * (nodes + 1) + passes * self.t_draft
+
+
+def _design(points: Sequence[tuple[int, int]]) -> np.ndarray:
+  return np.asarray([[1.0, n + 1.0, float(d)] for n, d in points])
+
+
+def identifiable(points: Sequence[tuple[int, int]]) -> bool:
+  """Whether (N, D) shapes determine all three costs (the design has rank 3: at least three
+  distinct shapes, not all with N = D, i.e. not chains only)."""
+  return len(points) >= 3 and np.linalg.matrix_rank(_design(points)) == 3
+
+
+def fit(samples: Sequence[tuple[int, int, float]]) -> CycleFit:
+  """Non-negative least squares of cycle seconds on (1, N + 1, D).
+
+  samples: (N, D, seconds per cycle) per calibrated shape. Exact for three unknowns: every
+  subset of the coefficients is solved by ordinary least squares with the others held at
+  0, and the feasible (all ≥ 0) solution with the smallest residual wins (the NNLS
+  optimum is one of them). Raises ValueError when the shapes do not identify the costs
+  (`identifiable`).
+  """
+  if len(samples) == 0:
+    raise ValueError("samples must hold (nodes, passes, seconds) per shape, got none")
+  pts, y = [], []
+  for i, s in enumerate(samples):
+    if len(s) != 3:
+      raise ValueError(f"samples[{i}] must be (nodes, passes, seconds), got {s!r}")
+    n, d, sec = s
+    if not (isinstance(sec, (int, float, np.floating)) and math.isfinite(sec) and sec > 0):
+      raise ValueError(f"samples[{i}] seconds must be a finite number > 0, got {sec!r}")
+    pts.append((int(n), int(d)))
+    y.append(float(sec))
+  if not identifiable(pts):
+    raise ValueError(f"samples: shapes (N, D) = {sorted(set(pts))} cannot separate t_fixed, "
+                     f"t_verify and t_draft: need >= 3 distinct shapes including one with "
+                     f"N != D (a tree; chains alone have N = D)")
+  a, y = _design(pts), np.asarray(y)
+  best, best_res = np.zeros(3), math.inf
+  for r in range(1, 4):
+    for cols in itertools.combinations(range(3), r):
+      sol, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
+      if np.any(sol < 0):
+        continue
+      coef = np.zeros(3)
+      coef[list(cols)] = sol
+      res = float(np.sum((a @ coef - y) ** 2))
+      if res < best_res - 1e-30:
+        best, best_res = coef, res
+  rms = math.sqrt(best_res / len(y))
+  return CycleFit(t_fixed=float(best[0]), t_verify=float(best[1]), t_draft=float(best[2]),
+                  rms=rms, rel_rms=rms / float(np.mean(y)))
+
+
+# ----------------------------------------------------------------------------- costs
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopCosts:
+  """A calibration: seconds per plain step and per speculative cycle, inside the loop.
+
+  t_step: seconds per plain decode step. cycles: {shape_key: (N, D, seconds per cycle)} of
+  every calibrated shape. fitted: the `CycleFit` over them (None when the shapes do not
+  identify it). meta: what was calibrated (batch, temperature, budget, fingerprint...).
+  """
+
+  t_step: float
+  cycles: Mapping[str, tuple[int, int, float]]
+  fitted: CycleFit | None = None
+  meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def from_timings(cls, t_step: float, cycle_seconds: Mapping[Tree, float] | Sequence,
+                   meta: Mapping[str, Any] | None = None) -> "LoopCosts":
+    """Pure: costs from measured (or synthetic) seconds. cycle_seconds: {tree: seconds per
+    cycle} or a sequence of (tree, seconds)."""
+    if not (isinstance(t_step, (int, float, np.floating)) and math.isfinite(t_step)
+            and t_step > 0):
+      raise ValueError(f"t_step must be a finite number of seconds > 0, got {t_step!r}")
+    items = cycle_seconds.items() if isinstance(cycle_seconds, Mapping) else cycle_seconds
+    table = {}
+    for i, (tree, sec) in enumerate(items):
+      _check_tree(f"cycle_seconds[{i}] tree", tree)
+      if not (isinstance(sec, (int, float, np.floating)) and math.isfinite(sec) and sec > 0):
+        raise ValueError(f"cycle_seconds[{shape_key(tree)}] must be a finite number of "
+                         f"seconds > 0, got {sec!r}")
+      table[shape_key(tree)] = (*shape_of(tree), float(sec))
+    if not table:
+      raise ValueError("cycle_seconds must hold at least one (tree, seconds), got none")
+    pts = [(n, d) for n, d, _ in table.values()]
+    fitted = fit(list(table.values())) if identifiable(pts) else None
+    return cls(t_step=float(t_step), cycles=table, fitted=fitted, meta=dict(meta or {}))
+
+  def cycle_seconds(self, tree: Tree) -> float:
+    """Seconds per cycle of `tree`: its own measurement when it was calibrated, else the fit."""
+    _check_tree("tree", tree)
+    key = shape_key(tree)
+    if key in self.cycles:
+      return self.cycles[key][2]
+    if self.fitted is None:
+      raise ValueError(f"tree {key} was not calibrated and the calibrated shapes "
+                       f"{sorted(self.cycles)} do not identify the cost fit (add a tree "
+                       f"and >= 3 shapes): calibrate with it among the shapes")
+    return self.fitted.seconds(*shape_of(tree))
+
+  def cycle_steps(self, tree: Tree) -> float:
+    """A cycle of `tree` in plain target steps: cycle_seconds ÷ t_step."""
+    return self.cycle_seconds(tree) / self.t_step
+
+  def predicted_speedup(self, tree: Tree, tau: float) -> float:
+    """Predicted speedup over plain decoding: τ ÷ cycle_steps(tree).
+
+    tau: tokens one loop iteration emits (≥ 1): E[τ](α, k) for a chain, a tree's expected
+    tokens, or `tokens_per_iteration` for a batch that waits for its slowest row.
+    """
+    if not (isinstance(tau, (int, float, np.floating)) and math.isfinite(tau) and tau >= 1):
+      raise ValueError(f"tau must be a finite number >= 1 (tokens per cycle), got {tau!r}")
+    return float(tau) / self.cycle_steps(tree)
+
+  def to_dict(self) -> dict:
+    return {"version": VERSION, "t_step": self.t_step,
+            "cycles": {k: list(v) for k, v in self.cycles.items()},
+            "fitted": None if self.fitted is None else dataclasses.asdict(self.fitted),
+            "meta": dict(self.meta)}
+
+  @classmethod
+  def from_dict(cls, d: Mapping) -> "LoopCosts":
+    if d.get("version") != VERSION:
+      raise ValueError(f"calibration version {d.get('version')!r}, expected {VERSION}")
+    cycles = {k: (int(v[0]), int(v[1]), float(v[2])) for k, v in d["cycles"].items()}
+    fitted = None if d.get("fitted") is None else CycleFit(**d["fitted"])
+    return cls(t_step=float(d["t_step"]), cycles=cycles, fitted=fitted, meta=d.get("meta", {}))
+
+  def describe(self) -> str:
+    """One line per calibrated shape and the fit, in target steps."""
+    lines = [f"t_step {self.t_step * 1e3:.3f} ms"]
+    for key, (n, d, sec) in self.cycles.items():
+      lines.append(f"{key}: N={n} D={d} cycle {sec / self.t_step:.3f} steps")
+    if self.fitted is not None:
+      f = self.fitted
+      lines.append(f"fit: t_fixed {f.t_fixed / self.t_step:.3f} + t_verify "
+                   f"{f.t_verify / self.t_step:.3f}·(N+1) + t_draft "
+                   f"{f.t_draft / self.t_step:.3f}·D steps (rms {100 * f.rel_rms:.1f}%)")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- τ per iteration
+
+
+def chain_length_probs(alpha: float, k: int) -> np.ndarray:
+  """P(a chain cycle accepts n drafts), n = 0..k: αⁿ(1 − α) for n < k, α^k at n = k."""
+  if not (isinstance(alpha, (int, float, np.floating)) and 0 <= alpha <= 1):
+    raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
+  if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+    raise ValueError(f"k must be an int >= 1, got {k!r}")
+  n = np.arange(k + 1)
+  p = alpha ** n * (1 - alpha)
+  p[k] = alpha ** k
+  return p
+
+
+def length_probs_from_reach(reach: Sequence[float]) -> np.ndarray:
+  """P(a cycle accepts a path of n nodes), n = 0..D, from reach[d − 1] = P(n ≥ d) (e.g.
+  depth_accepted ÷ cycles, the loop's per-depth counters)."""
+  r = np.concatenate([[1.0], np.asarray(reach, np.float64), [0.0]])
+  if r.ndim != 1 or np.any(~np.isfinite(r)) or np.any(r < 0) or np.any(r > 1):
+    raise ValueError(f"reach must be probabilities in [0, 1], got {reach!r}")
+  r = np.minimum.accumulate(r)  # P(n >= d) cannot grow with d
+  return r[:-1] - r[1:]
+
+
+def tokens_per_iteration(length_probs: Sequence[float], batch: int, tokens: int,
+                         samples: int = 2000, seed: int = 0) -> float:
+  """Tokens per row per loop iteration when a batch of `batch` rows runs until every row
+  has emitted `tokens` tokens through cycles (a cycle accepting n emits n + 1, the last one
+  cut at the budget): tokens ÷ E[max over rows of the cycles a row needs], by Monte Carlo
+  (`samples` batches, fixed `seed`: deterministic). With batch 1 and a long budget it tends
+  to Σ (n + 1)·P(n) = E[τ]; a bigger batch waits for its slowest row, so it is lower.
+  """
+  p = np.asarray(length_probs, np.float64)
+  if p.ndim != 1 or p.size < 1 or np.any(p < 0) or not math.isclose(p.sum(), 1, abs_tol=1e-6):
+    raise ValueError(f"length_probs must be probabilities over n = 0..D summing to 1, got "
+                     f"{length_probs!r}")
+  for name, v in (("batch", batch), ("tokens", tokens), ("samples", samples)):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+      raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+  rng = np.random.default_rng(seed)
+  emitted = rng.choice(p.size, size=(samples, batch, tokens), p=p / p.sum()) + 1
+  needed = np.argmax(np.cumsum(emitted, axis=-1) >= tokens, axis=-1) + 1  # [S, B]
+  return tokens / float(np.mean(needed.max(axis=1)))
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def _default_drafter(draft, tree: Tree) -> Drafter:
+  """A drafter object is used as is; a draft model drafts sampled candidates for chains and
+  distinct top-k candidates for trees (the point-mass rule: i.i.d. siblings of a peaked
+  draft are often duplicates)."""
+  if isinstance(draft, Drafter):
+    return draft
+  return ModelDrafter.of(draft, deterministic=not tree.is_chain)
+
+
+def _describe_drafter(d: Drafter) -> str:
+  return f"{type(d).__name__}(deterministic={getattr(d, 'deterministic', None)})"
+
+
+STATISTICS = ("median", "fastest")
+
+
+def alternate(fns: Mapping[str, Callable[[], Any]], repeats: int,
+              timer: Callable[[], float] = time.perf_counter
+              ) -> tuple[dict[str, list[float]], dict[str, Any]]:
+  """The one alternating-timing loop (the experiments' `measure.alternate` wraps it): one
+  warm-up call each (compilation excluded), then every callable in turn, `repeats` times, so
+  drift and other load hit all of them alike. Returns ({name: seconds of each call},
+  {name: last result})."""
+  last = {name: jax.block_until_ready(fn()) for name, fn in fns.items()}
+  times: dict[str, list[float]] = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      start = timer()
+      last[name] = jax.block_until_ready(fn())
+      times[name].append(timer() - start)
+  return times, last
+
+
+def _alternate(fns: Mapping[str, Callable[[], Any]], repeats: int, timer: Callable[[], float],
+               statistic: str = "median") -> tuple[dict[str, float], dict[str, Any]]:
+  """Seconds per callable, the median or the fastest of its calls, and each one's last
+  result."""
+  times, last = alternate(fns, repeats, timer)
+  pick = statistics.median if statistic == "median" else min
+  return {n: pick(t) for n, t in times.items()}, last
+
+
+def measure(target, draft, prompt_ids: Sequence[Sequence[int]], shapes: Sequence[Tree], *,
+            max_new_tokens: int, repeats: int = 3, temperature: float = 0.0, seed: int = 0,
+            cache_len: int | None = None, drafter_for: Callable | None = None,
+            statistic: str = "median",
+            timer: Callable[[], float] = time.perf_counter) -> LoopCosts:
+  """Times the compiled loops (module doc) and returns the calibration; no caching, no
+  validation beyond the engine's (use `calibrate`). Every call reads one cache length
+  (`cache_len`, default the largest the engine would pick for the shapes), so what is timed
+  is what a run at that cache length costs. statistic: "median" of the alternated calls, or
+  "fastest" (other load on a shared machine only slows a call down)."""
+  drafter_for = drafter_for or _default_drafter
+  drafters = {shape_key(t): drafter_for(draft, t) for t in shapes}
+  if cache_len is None:
+    cache_len = default_cache_len(target, draft, prompt_ids, shapes, max_new_tokens)
+  common = dict(sampler=sampling.make_sampler(temperature), seed=seed, cache_len=cache_len)
+  fns: dict[str, Callable[[], Any]] = {}
+  for n, tag in ((max_new_tokens, "M"), (1, "1")):
+    fns[f"plain/{tag}"] = (lambda n=n: decoding.generate(target, prompt_ids, max_new_tokens=n,
+                                                         **common))
+    for t in shapes:
+      fns[f"{shape_key(t)}/{tag}"] = (
+          lambda n=n, t=t: decoding.speculative_generate(
+              target, drafters[shape_key(t)], prompt_ids, tree=t, max_new_tokens=n, **common))
+  med, last = _alternate(fns, repeats, timer, statistic)
+
+  def decode(name: str, iterations: int) -> float:
+    dt = med[f"{name}/M"] - med[f"{name}/1"]
+    if not dt > 0:
+      raise ValueError(f"calibration of {name}: decoding {max_new_tokens} tokens took no longer "
+                       f"than the prefill alone ({med[f'{name}/M']:.3g} s vs "
+                       f"{med[f'{name}/1']:.3g} s): raise max_new_tokens or repeats")
+    return dt / iterations
+
+  t_step = decode("plain", max_new_tokens - 1)
+  cycles = []
+  for t in shapes:
+    run = last[f"{shape_key(t)}/M"]
+    cycles.append((t, decode(shape_key(t), max(1, int(np.max(run.stats["cycles"]))))))
+  meta = {"batch": len(prompt_ids), "temperature": float(temperature),
+          "max_new_tokens": max_new_tokens, "cache_len": cache_len, "repeats": repeats,
+          "statistic": statistic,
+          "drafters": {k: _describe_drafter(d) for k, d in drafters.items()}}
+  return LoopCosts.from_timings(t_step, cycles, meta)
+
+
+def default_cache_len(target, draft, prompt_ids, shapes: Sequence[Tree],
+                      max_new_tokens: int) -> int:
+  """The largest cache length the engine would pick for any of the shapes (one length for
+  every calibrated run, so they all read caches of one size)."""
+  longest = max(len(p) for p in prompt_ids)
+  slots = max(max(t.n_nodes, _default_drafter(draft, t).slots_needed(t)) for t in shapes)
+  cfg = LM.of(target).config
+  return decoding.cache_len_for(longest, max_new_tokens, slots,
+                                limit=cfg.max_len if cfg.positions == "learned" else None)
+
+
+# ----------------------------------------------------------------------------- the cache
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+  """Where calibrations live: `cache_dir`, else $SPECJAX_CACHE_DIR/calibration (default
+  ~/.cache/specjax/calibration)."""
+  if cache_dir is not None:
+    return pathlib.Path(cache_dir)
+  base = os.environ.get("SPECJAX_CACHE_DIR") or pathlib.Path.home() / ".cache" / "specjax"
+  return pathlib.Path(base) / "calibration"
+
+
+def _weights_digest(obj) -> str:
+  h = hashlib.sha256()
+  for leaf in jax.tree_util.tree_leaves(obj):
+    if hasattr(leaf, "dtype") and hasattr(leaf, "shape"):
+      a = np.asarray(leaf)
+      h.update(str((a.dtype, a.shape)).encode())
+      h.update(np.ascontiguousarray(a).tobytes())
+  return h.hexdigest()[:16]
+
+
+def fingerprint(target, drafters: Mapping[str, Drafter], prompt_ids, *, temperature: float,
+                max_new_tokens: int, cache_len: int, repeats: int, seed: int,
+                statistic: str = "median") -> dict:
+  """What a calibration depends on (machine, software, models, workload), as a dict."""
+  devices = jax.devices()
+  lm = LM.of(target)
+  return {
+      "version": VERSION, "machine": platform.machine(), "processor": platform.processor(),
+      "node": platform.node(), "cpus": os.cpu_count(), "jax": jax.__version__,
+      "backend": jax.default_backend(), "devices": [d.device_kind for d in devices],
+      "target": repr(lm.config), "target_weights": _weights_digest(lm.params),
+      "drafters": {k: [_describe_drafter(d), repr(d.config), _weights_digest(d)]
+                   for k, d in sorted(drafters.items())},
+      "prompts": hashlib.sha256(json.dumps([list(map(int, p)) for p in prompt_ids]).encode()
+                                ).hexdigest()[:16],
+      "batch": len(prompt_ids), "temperature": float(temperature),
+      "max_new_tokens": max_new_tokens, "cache_len": cache_len, "repeats": repeats,
+      "seed": seed, "statistic": statistic,
+  }
+
+
+def _check_int(name: str, v, lo: int) -> int:
+  if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+    raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+  return int(v)
+
+
+def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
+              shapes: Sequence[Tree] | None = None, *, max_new_tokens: int = 64,
+              repeats: int = 3, temperature: float = 0.0, seed: int = 0,
+              cache_len: int | None = None, drafter_for: Callable | None = None,
+              recalibrate: bool = False, cache_dir: str | os.PathLike | None = None,
+              statistic: str = "median",
+              timer: Callable[[], float] = time.perf_counter) -> LoopCosts:
+  """The calibration of `target` with `draft` (a draft model or a `Drafter`) at this batch
+  (len(prompt_ids)) and temperature: cached under `cache_root(cache_dir)` by `fingerprint`,
+  else measured (`measure`) and stored. shapes: default chains k ∈ {1, 2, 4, 6} (add the
+  trees you will predict; the fit needs one). recalibrate: measure even when cached.
+  drafter_for(draft, tree) -> Drafter: the drafter of each shape (default: the draft
+  model, sampled candidates for chains, top-k candidates for trees). statistic: "median"
+  or "fastest" call (`measure`).
+  """
+  shapes = [trees.chain(k) for k in DEFAULT_CHAINS] if shapes is None else shapes
+  if isinstance(shapes, (str, bytes)) or not isinstance(shapes, Sequence) or not shapes:
+    raise ValueError(f"shapes must be a non-empty list of trees (e.g. [trees.chain(1), "
+                     f"trees.chain(4), trees.branching((2, 1))]), got {shapes!r}")
+  shapes = [_check_tree(f"shapes[{i}]", t) for i, t in enumerate(shapes)]
+  shapes = list({shape_key(t): t for t in shapes}.values())  # duplicates once
+  if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence) or not (
+      prompt_ids):
+    raise ValueError(f"prompt_ids must be a non-empty list of token-id lists (one per row of "
+                     f"the batch), got {prompt_ids!r}")
+  _check_int("max_new_tokens", max_new_tokens, 2)
+  _check_int("repeats", repeats, 1)
+  _check_int("seed", seed, 0)
+  if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating)) \
+      or not math.isfinite(temperature) or temperature < 0:
+    raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+  if statistic not in STATISTICS:
+    raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
+  if not isinstance(recalibrate, (bool, np.bool_)):
+    raise ValueError(f"recalibrate must be True or False, got {recalibrate!r}")
+  if cache_len is None:
+    cache_len = default_cache_len(target, draft, prompt_ids, shapes, max_new_tokens)
+  cache_len = _check_int("cache_len", cache_len, 2)
+  drafters = {shape_key(t): (drafter_for or _default_drafter)(draft, t) for t in shapes}
+  fp = fingerprint(target, drafters, prompt_ids, temperature=float(temperature),
+                   max_new_tokens=max_new_tokens, cache_len=cache_len, repeats=repeats,
+                   seed=seed, statistic=statistic)
+  key = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:24]
+  path = cache_root(cache_dir) / f"{key}.json"
+  if not recalibrate and path.exists():
+    try:
+      costs = LoopCosts.from_dict(json.loads(path.read_text()))
+      if set(costs.cycles) == set(drafters):
+        return dataclasses.replace(costs, meta={**costs.meta, "cached": True})
+    except (ValueError, KeyError, TypeError, OSError):  # unreadable: measure again
+      pass
+  costs = measure(target, draft, prompt_ids, shapes, max_new_tokens=max_new_tokens,
+                  repeats=repeats, temperature=temperature, seed=seed, cache_len=cache_len,
+                  drafter_for=lambda _d, t: drafters[shape_key(t)], statistic=statistic,
+                  timer=timer)
+  costs = dataclasses.replace(costs, meta={**costs.meta, "fingerprint": fp, "key": key,
+                                           "cached": False})
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(costs.to_dict(), indent=1))
+    os.replace(tmp, path)
+  except OSError:  # an unwritable cache only costs a re-calibration
+    pass
+  return costs

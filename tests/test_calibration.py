@@ -1,0 +1,205 @@
+"""The calibrated loop costs (specjax.calibration): the fit recovers planted costs from
+synthetic timings (and fails where it should), the measuring pipeline recovers planted
+delays through a fake clock, calibrations are cached and reused, and bad input is refused."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from specjax import calibration, decoding, theory, trees
+
+T_FIXED, T_VERIFY, T_DRAFT, T_STEP = 3e-4, 1e-4, 5e-5, 2e-4
+SHAPES = [trees.chain(1), trees.chain(2), trees.chain(4), trees.chain(6),
+          trees.branching((2, 1, 1, 1)), trees.branching((3, 2, 1)), trees.branching((2, 2))]
+
+
+def _law(tree, t_fixed=T_FIXED, t_verify=T_VERIFY, t_draft=T_DRAFT) -> float:
+  n, d = calibration.shape_of(tree)
+  return t_fixed + t_verify * (n + 1) + d * t_draft
+
+
+def _synthetic(noise: float, seed: int = 0, law=_law, shapes=SHAPES) -> dict:
+  rng = np.random.default_rng(seed)
+  return {t: law(t) * (1 + noise * rng.standard_normal()) for t in shapes}
+
+
+def test_fit_recovers_planted_costs_from_noisy_timings():
+  costs = calibration.LoopCosts.from_timings(T_STEP, _synthetic(noise=0.01))
+  f = costs.fitted
+  for got, want in ((f.t_fixed, T_FIXED), (f.t_verify, T_VERIFY), (f.t_draft, T_DRAFT)):
+    assert got == pytest.approx(want, rel=0.15)
+  assert f.rel_rms < 0.02
+  unseen = trees.branching((3, 1, 1))  # not calibrated: the fit predicts it
+  assert costs.cycle_steps(unseen) == pytest.approx(_law(unseen) / T_STEP, rel=0.03)
+  chain4 = trees.chain(4)  # calibrated: its own (noisy) measurement, in target steps
+  assert costs.cycle_steps(chain4) == pytest.approx(costs.cycles["chain(4)"][2] / T_STEP)
+  tau = float(theory.expected_tokens(0.8, 4))
+  assert costs.predicted_speedup(chain4, tau) == pytest.approx(tau / costs.cycle_steps(chain4))
+
+
+def test_fit_is_exact_without_noise_and_non_negative():
+  f = calibration.fit([(*calibration.shape_of(t), _law(t)) for t in SHAPES])
+  assert (f.t_fixed, f.t_verify, f.t_draft) == pytest.approx((T_FIXED, T_VERIFY, T_DRAFT),
+                                                             rel=1e-9)
+  # a draft that costs nothing: the unconstrained fit would go slightly negative under
+  # noise; the fit clamps it at 0 and still recovers the others
+  free = _synthetic(0.01, seed=3, law=lambda t: _law(t, t_draft=0.0))
+  g = calibration.LoopCosts.from_timings(T_STEP, free).fitted
+  assert min(g.t_fixed, g.t_verify, g.t_draft) >= 0
+  assert g.t_verify == pytest.approx(T_VERIFY, rel=0.15) and g.t_draft < 0.1 * T_DRAFT
+
+
+def test_negative_controls():
+  # the tolerance discriminates: timings of other costs are not recovered as the planted ones
+  other = calibration.LoopCosts.from_timings(
+      T_STEP, _synthetic(0.01, law=lambda t: _law(t, t_verify=2 * T_VERIFY, t_draft=0.2 * T_DRAFT)))
+  assert other.fitted.t_verify != pytest.approx(T_VERIFY, rel=0.15)
+  assert other.fitted.t_draft != pytest.approx(T_DRAFT, rel=0.15)
+  # a law the model cannot express (verification quadratic in the rows) shows in the residual
+  quad = calibration.LoopCosts.from_timings(
+      T_STEP, _synthetic(0.0, law=lambda t: T_FIXED + T_VERIFY * (t.size + 1) ** 2))
+  assert quad.fitted.rel_rms > 0.05
+  # chains alone have N = D: the three costs are not identifiable
+  with pytest.raises(ValueError, match="cannot separate"):
+    calibration.fit([(*calibration.shape_of(t), _law(t)) for t in SHAPES[:4]])
+  chains = calibration.LoopCosts.from_timings(T_STEP, _synthetic(0.0, shapes=SHAPES[:4]))
+  assert chains.fitted is None and chains.cycle_steps(trees.chain(4)) > 0
+  with pytest.raises(ValueError, match="was not calibrated"):
+    chains.cycle_steps(trees.branching((2, 1)))
+
+
+def test_tokens_per_iteration():
+  alpha, k = 0.8, 4
+  law = calibration.chain_length_probs(alpha, k)
+  assert law.sum() == pytest.approx(1) and law[k] == pytest.approx(alpha ** k)
+  tau = float(theory.expected_tokens(alpha, k))
+  assert float(np.dot(np.arange(k + 1) + 1, law)) == pytest.approx(tau)
+  one = calibration.tokens_per_iteration(law, batch=1, tokens=4000, samples=200)
+  assert one == pytest.approx(tau, rel=0.02)
+  b8 = calibration.tokens_per_iteration(law, batch=8, tokens=63)
+  assert 1 < b8 < calibration.tokens_per_iteration(law, batch=1, tokens=63) <= tau
+  assert calibration.tokens_per_iteration([1.0], batch=4, tokens=10) == pytest.approx(1)
+  reach = calibration.length_probs_from_reach([0.8, 0.5, 0.1])
+  assert reach == pytest.approx([0.2, 0.3, 0.4, 0.1])
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+class FakeClock:
+  """A virtual clock: the fake engine below advances it by planted delays per call."""
+
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self) -> float:
+    return self.now
+
+
+@pytest.fixture
+def fake_engine(monkeypatch):
+  """decoding.generate / speculative_generate replaced by fakes that cost, on a virtual
+  clock, prefill + (M − 1)·T_STEP (plain) or prefill + cycles·cycle(tree) (speculative),
+  with cycles = ceil((M − 1) / 3): the calibration must recover the planted costs."""
+  clock = FakeClock()
+  calls = {"n": 0}
+
+  def generate(target, prompts, *, max_new_tokens, **kw):
+    calls["n"] += 1
+    clock.now += 1e-3 + (max_new_tokens - 1) * T_STEP
+    return decoding.Generation(tokens=[[0] * max_new_tokens for _ in prompts],
+                               prompt_lengths=[len(p) for p in prompts], stats=None, seconds=0)
+
+  def speculative_generate(target, drafter, prompts, *, tree, max_new_tokens, **kw):
+    calls["n"] += 1
+    cycles = -(-(max_new_tokens - 1) // 3)
+    clock.now += 2e-3 + cycles * _law(tree)
+    stats = {"cycles": np.full((len(prompts),), cycles, np.int32)}
+    return decoding.Generation(tokens=[[0] * max_new_tokens for _ in prompts],
+                               prompt_lengths=[len(p) for p in prompts], stats=stats,
+                               seconds=0, k=tree.size, tree=tree)
+
+  monkeypatch.setattr(calibration.decoding, "generate", generate)
+  monkeypatch.setattr(calibration.decoding, "speculative_generate", speculative_generate)
+  return clock, calls
+
+
+@pytest.fixture(scope="module")
+def random_pair():
+  from experiments import measure
+  target, draft, _, _ = measure.models("random")
+  return target, draft
+
+
+def test_calibrate_recovers_planted_delays_and_caches(fake_engine, random_pair, tmp_path):
+  clock, calls = fake_engine
+  target, draft = random_pair
+  prompts = [[1, 2, 3, 4]] * 2
+  kw = dict(max_new_tokens=31, repeats=2, cache_dir=tmp_path, timer=clock)
+  costs = calibration.calibrate(target, draft, prompts, SHAPES[:5], **kw)
+  assert costs.t_step == pytest.approx(T_STEP, rel=1e-6)
+  f = costs.fitted
+  assert (f.t_fixed, f.t_verify, f.t_draft) == pytest.approx((T_FIXED, T_VERIFY, T_DRAFT),
+                                                             rel=1e-6)
+  assert costs.meta["batch"] == 2 and costs.meta["cached"] is False
+  made = calls["n"]
+  assert made == 2 * 6 * 3  # (M and 1) × (plain + 5 shapes) × (warm-up + 2 repeats)
+  files = list(tmp_path.glob("*.json"))
+  assert len(files) == 1
+
+  again = calibration.calibrate(target, draft, prompts, SHAPES[:5], **kw)
+  assert calls["n"] == made and again.meta["cached"] is True  # reused, nothing measured
+  assert again.cycles == costs.cycles and again.fitted == costs.fitted
+  calibration.calibrate(target, draft, prompts, SHAPES[:5], recalibrate=True, **kw)
+  assert calls["n"] == 2 * made
+  # another batch, temperature or shape set is another calibration
+  calibration.calibrate(target, draft, prompts[:1], SHAPES[:5], **kw)
+  calibration.calibrate(target, draft, prompts, SHAPES[:5], temperature=1.0, **kw)
+  assert len(list(tmp_path.glob("*.json"))) == 3
+  files[0].write_text("{not json")  # a corrupt cache entry is measured again
+  n = calls["n"]
+  assert calibration.calibrate(target, draft, prompts, SHAPES[:5], **kw).meta["cached"] is False
+  assert calls["n"] > n and json.loads(files[0].read_text())["version"] == calibration.VERSION
+
+
+def test_cache_root_follows_specjax_cache_dir(monkeypatch, tmp_path):
+  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+  assert calibration.cache_root() == tmp_path / "calibration"
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"shapes": []}, "shapes must be a non-empty list"),
+    ({"shapes": [4]}, r"shapes\[0\] must be a trees.TreeSpec"),
+    ({"prompt_ids": []}, "prompt_ids must be a non-empty list"),
+    ({"max_new_tokens": 1}, "max_new_tokens must be an int >= 2, got 1"),
+    ({"repeats": 0}, "repeats must be an int >= 1, got 0"),
+    ({"temperature": -0.5}, "temperature must be a finite number >= 0, got -0.5"),
+    ({"recalibrate": "yes"}, "recalibrate must be True or False"),
+    ({"statistic": "mean"}, "statistic must be one of"),
+])
+def test_calibrate_validation(change, match, random_pair, tmp_path):
+  target, draft = random_pair
+  args = {"prompt_ids": [[1, 2, 3]], "shapes": [trees.chain(2)], **change}
+  with pytest.raises(ValueError, match=match):
+    calibration.calibrate(target, draft, args.pop("prompt_ids"), args.pop("shapes"),
+                          cache_dir=tmp_path, **args)
+
+
+def test_costs_validation():
+  with pytest.raises(ValueError, match="t_step must be a finite number"):
+    calibration.LoopCosts.from_timings(0.0, {trees.chain(1): 1e-3})
+  with pytest.raises(ValueError, match=r"cycle_seconds\[chain\(1\)\] must be"):
+    calibration.LoopCosts.from_timings(1e-3, {trees.chain(1): float("nan")})
+  costs = calibration.LoopCosts.from_timings(T_STEP, _synthetic(0.0))
+  with pytest.raises(ValueError, match="tau must be a finite number >= 1"):
+    costs.predicted_speedup(trees.chain(4), 0.5)
+  with pytest.raises(ValueError, match="tree must be a trees.TreeSpec"):
+    costs.predicted_speedup(4, 2.0)
+  with pytest.raises(ValueError, match="length_probs must be probabilities"):
+    calibration.tokens_per_iteration([0.5, 0.2], batch=1, tokens=10)
+  with pytest.raises(ValueError, match="batch must be an int >= 1"):
+    calibration.tokens_per_iteration([1.0], batch=0, tokens=10)
+  assert calibration.LoopCosts.from_dict(costs.to_dict()) == costs
