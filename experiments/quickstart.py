@@ -37,6 +37,7 @@ import numpy as np
 
 from experiments import measure
 from specjax import calibration, theory, trees
+from specjax.drafters.model import ModelDrafter
 
 MODES = ("chain", "tree")
 SAMPLE_CHARS = 240
@@ -106,16 +107,24 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
   prompt_ids = measure.prompts(tok, texts, batch, prompt_len)
   shapes = _shapes(k, tree_widths, calibration_k)
   cache_len = calibration.default_cache_len(target, draft, prompt_ids, shapes, max_new_tokens)
-  # Chains draft sampled candidates; trees distinct top-k ones (the point-mass rule: i.i.d.
-  # siblings would all be the argmax at T = 0 and the tree would degenerate into its chain).
-  # The calibration's default drafters follow the same rule, so its loops are these loops.
+  # Chains draft sampled candidates. Trees draft distinct top-k ones at T = 0 (the
+  # point-mass rule: i.i.d. siblings would all be the argmax and the tree would degenerate
+  # into its chain) and i.i.d. samples of q at T > 0, where the point-mass rule would accept
+  # a candidate only with its target probability. The calibration drafts the same way, so
+  # its loops are these loops.
+  topk = temperature == 0
+
+  def drafter_for(model, shape):
+    return ModelDrafter.of(model, deterministic=topk and not shape.is_chain)
+
   costs = calibration.calibrate(target, draft, prompt_ids, shapes,
                                 max_new_tokens=max_new_tokens, repeats=calibration_repeats,
                                 temperature=temperature, seed=seed, cache_len=cache_len,
-                                recalibrate=recalibrate, statistic=statistic)
+                                recalibrate=recalibrate, statistic=statistic,
+                                drafter_for=drafter_for)
   cmp = measure.compare(target, draft, prompt_ids, tree=tree, max_new_tokens=max_new_tokens,
                         repeats=repeats, temperature=temperature, seed=seed,
-                        deterministic=(mode == "tree"), cache_len=cache_len,
+                        deterministic=topk and mode == "tree", cache_len=cache_len,
                         decode_only=True, loop_costs=costs, statistic=statistic)
   summary = cmp.spec.summary()
   st = cmp.spec.stats
