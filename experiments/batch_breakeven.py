@@ -1,47 +1,56 @@
-"""Batch break-even: measured speedup vs batch size beside the calibrated roofline.
+"""Batch break-even: measured speedup vs batch size beside the loop's calibrated prediction
+and the roofline's.
 
 One point = (batch, k). The same prompts are decoded with plain `generate` and with chain
-speculative decoding of k drafts, alternated within every repeat (`measure.compare`, one
-shared cache length, the engine's `decoding.cache_len_for`), giving tokens/s of both and the
-measured speedup. Beside it, three costs timed in the same process (`measure.step_costs`) at
-the mean decoding context L = prompt_len + max_new_tokens / 2 (medians of max(7, repeats)
-samples each):
+speculative decoding of k drafts, alternated within every repeat (`measure.compare`,
+decode phase only: each call is also timed with max_new_tokens = 1 and the prefill
+subtracted), giving tokens/s of both and the measured speedup. Three predictions beside it,
+all at the point's measured α (alpha_trial, the per-tried-token acceptance):
 
-    t1      target forward of 1 token per row          (one plain decode step)
-    v       target forward of k + 1 tokens ÷ t1         (verification cost)
-    c       draft cost per drafted token ÷ t1 = (d(2) + (k − 1)·d(1)) / (k·t1)
+- calibrated (the loop's cost model, `specjax.calibration`, docs/cost_model.md,
+  "Calibrated loop costs"; the prediction this experiment is judged by): the compiled
+  loops are timed at this batch with the same prompts, budget and cache length as the
+  measured runs (chains of `calibration_k` ∪ {k}: one calibration per batch shared by every
+  k, cached on disk), giving a cycle of chain(k) in plain target steps, cycle_steps. The
+  tokens one loop iteration emits come from the geometric law P(n) = αⁿ(1 − α) (n < k),
+  α^k (n = k) (`calibration.chain_length_probs`) through
+  `calibration.tokens_per_iteration` (a batch runs until its slowest row has emitted its
+  budget, so τ_loop falls with the batch):
 
-where d(T) is a draft forward of T tokens: the engine's draft feeds 2 tokens in its first pass
-of a cycle (the last committed token and the root) and 1 in each of the k − 1 others.
+      predicted_speedup_calibrated = τ_loop ÷ cycle_steps(chain(k)).
 
-Two predictions of the speedup, both at the point's measured α (alpha_trial, the per-tried-
-token acceptance that E[τ] expects) and measured c:
-
-- measured-cost: τ_pred / (k·c + v), τ_pred = E[τ](α, k) = (1 − α^(k+1)) / (1 − α). Every
-  cost here is a measured wall time, per-step overheads included.
-- roofline: `roofline.gain(hw, wl, B, α, k, c, draft_cost)` with hw = this machine's
-  `roofline.calibrate()` (streaming bandwidth, matmul FLOP/s; once per process) and wl = the
-  target's `Workload.from_model_config` at context L:
+- standalone (`predicted_speedup`, kept for comparison): τ_pred / (k·c + v) with
+  τ_pred = E[τ](α, k) and the standalone forward costs timed in the same process
+  (`measure.step_costs`) at the mean decoding context L = prompt_len + max_new_tokens / 2:
+  t1 (a one-token target step), v = t_verify(k + 1) ÷ t1, c = (d(2) + (k − 1)·d(1)) / (k·t1)
+  (d(T): a draft forward of T tokens; the first pass of a cycle feeds 2 tokens, the last
+  committed one and the root). It misses the loop's own work (acceptance, cache
+  bookkeeping, the draft's scan, loop control).
+- roofline (`roofline_gain`, the analytic model): `roofline.gain(hw, wl, B, α, k, c,
+  draft_cost)` with hw = this machine's `roofline.calibrate()` (streaming bandwidth, matmul
+  FLOP/s; once per process) and wl = the target's `Workload.from_model_config` at context L:
 
       t(B, T) = max((W + B·L·kv) / BW, T·B·F(L) / FLOPS),   gain = τ·t(B, 1) / cycle,
       cycle = t(B, k + 1) + k·c·t(B, 1)                       (draft_cost "full").
 
-  It knows bandwidth and compute only. On a CPU with tiny models a decode step is dominated
-  by fixed per-step overheads (dispatch, loop control, small-matmul inefficiency), which the
-  roofline does not see, so its break-even and the measured one are expected to disagree:
-  the size of the disagreement is the finding.
+  It knows bandwidth and compute only, not the per-step overheads that dominate tiny models
+  on a CPU, so its break-even is expected to disagree: the size of the disagreement is a
+  finding.
 
-The report (`report`) computes across the finished points: the measured break-even batch (the
-smallest batch where the best speedup over k drops below 1, interpolated on log₂ batch;
-`break_even`), the roofline's (`roofline.break_even_batch` per k with that k's pooled α and
-c; the overall value is the largest over k, past which no swept k pays), the best measured k
-per batch beside `roofline.best_k`, and a plot of gain vs batch: roofline curves per k,
-measured points per k.
+The report (`report`) computes across the finished points: the measured break-even batch
+(the smallest batch where the best speedup over k drops below 1, interpolated on log₂
+batch; `break_even`), the calibrated one (the same rule on the calibrated predictions),
+their ratio and whether they agree within 25% (`agreement`), the roofline's
+(`roofline.break_even_batch` per k with that k's pooled α and c; overall the largest over
+k), the best measured k per batch beside the calibrated and the roofline's, and a plot of
+gain vs batch: roofline curves per k, calibrated predictions and measured points per k. It
+also writes the break-evens to batch_breakeven_summary.json.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import statistics
 from typing import Mapping, Sequence
@@ -49,13 +58,15 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from experiments import measure
-from specjax import roofline, theory
+from specjax import calibration, roofline, theory
 
 MAX_BATCH = 4096
 MAX_K = 64
 MAX_REPEATS = 1000
 ROOFLINE_MAX_BATCH = 1e7  # roofline.break_even_batch's search limit
 FORWARD_REPEATS = 7  # at least this many timed samples per standalone forward
+AGREEMENT = 0.25  # the goal: measured break-even within 25% of the calibrated one
+MC_DRAWS = 4_000_000  # cap on batch × tokens × samples of tokens_per_iteration's Monte Carlo
 
 
 # ----------------------------------------------------------------------------- validation
@@ -65,22 +76,38 @@ def validate(params: dict) -> None:
   """Types and ranges of one point's parameters (before any model is loaded)."""
   measure.check_int(params, "batch", 1, 1, MAX_BATCH)
   measure.check_int(params, "k", 4, 1, MAX_K)
-  measure.check_int(params, "max_new_tokens", 64, 1, 1 << 16)
+  measure.check_int(params, "max_new_tokens", 64, 2, 1 << 16)
   measure.check_int(params, "prompt_len", 64, 8, 1 << 16)
   measure.check_int(params, "repeats", 3, 1, MAX_REPEATS)
   measure.check_int(params, "seed", 0, 0, 2**31 - 1)
   measure.check_number(params, "temperature", 0.0, 0)
   measure.check_choice(params, "models", "default", measure.MODELS)
   measure.check_choice(params, "draft_cost", "full", roofline.DRAFT_COSTS)
+  measure.check_int(params, "calibration_repeats", 3, 1, MAX_REPEATS)
+  measure.check_choice(params, "statistic", "median", calibration.STATISTICS)
+  measure.check_choice(params, "recalibrate", False, (False, True))
+  ks = params.get("calibration_k", ())
+  if isinstance(ks, (str, bytes)) or not isinstance(ks, (list, tuple)) or not all(
+      isinstance(j, int) and not isinstance(j, bool) and 1 <= j <= MAX_K for j in ks):
+    raise ValueError(f"calibration_k must be a list of chain lengths (ints in [1, {MAX_K}]), "
+                     f"got {ks!r}")
+
+
+def calibration_ks(k: int, calibration_k=()) -> list[int]:
+  """The chains calibrated at a point: calibration_k ∪ {k} (set calibration_k to the swept
+  k so that every point of a batch shares one calibration and one cache length)."""
+  return sorted(set(calibration_k) | {k})
 
 
 def memory(params: dict) -> int:
   """Bytes of KV cache one point holds at most: target + draft caches for the plain and the
-  speculative call and for the forward timings (4 sets), at the engine's cache length for a
-  chain of k, from the models' preset configs, without loading any model."""
+  speculative call and for the forward timings (4 sets), at the engine's cache length for
+  the longest calibrated chain (`calibration_ks`), from the models' preset configs, without
+  loading any model. The calibration runs one loop at a time at the same cache length."""
   from specjax import decoding
+  k_max = max(calibration_ks(params.get("k", 4), params.get("calibration_k", ())))
   n = decoding.cache_len_for(params.get("prompt_len", 64), params.get("max_new_tokens", 64),
-                             params.get("k", 4) + 1)
+                             k_max + 1)
   return 4 * sum(measure.cache_bytes(params.get("models", "default"), params.get("batch", 1),
                                      n))
 
@@ -88,41 +115,85 @@ def memory(params: dict) -> int:
 # ----------------------------------------------------------------------------- one point
 
 
+def tau_loop(alpha: float, k: int, batch: int, tokens: int) -> float:
+  """Tokens per row per loop iteration of a chain of k at per-trial acceptance α, for a
+  batch that runs until each row has emitted `tokens`: `calibration.tokens_per_iteration`
+  of the geometric law `calibration.chain_length_probs(α, k)` (its Monte Carlo capped at
+  MC_DRAWS draws, at least 100 batches)."""
+  samples = int(min(2000, max(100, MC_DRAWS // (batch * tokens))))
+  return calibration.tokens_per_iteration(calibration.chain_length_probs(alpha, k), batch,
+                                          tokens, samples=samples)
+
+
+def calibrated_speedup(costs: calibration.LoopCosts, alpha: float, k: int, batch: int,
+                       tokens: int) -> tuple[float, float]:
+  """(τ_loop, predicted speedup) of a chain of k from calibrated loop costs: τ_loop ÷
+  costs.cycle_steps(chain(k)) (module doc)."""
+  from specjax import trees
+  tau = tau_loop(alpha, k, batch, tokens)
+  return tau, costs.predicted_speedup(trees.chain(k), tau)
+
+
 def point(batch: int = 1, k: int = 4, max_new_tokens: int = 64, prompt_len: int = 64,
           temperature: float = 0.0, repeats: int = 3, models: str = "default",
-          draft_cost: str = "full", seed: int = 0) -> dict:
-  """Plain vs speculative (chain of k) tokens/s at one batch size, α, τ, c, v and both
-  predictions of the speedup (module doc)."""
+          draft_cost: str = "full", seed: int = 0, calibration_k: tuple = (),
+          calibration_repeats: int = 3, statistic: str = "median",
+          recalibrate: bool = False) -> dict:
+  """Plain vs speculative (chain of k) tokens/s of the decode phase at one batch size, α, τ,
+  and the calibrated, standalone and roofline predictions of the speedup (module doc)."""
   from specjax import trees
 
   validate(dict(batch=batch, k=k, max_new_tokens=max_new_tokens, prompt_len=prompt_len,
                 temperature=temperature, repeats=repeats, models=models,
-                draft_cost=draft_cost, seed=seed))
+                draft_cost=draft_cost, seed=seed, calibration_k=calibration_k,
+                calibration_repeats=calibration_repeats, statistic=statistic,
+                recalibrate=recalibrate))
   target, draft, tok, texts = measure.models(models)
-  cmp = measure.compare(target, draft, measure.prompts(tok, texts, batch, prompt_len),
-                        tree=trees.chain(k), max_new_tokens=max_new_tokens, repeats=repeats,
-                        temperature=temperature, seed=seed,
-                        forward_repeats=max(FORWARD_REPEATS, repeats))
+  tree = trees.chain(k)
+  prompt_ids = measure.prompts(tok, texts, batch, prompt_len)
+  shapes = [trees.chain(j) for j in calibration_ks(k, calibration_k)]
+  # One cache length for the calibration and the measured runs: what is calibrated is what
+  # is measured (and the compiled loops are shared).
+  cache_len = calibration.default_cache_len(target, draft, prompt_ids, shapes, max_new_tokens)
+  costs = calibration.calibrate(target, draft, prompt_ids, shapes,
+                                max_new_tokens=max_new_tokens, repeats=calibration_repeats,
+                                temperature=temperature, seed=seed, cache_len=cache_len,
+                                recalibrate=recalibrate, statistic=statistic)
+  cmp = measure.compare(target, draft, prompt_ids, tree=tree, max_new_tokens=max_new_tokens,
+                        repeats=repeats, temperature=temperature, seed=seed,
+                        cache_len=cache_len, decode_only=True, loop_costs=costs,
+                        statistic=statistic)
+  sc = measure.step_costs(target, draft, batch, tree, cmp.context, cache_len,
+                          max(FORWARD_REPEATS, repeats))
   summary = cmp.spec.summary()
-  c, v = cmp.costs.c, cmp.costs.v
   alpha = summary.alpha_trial
   hw = measure.hardware()
   wl = roofline.Workload.from_model_config(target.config, cmp.context)
+  nan = float("nan")
   if math.isfinite(alpha):
     a = min(max(alpha, 0.0), 1.0)
     tau_pred = float(theory.expected_tokens(a, k))
-    predicted = cmp.predicted(tau_pred)
-    roof = roofline.gain(hw, wl, batch, a, k, c, draft_cost)
+    predicted = tau_pred / sc.cycle
+    roof = roofline.gain(hw, wl, batch, a, k, sc.c, draft_cost)
+    tau_it, calibrated = calibrated_speedup(costs, a, k, batch, max_new_tokens - 1)
   else:  # no drafted token was tried (cannot happen with max_new_tokens >= 2)
-    tau_pred = predicted = roof = float("nan")
+    tau_pred = predicted = roof = tau_it = calibrated = nan
   return {
       "plain_tok_s": cmp.plain_tok_s, "spec_tok_s": cmp.spec_tok_s, "speedup": cmp.speedup,
       "alpha_trial": alpha, "alpha": summary.alpha, "tau": summary.tau,
-      "tau_predicted": tau_pred, "c": c, "verify_cost": v,
-      "t_plain_step_ms": 1e3 * cmp.costs.t1,
+      "tau_predicted": tau_pred, "c": sc.c, "verify_cost": sc.v,
+      "t_plain_step_ms": 1e3 * sc.t1,
       "predicted_speedup": predicted,
       "roofline_gain": roof,
       "efficiency": cmp.efficiency(predicted),
+      "predicted_speedup_calibrated": calibrated,
+      "efficiency_calibrated": cmp.efficiency(calibrated),
+      "tau_loop_predicted": tau_it, "cycle_steps": costs.cycle_steps(tree),
+      "t_step_ms": 1e3 * costs.t_step,
+      "loop_iterations": int(np.max(cmp.spec.stats["cycles"])),
+      "calibration": {"cycle_steps": {key: sec / costs.t_step
+                                      for key, (_, _, sec) in costs.cycles.items()},
+                      "cached": bool(costs.meta.get("cached")), "key": costs.meta.get("key")},
       "identical_to_plain": cmp.identical if temperature == 0 else None,
       "context_len": cmp.context, "cache_len": cmp.cache_len,
       "hardware": hw.to_dict(), "workload": wl.to_dict(),
@@ -209,6 +280,73 @@ def measured_break_even(records: Sequence[dict], metric: str = "speedup") -> Bre
   return break_even({b: s for b, (_, s) in best_by_batch(records, metric).items()})
 
 
+CALIBRATED = "predicted_speedup_calibrated"
+
+
+def has_calibrated(records: Sequence[dict]) -> bool:
+  """Whether the points carry the calibrated prediction (results of older runs do not)."""
+  return any(CALIBRATED in r["metrics"] for r in records)
+
+
+def calibrated_break_even(records: Sequence[dict]) -> BreakEven:
+  """The break-even of the calibrated predictions: `break_even` of the best calibrated
+  speedup over k at every batch, interpolated on log₂ batch as the measured one is."""
+  return measured_break_even(records, CALIBRATED)
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+  """Measured vs predicted break-even batch.
+
+  ratio = measured ÷ predicted (None unless both crossed); within: |measured − predicted|
+  ≤ tolerance·predicted (None when neither crossed inside the swept batches, so the goal
+  cannot be judged; False when only one did).
+  """
+
+  measured: BreakEven
+  predicted: BreakEven
+  tolerance: float = AGREEMENT
+
+  @property
+  def ratio(self) -> float | None:
+    if self.measured.status == "crossed" and self.predicted.status == "crossed":
+      return self.measured.batch / self.predicted.batch
+    return None
+
+  @property
+  def within(self) -> bool | None:
+    if self.ratio is not None:
+      return abs(self.ratio - 1.0) <= self.tolerance + 1e-12
+    if self.measured.status == self.predicted.status:
+      return None
+    return False
+
+  def text(self) -> str:
+    pct = f"{100 * self.tolerance:g}%"
+    if self.ratio is not None:
+      verdict = "within" if self.within else "NOT within"
+      return (f"measured ÷ predicted = {self.ratio:.2f}: {verdict} {pct} "
+              f"({100 * (self.ratio - 1):+.0f}%)")
+    if self.within is None:
+      return (f"neither crosses 1 inside the swept batches (both {self.measured.status}): "
+              f"the {pct} goal cannot be judged; widen the batch range")
+    return (f"NOT within {pct}: measured {self.measured.status}, predicted "
+            f"{self.predicted.status}")
+
+  def to_dict(self) -> dict:
+    return {"measured": self.measured.batch, "measured_status": self.measured.status,
+            "predicted": self.predicted.batch, "predicted_status": self.predicted.status,
+            "ratio": self.ratio, "within": self.within, "tolerance": self.tolerance}
+
+
+def agreement(measured: BreakEven, predicted: BreakEven,
+              tolerance: float = AGREEMENT) -> Agreement:
+  """Whether two break-evens agree within `tolerance` (relative to the predicted one)."""
+  if not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance) and tolerance >= 0):
+    raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
+  return Agreement(measured, predicted, float(tolerance))
+
+
 def _pooled(records: Sequence[dict]) -> tuple[float, float]:
   """(mean α_trial, median c) of some points, α clipped to [0, 1]."""
   alphas = [r["metrics"]["alpha_trial"] for r in records
@@ -255,10 +393,12 @@ def predicted_break_even(records: Sequence[dict], draft_cost: str = "full"
 def best_k_table(records: Sequence[dict], draft_cost: str = "full") -> list[dict]:
   """Per batch: the best measured k (0 = off when no k reaches speedup 1) and its speedup,
   the best of the swept k on the roofline (per-k pooled α and c, as in the plot) and
-  `roofline.best_k` over 0..max swept k at the batch's pooled α and c."""
+  `roofline.best_k` over 0..max swept k at the batch's pooled α and c; with calibrated
+  predictions, also the best k by them (0 = off) and its predicted speedup."""
   hw, wl = model_of(records)
   per_k = _per_k(records)
   ks = list(per_k)
+  calibrated = best_by_batch(records, CALIBRATED) if has_calibrated(records) else {}
   rows = []
   for b, (k_meas, s) in sorted(best_by_batch(records).items()):
     gains = {k: roofline.gain(hw, wl, b, a, k, c, draft_cost) for k, (a, c) in per_k.items()}
@@ -271,6 +411,10 @@ def best_k_table(records: Sequence[dict], draft_cost: str = "full") -> list[dict
         "roofline best swept k": k_roof if gains[k_roof] >= 1 else 0,
         "roofline gain": gains[k_roof],
         "roofline.best_k": kb, "best_k gain": gb})
+    if calibrated:
+      k_cal, s_cal = calibrated.get(b, (0, float("nan")))
+      rows[-1].update({"calibrated best k": k_cal if s_cal >= 1 else 0,
+                       "calibrated speedup": s_cal})
   return rows
 
 

@@ -402,11 +402,17 @@ def open_run_dir(root: str | os.PathLike, name: str, fp: str,
   runs of one config started together share one directory (and the second is refused)
   instead of each doing all the work in its own.
   """
-  def claim_and_init(run_dir: pathlib.Path) -> bool:
-    resumed = _claim(run_dir, fp)  # under the lock: the truth, whoever wrote before
-    if not resumed and init is not None:
-      init(run_dir)
-    return resumed
+  def lock_and_claim(run_dir: pathlib.Path) -> tuple[RunLock, bool]:
+    """Takes the run's lock, then claims the directory (and writes its config if new)."""
+    lock = RunLock(run_dir).acquire()
+    try:
+      resumed = _claim(run_dir, fp)  # under the lock: the truth, whoever wrote before
+      if not resumed and init is not None:
+        init(run_dir)
+    except BaseException:
+      lock.release()
+      raise
+    return lock, resumed
 
   if out is not None:
     run_dir, _ = resolve_run_dir(root, name, fp, out)  # refuses before anything is written
@@ -414,12 +420,7 @@ def open_run_dir(root: str | os.PathLike, name: str, fp: str,
       run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
       raise _write_failed(run_dir, e, "--out") from None
-    lock = RunLock(run_dir).acquire()
-    try:
-      resumed = claim_and_init(run_dir)
-    except BaseException:
-      lock.release()
-      raise
+    lock, resumed = lock_and_claim(run_dir)
   else:
     base = pathlib.Path(root) / name
     _check_writable(base)
@@ -430,12 +431,7 @@ def open_run_dir(root: str | os.PathLike, name: str, fp: str,
     with RunLock(base, wait=True):  # held for milliseconds: find or create, then write config
       run_dir, _ = resolve_run_dir(root, name, fp)
       run_dir.mkdir(parents=True, exist_ok=True)
-      lock = RunLock(run_dir).acquire()
-      try:
-        resumed = claim_and_init(run_dir)
-      except BaseException:
-        lock.release()
-        raise
+      lock, resumed = lock_and_claim(run_dir)
   try:
     yield run_dir, resumed
   finally:

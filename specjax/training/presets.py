@@ -39,6 +39,14 @@ def _llama(**kw) -> ModelConfig:
   return ModelConfig.llama(**{**base, **kw})
 
 
+def _schedule(steps: int, lr: float, warmup: int, *, objective: str = "lm", ckpt_every: int,
+              eval_windows: int) -> TrainConfig:
+  """A CPU-sized schedule: batch 16 × 128 tokens, validation only at the end."""
+  return TrainConfig(steps=steps, batch_size=16, seq_len=128, lr=lr, warmup_steps=warmup,
+                     eval_every=0, ckpt_every=ckpt_every, eval_windows=eval_windows,
+                     objective=objective)
+
+
 def tokenizer_vocab_size(tokenizer: str) -> int:
   """Ids of a preset's tokenizer: 259 for "byte", N for "bpe:N"."""
   if tokenizer == "byte":
@@ -75,12 +83,9 @@ PRESETS: dict[str, Preset] = {
                       vocab_size=_BPE_VOCAB, max_len=512),
         draft=_llama(d_model=96, n_layers=1, n_heads=3, n_kv_heads=3, d_ff=256, mlp="gelu",
                      vocab_size=_BPE_VOCAB, max_len=512),
-        target_train=TrainConfig(steps=200, batch_size=16, seq_len=128, lr=4e-3,
-                                 warmup_steps=20, eval_every=0, ckpt_every=50,
-                                 eval_windows=64),
-        draft_train=TrainConfig(steps=200, batch_size=16, seq_len=128, lr=6e-3,
-                                warmup_steps=20, eval_every=0, ckpt_every=50,
-                                eval_windows=64, objective="distill"),
+        target_train=_schedule(200, 4e-3, 20, ckpt_every=50, eval_windows=64),
+        draft_train=_schedule(200, 6e-3, 20, objective="distill", ckpt_every=50,
+                              eval_windows=64),
         description="4.8M-parameter target + 1-layer draft, BPE 2048, ~4 minutes on a 2-core "
                     "CPU",
         tokenizer=f"bpe:{_BPE_VOCAB}"),
@@ -88,12 +93,9 @@ PRESETS: dict[str, Preset] = {
         name="tiny",
         target=_llama(d_model=96, n_layers=2, n_heads=3, n_kv_heads=3, d_ff=384, mlp="gelu"),
         draft=_llama(d_model=96, n_layers=1, n_heads=3, n_kv_heads=3, d_ff=256, mlp="gelu"),
-        target_train=TrainConfig(steps=400, batch_size=16, seq_len=128, lr=6e-3,
-                                 warmup_steps=25, eval_every=0, ckpt_every=100,
-                                 eval_windows=128),
-        draft_train=TrainConfig(steps=300, batch_size=16, seq_len=128, lr=6e-3,
-                                warmup_steps=20, eval_every=0, ckpt_every=100,
-                                eval_windows=128, objective="distill"),
+        target_train=_schedule(400, 6e-3, 25, ckpt_every=100, eval_windows=128),
+        draft_train=_schedule(300, 6e-3, 20, objective="distill", ckpt_every=100,
+                              eval_windows=128),
         description="target + 1-layer draft, ~3 minutes on a 2-core CPU"),
     "small": Preset(
         name="small",
