@@ -12,15 +12,20 @@ Per point:
   tau_cycle     1 + accepted drafts per cycle (the acceptance's own count, before budget
                 truncation of the last cycle) against E[τ] = (1 − α^{k+1}) / (1 − α),
                 with a z-score, and a Monte Carlo simulation of the same chain alongside
-  speedup       with the draft's time cost either
+  speedup       τ_cycle · t_step / t_cycle, with the draft's time cost either
                   measured (c = None): a real draft model of the chosen size (`draft`) runs
-                  the same k in the real loop, timed side by side with plain decoding
-                  (`measure.compare`): speedup = τ · t_step / t_cycle, t_step = plain call ÷
-                  tokens per row, t_cycle = speculative call ÷ its cycles (prefill amortised
-                  in both);
+                  the same k in the compiled loop, calibrated at this batch, budget and cache
+                  length (`specjax.calibration`, docs/cost_model.md, "Calibrated loop
+                  costs"; cached on disk): t_step = seconds per plain decode step, t_cycle =
+                  seconds per cycle of chain(k), both of the decode phase (the prefill
+                  differenced out), so speedup = τ_cycle ÷ cycle_steps;
                   modelled (c = a number): t_cycle = k·c·t_1 + t_verify(k + 1), both target
-                  forwards timed here (`measure.step_costs`);
-                and the formula with the same costs: E[τ] / (k·c + v), v = t_verify ÷ t_1.
+                  forwards timed standalone here (`measure.step_costs`);
+                and the prediction (speedup_formula) with the same costs: with a measured
+                draft the calibrated one, E[τ](α, k) ÷ cycle_steps (per cycle, as τ_cycle
+                is); with a modelled c, E[τ] / (k·c + v), v = t_verify ÷ t_1. The
+                standalone form E[τ] / (k·c + v) at the measured c is kept in both
+                (speedup_formula_standalone).
 
 The oracle's own wall time is not a speedup (its drafts run the target) and is not reported.
 """
@@ -34,8 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import measure
-from specjax import decoding, loop, metrics, sampling, theory, trees
+from specjax import calibration, decoding, loop, metrics, sampling, theory, trees
 from specjax.drafters.base import LM
+from specjax.drafters.model import ModelDrafter
 from specjax.drafters.oracle import OracleDrafter, check_alpha
 from specjax.sweeps import parallel, runner
 
@@ -86,17 +92,30 @@ def _run_fn(k: int, cache_len: int):
 @functools.lru_cache(maxsize=32)
 def _costs(k: int, batch: int, max_new_tokens: int, prompt_len: int, temperature: float,
            models: str, draft: str, repeats: int, seed: int) -> dict:
-  """Timings of one (k, batch): plain decoding and a real draft's loop side by side, and
-  standalone forwards (t_1, t_verify(k + 1), the draft's passes)."""
+  """Costs of one (k, batch): the calibrated loop costs of a real draft's chain(k) (plain
+  step and cycle, decode phase, `calibration.calibrate`), standalone forwards (t_1,
+  t_verify(k + 1), the draft's passes) at the mean decoding context, and the real draft's
+  α from one run of its loop (already compiled by the calibration)."""
   target, _, tok, texts = measure.models(models)
-  cmp = measure.compare(target, measure.draft_model(draft, models),
-                        measure.prompts(tok, texts, batch, prompt_len), tree=trees.chain(k),
-                        max_new_tokens=max_new_tokens, repeats=repeats,
-                        temperature=temperature, seed=seed)
-  return {"t_step": cmp.plain_s / max_new_tokens,
-          "t_cycle_real": cmp.spec_s / int(np.max(cmp.spec.stats["cycles"])),
-          "t1": cmp.costs.t1, "v": cmp.costs.v, "c_measured": cmp.costs.c,
-          "real_draft_alpha": cmp.spec.summary().alpha_trial}
+  draft_lm = measure.draft_model(draft, models)
+  prompt_ids = measure.prompts(tok, texts, batch, prompt_len)
+  tree = trees.chain(k)
+  cache_len = calibration.default_cache_len(target, draft_lm, prompt_ids, [tree],
+                                            max_new_tokens)
+  costs = calibration.calibrate(target, draft_lm, prompt_ids, [tree],
+                                max_new_tokens=max_new_tokens, repeats=repeats,
+                                temperature=temperature, seed=seed, cache_len=cache_len)
+  run = decoding.speculative_generate(
+      target, ModelDrafter.of(draft_lm, deterministic=False), prompt_ids, tree=tree,
+      max_new_tokens=max_new_tokens, sampler=sampling.make_sampler(temperature), seed=seed,
+      cache_len=cache_len)
+  sc = measure.step_costs(target, draft_lm, batch, tree, prompt_len + max_new_tokens // 2,
+                          cache_len, repeats)
+  return {"t_step": costs.t_step, "t_cycle_real": costs.cycle_seconds(tree),
+          "cycle_steps": costs.cycle_steps(tree),
+          "calibration_cached": bool(costs.meta.get("cached")),
+          "t1": sc.t1, "v": sc.v, "c_measured": sc.c,
+          "real_draft_alpha": run.summary().alpha_trial}
 
 
 def group(params_list: list[dict]) -> list[dict]:
@@ -146,10 +165,13 @@ def _metrics(alpha, k, length_B, prompt_len_B, st, costs, c, mc_cycles, seed) ->
   modelled = c is not None
   c_used = float(c) if modelled else costs["c_measured"]
   v = costs["v"]
+  standalone = expected / (k * c_used + v)
   if modelled:
     t_cycle = costs["t1"] * (k * c_used + v)
+    formula = standalone
   else:
     t_cycle = costs["t_cycle_real"]
+    formula = expected / costs["cycle_steps"]
   trials = s.trials
   z_alpha = ((s.alpha_trial - alpha) / np.sqrt(alpha * (1 - alpha) / trials)
              if 0 < alpha < 1 and trials else 0.0)
@@ -163,8 +185,12 @@ def _metrics(alpha, k, length_B, prompt_len_B, st, costs, c, mc_cycles, seed) ->
       "histogram": list(s.histogram), "cycles": s.cycles,
       "cost": "modelled" if modelled else "measured", "c": c_used, "verify_cost": v,
       "speedup": tau_cycle * costs["t_step"] / t_cycle,
-      "speedup_formula": expected / (k * c_used + v),
-      "speedup_formula_mc": mc.tau / (k * c_used + v),
+      "speedup_formula": formula,
+      "predicted_from": "modelled" if modelled else "calibrated",
+      "cycle_steps": None if modelled else costs["cycle_steps"],
+      "calibration_cached": None if modelled else costs["calibration_cached"],
+      "speedup_formula_standalone": standalone,
+      "speedup_formula_mc": mc.tau * formula / expected,
       "t_step_ms": 1e3 * costs["t_step"], "t_cycle_ms": 1e3 * t_cycle,
       "real_draft_alpha": costs["real_draft_alpha"] if not modelled else None,
       "backend": jax.default_backend(), "devices": jax.local_device_count(),
@@ -206,7 +232,7 @@ def report(records: list[dict], run_dir) -> str:
     ks = [r["params"]["k"] for r in rs]
     line, = ax.plot(ks, [r["metrics"]["speedup"] for r in rs], "o", label=f"α={a:g} measured")
     ax.plot(ks, [r["metrics"]["speedup_formula"] for r in rs], "-", color=line.get_color(),
-            label=f"α={a:g} formula")
+            label=f"α={a:g} predicted")
   ax.axhline(1.0, color="gray", lw=0.8)
   ax.set_xlabel("k (drafts per cycle)")
   ax.set_ylabel("speedup vs plain")
@@ -273,7 +299,12 @@ def report(records: list[dict], run_dir) -> str:
   return "\n".join([
       "## α × k", "",
       "The controlled-α drafter makes every draft acceptable with probability α exactly; "
-      f"draft cost {cost} (see experiments/alpha_k_sweep.py). Largest |z| of measured α vs the "
+      f"draft cost {cost} (see experiments/alpha_k_sweep.py). Prediction (lines of the "
+      "speedup plot): "
+      + ("E[τ](α, k) ÷ the calibrated cycle of the real draft's chain(k) in plain target "
+         "steps, timed in the compiled loop (docs/cost_model.md, \"Calibrated loop costs\")"
+         if cost == "measured" else "E[τ](α, k) / (k·c + v) at the modelled c")
+      + f". Largest |z| of measured α vs the "
       f"dial: {worst_za:.2f}; of measured τ vs E[τ]: {worst_z:.2f} (|z| > 3.3 would flag a "
       "disagreement at the 1e-3 level).", "",
       f"![speedup vs k]({speed_png})", "", f"![tau vs k]({tau_png})", "",

@@ -328,8 +328,11 @@ class Agreement:
       return (f"measured ÷ predicted = {self.ratio:.2f}: {verdict} {pct} "
               f"({100 * (self.ratio - 1):+.0f}%)")
     if self.within is None:
+      why = ("speculation never pays in either, so there is no break-even to compare"
+             if self.measured.status == "below 1 everywhere" else
+             "widen the batch range")
       return (f"neither crosses 1 inside the swept batches (both {self.measured.status}): "
-              f"the {pct} goal cannot be judged; widen the batch range")
+              f"the {pct} goal cannot be judged; {why}")
     return (f"NOT within {pct}: measured {self.measured.status}, predicted "
             f"{self.predicted.status}")
 
@@ -421,8 +424,40 @@ def best_k_table(records: Sequence[dict], draft_cost: str = "full") -> list[dict
 # ----------------------------------------------------------------------------- report
 
 
+def _points_table(records: Sequence[dict]) -> list[dict]:
+  """One row per point: α, measured speedup and the three predictions."""
+  rows = []
+  for r in sorted(records, key=lambda r: (r["params"]["batch"], r["params"]["k"])):
+    m = r["metrics"]
+    rows.append({"batch": r["params"]["batch"], "k": r["params"]["k"],
+                 "α_trial": m.get("alpha_trial"), "τ": m.get("tau"),
+                 "speedup": m.get("speedup"), "calibrated": m.get(CALIBRATED),
+                 "efficiency": m.get("efficiency_calibrated"),
+                 "cycle (steps)": m.get("cycle_steps"),
+                 "standalone": m.get("predicted_speedup"), "roofline": m.get("roofline_gain")})
+  return rows
+
+
+def summary_of(records: Sequence[dict], draft_cost: str = "full") -> dict:
+  """The break-evens of a run (what batch_breakeven_summary.json holds): measured,
+  calibrated (None without calibrated predictions) and roofline, with their agreement."""
+  measured = measured_break_even(records)
+  roof, per_k = predicted_break_even(records, draft_cost)
+  out = {"measured": dataclasses.asdict(measured),
+         "roofline": dataclasses.asdict(roof),
+         "roofline_per_k": {str(k): b for k, b in per_k.items()},
+         "measured_vs_roofline": agreement(measured, roof).to_dict(),
+         "calibrated": None, "measured_vs_calibrated": None}
+  if has_calibrated(records):
+    cal = calibrated_break_even(records)
+    out["calibrated"] = dataclasses.asdict(cal)
+    out["measured_vs_calibrated"] = agreement(measured, cal).to_dict()
+  return out
+
+
 def report(records: list[dict], run_dir) -> str:
-  """Break-even measured vs predicted, best k per batch, and the gain-vs-batch plot."""
+  """Break-even measured vs calibrated vs roofline, best k per batch, the points, and the
+  gain-vs-batch plot; the break-evens also go to batch_breakeven_summary.json."""
   from specjax.sweeps import report as rep
 
   draft_cost = records[0]["params"].get("draft_cost", "full")
@@ -432,11 +467,14 @@ def report(records: list[dict], run_dir) -> str:
   measured = measured_break_even(records)
   cost_model = measured_break_even(records, "predicted_speedup")
   predicted, per_k = predicted_break_even(records, draft_cost)
+  with_cal = has_calibrated(records)
+  calibrated = calibrated_break_even(records) if with_cal else None
   table = best_k_table(records, draft_cost)
   varying = sorted(n for n in records[0]["params"] if n not in ("batch", "k") and len(
       {repr(r["params"].get(n)) for r in records}) > 1)
 
-  # Gain vs batch: roofline curves (continuous in batch, per-k pooled α and c) and markers.
+  # Gain vs batch: roofline curves (continuous in batch, per-k pooled α and c), calibrated
+  # predictions (dashed, at the swept batches) and measured markers.
   finite = [b for b in per_k.values() if math.isfinite(b) and b > 1]
   b_hi = max(batches[-1], min(max(finite, default=1.0) * 1.5, 64.0 * batches[-1]))
   bs = np.geomspace(1.0, b_hi, 200)
@@ -444,14 +482,19 @@ def report(records: list[dict], run_dir) -> str:
   for k, (a, c) in _per_k(records).items():
     line, = ax.plot(bs, [roofline.gain(hw, wl, float(b), a, k, c, draft_cost) for b in bs],
                     "-", lw=1.2, label=f"roofline k={k} (α={a:.2f}, c={c:.2f})")
-    pts = sorted((r["params"]["batch"], r["metrics"]["speedup"]) for r in records
-                 if r["params"]["k"] == k)
-    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color=line.get_color(), ms=5,
-            label=f"measured k={k}")
+    mine = sorted((r for r in records if r["params"]["k"] == k),
+                  key=lambda r: r["params"]["batch"])
+    ax.plot([r["params"]["batch"] for r in mine], [r["metrics"]["speedup"] for r in mine], "o",
+            color=line.get_color(), ms=5, label=f"measured k={k}")
+    if with_cal:
+      cal = [(r["params"]["batch"], r["metrics"].get(CALIBRATED, float("nan"))) for r in mine]
+      ax.plot([b for b, _ in cal], [v for _, v in cal], "x--", color=line.get_color(), lw=0.9,
+              ms=5, label=f"calibrated k={k}")
   ax.axhline(1.0, color="gray", lw=0.8)
   for be, style, label in ((measured, "--", "measured break-even"),
+                           (calibrated, "-.", "calibrated break-even"),
                            (predicted, ":", "roofline break-even")):
-    if be.status == "crossed" and be.batch <= b_hi:
+    if be is not None and be.status == "crossed" and be.batch <= b_hi:
       ax.axvline(be.batch, color="black", ls=style, lw=0.9, label=label)
   ax.set_xscale("log", base=2)
   from matplotlib.ticker import FuncFormatter
@@ -463,40 +506,64 @@ def report(records: list[dict], run_dir) -> str:
   ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
   name = rep.save(fig, run_dir / "batch_breakeven_gain.png")
 
+  summary = summary_of(records, draft_cost)
+  try:
+    (run_dir / "batch_breakeven_summary.json").write_text(json.dumps(summary, indent=1))
+  except (OSError, TypeError):  # the report text still carries every figure
+    pass
+
   def roof_text(b: float) -> str:
     return "never pays" if b <= 1.0 else ("not reached" if math.isinf(b) else f"{b:.3g}")
 
   upper = float(batches[-1])
+  cal_lines = [
+      f"- Calibrated break-even batch (loop costs calibrated at each batch, τ per loop "
+      f"iteration from the measured α): {calibrated.text(upper)}",
+      f"- Measured vs calibrated: {agreement(measured, calibrated).text()}",
+  ] if with_cal else [
+      "- Calibrated break-even batch: not available (these results carry no calibrated "
+      "prediction)"]
   lines = [
       "## Batch break-even", "",
+      "Speedup = speculative ÷ plain tokens/s of the decode phase, measured side by side. "
+      "Calibrated = tokens per loop iteration (from the measured α_trial, waiting for the "
+      "batch's slowest row) ÷ the cycle of chain(k) in plain target steps, timed in the "
+      "compiled loops at that batch (docs/cost_model.md, \"Calibrated loop costs\"). "
+      "Roofline = the analytic bandwidth/compute model.", "",
       f"Hardware (calibrated here): {hw.bandwidth / 1e9:.3g} GB/s streaming, "
       f"{hw.flops / 1e9:.3g} GFLOP/s matmul. Workload {wl.name}: W = "
       f"{wl.weight_bytes / 1e6:.3g} MB, F = {wl.flops() / 1e6:.3g} MFLOP/token, "
       f"KV = {wl.kv_bytes_per_token:g} B/token, L = {wl.context_len}.", "",
       f"- Measured break-even batch (best speedup over k = {ks}): {measured.text(upper)}",
+      *cal_lines,
       f"- Predicted break-even batch (roofline, draft_cost = {draft_cost}): "
       f"{predicted.text(ROOFLINE_MAX_BATCH)}; per k: "
       + ", ".join(f"k={k}: {roof_text(b)}" for k, b in per_k.items()),
-      f"- Measured-cost model τ_pred / (k·c + v) break-even: {cost_model.text(upper)}", "",
+      f"- Measured vs roofline: {agreement(measured, predicted).text()}",
+      f"- Standalone-forward model τ_pred / (k·c + v) break-even: {cost_model.text(upper)}",
+      "",
       *([f"Note: {', '.join(varying)} also vary between these points; the analysis pools "
          "them (it assumes only batch and k vary).", ""] if varying else []),
       "Best k per batch: measured (0 = off: no k reached speedup 1), the best swept k on the "
-      "roofline curves of the plot, and `roofline.best_k` over 0..max k at the batch's mean "
-      "α and median c.", "",
+      "roofline curves of the plot, `roofline.best_k` over 0..max k at the batch's mean "
+      "α and median c" + (", and the best k by the calibrated predictions." if with_cal
+                          else "."), "",
       rep.markdown_table(table, list(table[0])) if table else "", "",
+      "Every point:", "",
+      rep.markdown_table(_points_table(records), list(_points_table(records)[0])), "",
       f"![gain vs batch]({name})", "",
-      "Reading this honestly: on a CPU with tiny models the engine is overhead-bound. A "
+      "Reading this honestly: on a CPU with small models the engine is overhead-bound. A "
       "decode step of a model of a few MB costs far more than its bytes / bandwidth or its "
       "FLOPs / FLOP/s: dispatch, loop control, sampling and small-matmul inefficiency "
       "dominate, and those are paid per step whatever the batch. The roofline knows "
-      "bandwidth and compute only (and its bandwidth is a DRAM stream, while these weights "
-      "sit in cache), so it ignores per-step overheads: its break-even and best k need not "
-      "match the measured ones, and where they disagree, that disagreement is the finding. "
-      "The measured-cost model prices the forwards at their measured wall times but not the "
-      "speculative loop's own work between them (draft control flow, acceptance, cache "
-      "commits): the efficiency column (measured ÷ that prediction) shows what it costs. "
-      "α varies with the batch because each batch decodes a different prompt set (batch 1 "
-      "is one prompt); the per-point predictions use the point's own α and c, the curves "
+      "bandwidth and compute only (and its bandwidth is a DRAM stream, while small weights "
+      "sit in cache), so its break-even and best k need not match the measured ones. The "
+      "standalone-forward model prices the forwards at their measured wall times but not "
+      "the speculative loop's own work between them (draft control flow, acceptance, cache "
+      "commits). The calibrated model times that loop itself at each batch, so it is the "
+      "one the measured break-even is judged against; what it still misses is α's "
+      "variation (each batch decodes a different prompt set; batch 1 is one prompt) and "
+      "timing noise. The per-point predictions use the point's own α; the roofline curves "
       "and break-evens each k's mean α and median c.", "",
   ]
   return "\n".join(lines)

@@ -15,21 +15,32 @@ decode phase's part of its call). Both are the fastest of `repeats` alternated c
 only slows a call down and the decode phase is a difference of two times); a difference
 lost in the noise (decode phase <= 0) gives NaN: raise max_new_tokens.
 
-Beside the measurement, the roofline (specjax.roofline) for this machine, calibrated once
-per process (`roofline.calibrate`: streaming bandwidth, matmul FLOP/s) and this target
-(`Workload.from_model_config`), at the measured α (per trial) and the measured c:
+The prediction beside the measurement (`predicted_speedup`, `efficiency` = measured ÷ it) is
+the loop's calibrated cost model (`specjax.calibration`, docs/cost_model.md, "Calibrated
+loop costs"): the compiled plain and chain(k) loops are timed at this context, batch,
+budget and cache length (the fastest of `calibration_repeats` alternated calls, cached on
+disk), giving a cycle in plain target steps; the tokens one loop iteration emits come from
+the geometric law at the measured α (per trial) through `calibration.tokens_per_iteration`
+(a batch waits for its slowest row):
+
+    predicted = τ_loop ÷ cycle_steps(chain(k)).
+
+Beside it, two models for comparison. The roofline (`roofline_gain`; specjax.roofline) for
+this machine, calibrated once per process (`roofline.calibrate`: streaming bandwidth,
+matmul FLOP/s) and this target (`Workload.from_model_config`), at the measured α and c:
 
     t(B, T)   = max((W + B·S·kv) / BW, T·B·F(S) / FLOPS)        predicted plain step: T = 1
-    predicted = E[τ](α, k)·t(B, 1) / (t(B, k+1) + k·c·t(B, 1))  ("full" draft cost)
+    gain      = E[τ](α, k)·t(B, 1) / (t(B, k+1) + k·c·t(B, 1))  ("full" draft cost)
 
 with S = the cache length, the slots every step's attention reads (this engine attends over
 the whole cache buffer, masked): the engine's `decoding.cache_len_for` (the prompt's
 power-of-two bucket + max_new_tokens + k + 1, rounded up to a power of two). c = (draft root
 step of 2 tokens + (k−1) one-token steps) ÷ (k · one-token target step), timed standalone
-at the run's mean context (`measure.step_costs`, medians of 3·repeats samples). A second
-prediction uses the measured forward times instead of the roofline's: E[τ](α, k) / (k·c + v),
-v = t_target(k+1) ÷ t_target(1). The tiny models run past their 256-token training length
-(RoPE positions), so α itself changes with L; it is measured at every point.
+at the run's mean context (`measure.step_costs`, medians of 3·repeats samples). And the
+standalone forward times (`predicted_speedup_timed`): E[τ](α, k) / (k·c + v), v =
+t_target(k+1) ÷ t_target(1). The tiny models run past their 256-token training length
+(RoPE positions), so α itself changes with L; it is measured at every point, and the
+"_ref_alpha" columns hold α at `reference_alpha` to show the context's own effect.
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ import math
 import jax
 
 from experiments import measure
-from specjax import decoding, roofline, theory, trees
+from specjax import calibration, decoding, roofline, theory, trees
 
 MAX_CONTEXT = 1 << 16
 MAX_K = 32
@@ -54,6 +65,8 @@ def validate(params: dict) -> None:
   measure.check_int(params, "seed", 0, 0)
   measure.check_number(params, "temperature", 0.0, 0)
   measure.check_number(params, "reference_alpha", 0.8, 0, 1, hi_open=True)
+  measure.check_int(params, "calibration_repeats", 3, 1)
+  measure.check_choice(params, "recalibrate", False, (False, True))
   models = measure.check_choice(params, "models", "default", measure.MODELS)
   for cfg in measure.model_configs(models):
     need = context_len + new + k + 1
@@ -81,21 +94,37 @@ def long_prompts(tok, texts, batch: int, context_len: int) -> list[list[int]]:
 
 def point(context_len: int, batch: int = 4, k: int = 4, max_new_tokens: int = 64,
           temperature: float = 0.0, repeats: int = 3, models: str = "default",
-          seed: int = 0, reference_alpha: float = 0.8) -> dict:
+          seed: int = 0, reference_alpha: float = 0.8, calibration_repeats: int = 3,
+          recalibrate: bool = False) -> dict:
   target, draft, tok, texts = measure.models(models)
-  cmp = measure.compare(target, draft, long_prompts(tok, texts, batch, context_len),
-                        tree=trees.chain(k), max_new_tokens=max_new_tokens, repeats=repeats,
-                        temperature=temperature, seed=seed, forward_repeats=3 * repeats,
-                        statistic="fastest", decode_only=True)
-  cache_len, c, v = cmp.cache_len, cmp.costs.c, cmp.costs.v
+  tree = trees.chain(k)
+  prompt_ids = long_prompts(tok, texts, batch, context_len)
+  cache_len = calibration.default_cache_len(target, draft, prompt_ids, [tree], max_new_tokens)
+  costs = calibration.calibrate(target, draft, prompt_ids, [tree],
+                                max_new_tokens=max_new_tokens, repeats=calibration_repeats,
+                                temperature=temperature, seed=seed, cache_len=cache_len,
+                                recalibrate=recalibrate, statistic="fastest")
+  cmp = measure.compare(target, draft, prompt_ids, tree=tree, max_new_tokens=max_new_tokens,
+                        repeats=repeats, temperature=temperature, seed=seed,
+                        cache_len=cache_len, statistic="fastest", decode_only=True,
+                        loop_costs=costs)
+  sc = measure.step_costs(target, draft, batch, tree, cmp.context, cache_len, 3 * repeats)
+  c, v = sc.c, sc.v
   summary = cmp.spec.summary()
   alpha = summary.alpha_trial if summary.alpha_trial == summary.alpha_trial else 0.0
+  alpha = min(max(alpha, 0.0), 1.0)
   tau_pred = float(theory.expected_tokens(alpha, k))
   measured = cmp.speedup
 
+  def calibrated(a: float) -> tuple[float, float]:
+    tau = calibration.tokens_per_iteration(calibration.chain_length_probs(a, k), batch,
+                                           max_new_tokens - 1)
+    return tau, costs.predicted_speedup(tree, tau)
+
+  tau_loop, predicted = calibrated(alpha)
   hw = measure.hardware()
   wl = roofline.Workload.from_model_config(target.config, cache_len)
-  predicted = roofline.gain(hw, wl, batch, alpha, k, c)
+  roof = roofline.gain(hw, wl, batch, alpha, k, c)
   # At a fixed α the context's own effect shows, apart from the tiny models' α drift.
   tau_ref = float(theory.expected_tokens(reference_alpha, k))
   kv_bytes = batch * cache_len * wl.kv_bytes_per_token
@@ -105,12 +134,16 @@ def point(context_len: int, batch: int = 4, k: int = 4, max_new_tokens: int = 64
       "decode_share": (cmp.plain_s - cmp.plain_prefill_s) / cmp.plain_s,
       "predicted_speedup": predicted,
       "efficiency": cmp.efficiency(predicted),
-      "predicted_speedup_timed": cmp.predicted(tau_pred),
-      "predicted_speedup_timed_ref_alpha": cmp.predicted(tau_ref),
+      "tau_loop_predicted": tau_loop, "cycle_steps": costs.cycle_steps(tree),
+      "t_step_ms": 1e3 * costs.t_step, "calibration_cached": bool(costs.meta.get("cached")),
+      "predicted_speedup_ref_alpha": calibrated(reference_alpha)[1],
+      "roofline_gain": roof, "efficiency_roofline": cmp.efficiency(roof),
+      "predicted_speedup_timed": tau_pred / sc.cycle,
+      "predicted_speedup_timed_ref_alpha": tau_ref / sc.cycle,
       "roofline_gain_ref_alpha": roofline.gain(hw, wl, batch, reference_alpha, k, c),
       "alpha": summary.alpha, "alpha_trial": summary.alpha_trial, "tau": summary.tau,
       "tau_predicted": tau_pred, "c": c, "verify_cost": v,
-      "plain_step_ms": 1e3 * cmp.costs.t1,
+      "plain_step_ms": 1e3 * sc.t1,
       "roofline_step_ms": 1e3 * roofline.step_time(hw, wl, batch, 1),
       "memory_bound_factor": roofline.memory_bound_factor(hw, wl, batch, 1),
       "memory_bound_factor_verify": roofline.memory_bound_factor(hw, wl, batch, k + 1),
@@ -139,7 +172,9 @@ def report(records: list[dict], run_dir) -> str:
     for xi, yi, a in zip(x, m("speedup"), m("alpha_trial")):  # α moves with L too
       ax_s.annotate(f"α={a:.2f}", (xi, yi), textcoords="offset points", xytext=(0, 6),
                     fontsize=7, color=col, ha="center")
-    ax_s.plot(x, m("predicted_speedup"), "x--", color=col, label=f"{label} roofline")
+    mg = lambda name: [r["metrics"].get(name, float("nan")) for r in rows]  # noqa: E731
+    ax_s.plot(x, m("predicted_speedup"), "*-", color=col, label=f"{label} calibrated")
+    ax_s.plot(x, mg("roofline_gain"), "x--", color=col, label=f"{label} roofline")
     ax_s.plot(x, m("predicted_speedup_timed"), "s:", color=col, label=f"{label} timed")
     ref = p.get("reference_alpha", 0.8)
     ax_s.plot(x, m("roofline_gain_ref_alpha"), "+-.", color=col, alpha=0.6,
@@ -166,7 +201,10 @@ def report(records: list[dict], run_dir) -> str:
   return "\n".join([
       "## Long context", "",
       "Speedup = speculative ÷ plain tokens/s measured side by side at each context length; "
-      "roofline = predicted from this machine's calibrated bandwidth "
+      "calibrated = predicted from the loop's calibrated costs at that context (tokens per "
+      "loop iteration from the measured α ÷ the cycle in plain target steps, timed in the "
+      "compiled loop; docs/cost_model.md, \"Calibrated loop costs\"; efficiency = measured "
+      "÷ calibrated); roofline = predicted from this machine's calibrated bandwidth "
       f"({hw['bandwidth_GBs']:.3g} GB/s) and FLOP/s ({hw['flops_G']:.3g} GFLOP/s) at the "
       "measured α (per trial, annotated: the tiny models were trained on 256-token windows) "
       "and c; timed = predicted from standalone forward timings; the lines 'at α=…' hold α "

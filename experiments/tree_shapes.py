@@ -14,18 +14,29 @@ cycle (root excluded) whatever the shape,
 
 Candidates are the draft's top-k (deterministic, point-mass rule) unless deterministic=False;
 the greedy identity with plain decoding is checked at T = 0. Plain and speculative decoding
-of the same prompts are timed side by side (`measure.compare`), end to end as in the
-quickstart (the short prompt's prefill included).
+of the same prompts are timed side by side (`measure.compare`), decode phase only (each call
+is also timed with max_new_tokens = 1 and the prefill subtracted), as in the quickstart.
 
-The prediction beside the measurement comes from standalone forward timings at the run's
-mean context length (same process, same cache length; `measure.step_costs`):
+The prediction beside the measurement is the loop's calibrated cost model
+(`specjax.calibration`, docs/cost_model.md, "Calibrated loop costs"): the compiled loop of
+this point's shape is timed at this batch, temperature, budget and cache length with the
+same drafter (cached on disk), giving its cycle in plain target steps; the tokens one loop
+iteration emits come from the measured reach by depth, P(n ≥ d) = depth_accepted ÷ cycles
+(`calibration.length_probs_from_reach`), through `calibration.tokens_per_iteration` (a
+batch runs until its slowest row has emitted its budget):
+
+    predicted = τ_loop ÷ cycle_steps(tree),   efficiency = measured / predicted speedup.
+
+Kept beside it (`predicted_speedup_standalone`, decode_ms / draft_ms / verify_ms): the
+prediction from standalone forward timings at the run's mean context length (same process,
+same cache length; `measure.step_costs`),
 
     cycle     = t_draft(2) + Σ_{levels 2..D} t_draft(W) + t_target(N + 1)
-    predicted = τ · t_target(1) / cycle,       efficiency = measured / predicted speedup,
+    predicted = τ · t_target(1) / cycle,
 
 one draft pass per tree level (a level's nodes share a pass: W = the widest fed level; the
-root step feeds 2 tokens), one target pass over the N + 1 nodes. What efficiency loses is
-loop overhead (acceptance, bookkeeping, cache compaction).
+root step feeds 2 tokens), one target pass over the N + 1 nodes; it misses the loop's own
+work (acceptance, bookkeeping, cache compaction).
 
 Every run and timing of a point reads the cache length `decoding.cache_len_for` gives for
 2 (N + 1) slots per cycle (more if the drafter writes more): the shapes of one budget then
@@ -41,6 +52,7 @@ import jax
 import numpy as np
 
 from experiments import measure
+from specjax import calibration as loop_calibration
 from specjax import decoding, sampling, trees
 from specjax.drafters.model import ModelDrafter
 
@@ -51,12 +63,15 @@ MAX_BUDGET = 64
 def validate(params: dict) -> None:
   measure.check_choice(params, "shape", None, SHAPES)
   measure.check_int(params, "budget", 1, 1, MAX_BUDGET)
-  for name, lo in (("batch", 1), ("max_new_tokens", 1), ("repeats", 1), ("prompt_len", 8),
+  for name, lo in (("batch", 1), ("max_new_tokens", 2), ("repeats", 1), ("prompt_len", 8),
                    ("dynamic_depth", 1), ("dynamic_width", 1), ("branch_width", 2),
                    ("seed", 0)):
     measure.check_int(params, name, lo, lo)
   measure.check_number(params, "temperature", 0.0, 0)
   measure.check_choice(params, "models", "default", measure.MODELS)
+  measure.check_int(params, "calibration_repeats", 3, 1)
+  measure.check_choice(params, "statistic", "median", loop_calibration.STATISTICS)
+  measure.check_choice(params, "recalibrate", False, (False, True))
   if not isinstance(params.get("deterministic", True), bool):
     raise ValueError(f"deterministic must be True or False, got {params['deterministic']!r}")
   widths = params.get("calib_widths", (4, 2, 2))
@@ -126,20 +141,33 @@ def point(shape: str, budget: int, temperature: float = 0.0, batch: int = 1,
           max_new_tokens: int = 64, prompt_len: int = 64, repeats: int = 3,
           calib_widths: tuple = (4, 2, 2), branch_width: int = 2, dynamic_depth: int = 5,
           dynamic_width: int = 3, deterministic: bool = True, models: str = "default",
-          seed: int = 0) -> dict:
+          seed: int = 0, calibration_repeats: int = 3, statistic: str = "median",
+          recalibrate: bool = False) -> dict:
   target, draft, tok, texts = measure.models(models)
   rank_probs = None
   if shape == "optimal":
     rank_probs = calibration(models, float(temperature), tuple(calib_widths), batch,
                              prompt_len, max_new_tokens, deterministic, seed)
   tree = make_tree(shape, budget, rank_probs, branch_width, dynamic_depth, dynamic_width)
-  cmp = measure.compare(target, draft, measure.prompts(tok, texts, batch, prompt_len),
-                        tree=tree, max_new_tokens=max_new_tokens, repeats=repeats,
-                        temperature=temperature, seed=seed, deterministic=deterministic,
-                        cache_len=_cache_len(prompt_len, max_new_tokens, tree, draft),
-                        forward_repeats=3 * repeats)
+  prompt_ids = measure.prompts(tok, texts, batch, prompt_len)
+  cache_len = _cache_len(prompt_len, max_new_tokens, tree, draft)
+  costs = loop_calibration.calibrate(
+      target, draft, prompt_ids, [tree], max_new_tokens=max_new_tokens,
+      repeats=calibration_repeats, temperature=temperature, seed=seed, cache_len=cache_len,
+      recalibrate=recalibrate, statistic=statistic,
+      drafter_for=lambda model, _t: ModelDrafter.of(model, deterministic=deterministic))
+  cmp = measure.compare(target, draft, prompt_ids, tree=tree, max_new_tokens=max_new_tokens,
+                        repeats=repeats, temperature=temperature, seed=seed,
+                        deterministic=deterministic, cache_len=cache_len, decode_only=True,
+                        loop_costs=costs, statistic=statistic)
+  sc = measure.step_costs(target, draft, batch, tree, cmp.context, cache_len, 3 * repeats)
   ts = cmp.spec.tree_summary()
-  predicted = cmp.predicted(ts.tau)
+  st = cmp.spec.stats
+  reach = st["depth_accepted"].sum(axis=0) / max(int(st["cycles"].sum()), 1)
+  tau_loop = loop_calibration.tokens_per_iteration(
+      loop_calibration.length_probs_from_reach(reach), batch, max_new_tokens - 1)
+  predicted = cmp.predicted(tau_loop)
+  standalone = ts.tau / sc.cycle
   static = isinstance(tree, trees.TreeSpec)
   return {
       "tau": ts.tau, "alpha": ts.utilisation,
@@ -147,11 +175,15 @@ def point(shape: str, budget: int, temperature: float = 0.0, batch: int = 1,
       "plain_tok_s": cmp.plain_tok_s, "spec_tok_s": cmp.spec_tok_s, "speedup": cmp.speedup,
       "predicted_speedup": predicted,
       "efficiency": cmp.efficiency(predicted),
+      "tau_loop_predicted": tau_loop, "cycle_steps": costs.cycle_steps(tree),
+      "t_step_ms": 1e3 * costs.t_step, "calibration_cached": bool(costs.meta.get("cached")),
+      "predicted_speedup_standalone": standalone,
+      "efficiency_standalone": cmp.efficiency(standalone),
       "identical_to_plain": cmp.identical if temperature == 0 else None,
       "nodes_per_cycle": ts.verified / ts.cycles if ts.cycles else float("nan"),
       "depth": tree.max_depth, "width": tree.max_width,
-      "decode_ms": 1e3 * cmp.costs.t1, "draft_ms": 1e3 * cmp.costs.t_draft,
-      "verify_ms": 1e3 * cmp.costs.t_verify,
+      "decode_ms": 1e3 * sc.t1, "draft_ms": 1e3 * sc.t_draft,
+      "verify_ms": 1e3 * sc.t_verify,
       "tree": (f"levels {tree.level_sizes[1:].tolist()}" if static else
                f"dynamic depth {tree.depth} width {tree.width}"),
       "parents": list(tree.parents) if static else None,
@@ -201,6 +233,10 @@ def report(records: list[dict], run_dir) -> str:
           ax.plot([r["params"]["budget"] for r in rs],
                   [r["metrics"]["predicted_speedup"] for r in rs], "x--",
                   color=line.get_color())
+          if all("predicted_speedup_standalone" in r["metrics"] for r in rs):
+            ax.plot([r["params"]["budget"] for r in rs],
+                    [r["metrics"]["predicted_speedup_standalone"] for r in rs], "+:",
+                    color=line.get_color())
       if key == "speedup":
         ax.axhline(1.0, color="gray", lw=0.8)
       ax.set_xscale("log", base=2)
@@ -234,8 +270,12 @@ def report(records: list[dict], run_dir) -> str:
                   for r in records if r["metrics"].get("rank_probs")})
   lines = ["## Tree shapes at equal node budgets", "",
            "τ = tokens per verification; speedup = speculative ÷ plain tokens/s measured side "
-           "by side; dashed = predicted from forward timings (one draft pass per level + one "
-           "target pass over N + 1 nodes). See experiments/tree_shapes.py.", "",
+           "by side (decode phase); dashed = predicted from the calibrated loop costs (tokens "
+           "per loop iteration from the measured acceptance by depth ÷ the shape's cycle in "
+           "plain target steps, timed in the compiled loop; docs/cost_model.md, \"Calibrated "
+           "loop costs\"); dotted = predicted from standalone forward timings (one draft pass "
+           "per level + one target pass over N + 1 nodes). See experiments/tree_shapes.py.",
+           "",
            f"![tau vs budget per shape]({figs['tau']})", "",
            f"![speedup vs budget per shape]({figs['speedup']})", "",
            f"![acceptance by tree depth]({figs['depth']})", ""]

@@ -12,6 +12,14 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # `specjax run` keeps a persistent XLA cache in the user cache dir; tests must not write there.
 os.environ.setdefault("SPECJAX_NO_COMPILATION_CACHE", "1")
+# Nor anything else (trained models, loop calibrations): one throwaway cache dir per session,
+# unless the caller named one.
+if "SPECJAX_CACHE_DIR" not in os.environ:
+  import atexit
+  import shutil
+  import tempfile
+  os.environ["SPECJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="specjax-tests-")
+  atexit.register(shutil.rmtree, os.environ["SPECJAX_CACHE_DIR"], ignore_errors=True)
 # Tests compile many small programs and run each briefly: LLVM optimisation level 0 halves
 # XLA:CPU compile time. Benchmarks and real runs keep the default level.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):

@@ -62,7 +62,8 @@ def test_quickstart_reduced_end_to_end(tmp_path, monkeypatch, capsys):
   assert s.table.count("\n") >= 10 and "efficiency" in s.table
 
 
-def test_alpha_k_sweep_runs_vectorised_and_tracks_the_dial(tmp_path):
+def test_alpha_k_sweep_runs_vectorised_and_tracks_the_dial(tmp_path, monkeypatch):
+  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))  # a fresh calibration
   s = launch.run("alpha_k_sweep", out=str(tmp_path / "ak"), progress=False,
                  bindings=['sweeps.Sweep.axes = {"alpha": [0.3, 0.9], "k": [3]}',
                            'sweeps.Sweep.fixed = {"models": "random", "max_new_tokens": 48, '
@@ -75,11 +76,18 @@ def test_alpha_k_sweep_runs_vectorised_and_tracks_the_dial(tmp_path):
     assert abs(m["z_alpha"]) < 4.0, m  # measured α agrees with the dial
     assert abs(m["z_tau"]) < 4.0, m  # measured τ agrees with E[τ]
     assert m["cost"] == "measured" and m["speedup"] > 0 and m["speedup_formula"] > 0
+    # measured draft: the calibrated loop costs give both the speedup and the prediction
+    assert m["predicted_from"] == "calibrated" and m["cycle_steps"] > 0
+    assert m["speedup_formula"] == pytest.approx(m["tau_expected"] / m["cycle_steps"])
+    assert m["speedup"] == pytest.approx(m["tau_cycle"] / m["cycle_steps"])
+    assert m["speedup_formula_standalone"] > 0  # the standalone-forward column, kept
     assert sum(m["histogram"]) == m["cycles"]
   assert records[1]["metrics"]["tau_cycle"] > records[0]["metrics"]["tau_cycle"]
   for png in ("alpha_k_speedup", "alpha_k_tau", "alpha_k_heatmap", "alpha_k_run_lengths"):
     assert (tmp_path / "ak" / f"{png}.png").stat().st_size > 1000, png
-  assert "## α × k" in (tmp_path / "ak" / "report.md").read_text()
+  text = (tmp_path / "ak" / "report.md").read_text()
+  assert "## α × k" in text and "calibrated cycle of the real draft" in text
+  assert len(list((tmp_path / "cache" / "calibration").glob("*.json"))) == 1  # one per k
 
 
 @pytest.mark.parametrize("change, match", [
