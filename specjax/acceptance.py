@@ -150,7 +150,7 @@ class _Rule(NamedTuple):
 
   accept: Callable[[jax.Array, jax.Array, jax.Array], jax.Array] = accept_test
   residual: Callable[[jax.Array, jax.Array], jax.Array] = residual
-  sample: Callable[[jax.Array, jax.Array], jax.Array] = sample_from_uniforms  # (u_NV, w_NV)
+  sample: Callable[[jax.Array, jax.Array], jax.Array] = sample_from_uniforms  # (u_N1, w_NV)
 
 
 _EXACT = _Rule()
@@ -172,9 +172,9 @@ def _accept_chain(key: jax.Array, draft_tokens_BK: jax.Array, p_BKV1: jax.Array,
                   q_BKV: jax.Array | None, rule: _Rule) -> ChainResult:
   """accept_chain with the rule's pieces as parameters (see accept_chain)."""
   B, K, V = _check_chain_shapes(draft_tokens_BK, p_BKV1, q_BKV)
-  # All randomness in one draw: K test uniforms and V uniforms for the emitted token's
-  # Gumbel-max sample, per row, all independent.
-  u_BW = uniforms_for(key, (B, K + V), p_BKV1)  # W = k + V (constant when p is greedy)
+  # All randomness in one draw: K test uniforms and one uniform for the emitted token's
+  # inverse-CDF sample, per row, all independent.
+  u_BW = uniforms_for(key, (B, K + 1), p_BKV1)  # W = k + 1 (constant when p is greedy)
   u_BK, u_BV = u_BW[:, :K], u_BW[:, K:]
   draft_BK = draft_tokens_BK.astype(jnp.int32)
   p_BKV1 = p_BKV1.astype(jnp.float32)
@@ -214,7 +214,7 @@ def accept_chain(key: jax.Array, draft_tokens_BK: jax.Array, p_BKV1: jax.Array,
                  q_BKV: jax.Array | None = None) -> ChainResult:
   """Exact speculative acceptance of one drafted chain per row.
 
-  key: PRNG key; one draw of [B, k + V] uniforms (k for the tests, V for the emitted token).
+  key: PRNG key; one draw of [B, k + 1] uniforms (k for the tests, 1 for the emitted token).
   draft_tokens_BK: int [B, k] drafted tokens.
   p_BKV1: float32 [B, k+1, V] warped target probabilities at the k+1 verified positions
     (position i is the distribution of the token after the context + first i drafts).
@@ -305,7 +305,7 @@ def _accept_tree(key, layout: VerifyLayout, tokens_BT, p_BTV, q_BTV,
   B, T, V = p_BTV.shape
   children_BTW = layout.children_for(B)
   D, W = layout.max_depth, layout.max_width
-  u_BX = uniforms_for(key, (B, D * W + V), p_BTV)  # D·W tests, then V for the emitted token
+  u_BX = uniforms_for(key, (B, D * W + 1), p_BTV)  # D·W tests, then 1 for the emitted token
   tokens_BT = tokens_BT.astype(jnp.int32)
   p_BTV = p_BTV.astype(jnp.float32)
   stochastic = q_BTV is not None
@@ -366,7 +366,7 @@ def accept_tree(key: jax.Array, layout: VerifyLayout, tokens_BT: jax.Array, p_BT
                 q_BTV: jax.Array | None = None) -> TreeResult:
   """Exact speculative acceptance of one token tree per row (recursive rejection sampling).
 
-  key: PRNG key; one draw of [B, D·W + V] uniforms (D = max depth, W = max width).
+  key: PRNG key; one draw of [B, D·W + 1] uniforms (D = max depth, W = max width).
   layout: the verify layout (`tree.layout(proposal)`, trees.VerifyLayout): the children
     table (rank order, -1 padded; [T, W] shared by all rows or [B, T, W] per row) and the
     depth bound D are what the rule reads.

@@ -200,8 +200,8 @@ def warp(logits_NV: jax.Array, sampler: SamplerParams) -> jax.Array:
 def uniforms(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   """float32 U(tiny, 1) noise: what sample_from_uniforms and the acceptance test consume.
 
-  The lower end is the smallest normal float32 (1.2e-38), not 0, so -log(-log u) is finite.
-  As a stand-in for U[0, 1) this shifts any probability by at most 1.2e-38.
+  The lower end is the smallest normal float32 (1.2e-38), not 0. As a stand-in for U[0, 1)
+  this shifts any probability by at most 1.2e-38.
   """
   return jax.random.uniform(key, shape, jnp.float32, minval=jnp.finfo(jnp.float32).tiny,
                             maxval=1.0)
@@ -216,30 +216,40 @@ def _argmax(probs_NV: jax.Array) -> jax.Array:
   return jnp.argmax(probs_NV, axis=-1).astype(jnp.int32)
 
 
-def _gumbel_max(u_NV: jax.Array, probs_NV: jax.Array) -> jax.Array:
-  g_NV = -jnp.log(-jnp.log(u_NV.astype(jnp.float32)))
-  p_NV = probs_NV.astype(jnp.float32)
-  positive_NV = p_NV > 0.0
-  score_NV = jnp.where(positive_NV, jnp.log(jnp.where(positive_NV, p_NV, 1.0)) + g_NV, -jnp.inf)
-  return jnp.argmax(score_NV, axis=-1).astype(jnp.int32)
+def _inverse_cdf(u_N1: jax.Array, probs_NV: jax.Array) -> jax.Array:
+  """The token v with c[v-1] <= u·c[V-1] < c[v], c = cumsum(w) (w = probs, unnormalised ok).
 
-
-def sample_from_uniforms(u_NV: jax.Array, probs_NV: jax.Array) -> jax.Array:
-  """Categorical sample [...] from probabilities [..., V] given i.i.d. U(0, 1) noise [..., V].
-
-  Gumbel-max: argmax_v(log p_v + g_v) with g_v = -log(-log u_v) ~ Gumbel(0, 1) picks v with
-  probability p_v / sum(p) (unnormalised weights are fine). Zero-probability tokens get -inf
-  and can never win (the noise is finite), so a one-hot returns exactly its hot index.
-  Float32 noise resolves probabilities down to about 1e-7 relative to the row's largest;
-  that is far below anything a test or a decode could observe. A row of zeros returns 0.
-  Taking the noise as an argument lets a caller draw all its randomness in one call (one
-  threefry kernel to compile instead of several).
-
-  When every row is a point mass (greedy decoding), the result is the hot index whatever the
-  noise: a `lax.cond` skips the two logarithms over V (~3 ms per 50k-token row on a CPU).
-  Same result either way; under vmap with a batched predicate both branches run.
+  Token v is picked with probability w_v / sum(w), up to float32 rounding of the prefix sums
+  and of u (resolution ~1e-7 relative to the row's mass). A zero-weight token has
+  c[v] = c[v-1] and is never picked: the count of prefix sums <= u·c[V-1] skips it, and a
+  count that rounding pushed past the last positive token is clamped back to it. A row of
+  zeros returns 0.
   """
-  return jax.lax.cond(point_masses(probs_NV), lambda u, p: _argmax(p), _gumbel_max, u_NV,
+  p_NV = probs_NV.astype(jnp.float32)
+  c_NV = jnp.cumsum(p_NV, axis=-1)
+  t_N1 = u_N1.astype(jnp.float32) * c_NV[..., -1:]
+  idx_N = jnp.sum(c_NV <= t_N1, axis=-1, dtype=jnp.int32)
+  v = jnp.arange(p_NV.shape[-1], dtype=jnp.int32)
+  last_N = jnp.max(jnp.where(p_NV > 0.0, v, 0), axis=-1)  # last positive token (0 if none)
+  return jnp.minimum(idx_N, last_N)
+
+
+def sample_from_uniforms(u_N1: jax.Array, probs_NV: jax.Array) -> jax.Array:
+  """Categorical sample [...] from probabilities [..., V] given one U(0, 1) per row [..., 1].
+
+  Inverse CDF (`_inverse_cdf`): one uniform and one prefix sum per row, where Gumbel-max
+  needed V uniforms and two logarithms over V (a threefry kernel over V per draw cost
+  ~0.06 ms at V = 2048 on CPU, several times a cycle). Unnormalised weights are fine;
+  zero-probability tokens are never returned, so a one-hot returns exactly its hot index.
+  Only u[..., 0] is read (a wider noise array is accepted). Taking the noise as an argument
+  lets a caller draw all its randomness in one call (one threefry kernel to compile).
+
+  When every row is a point mass (greedy decoding), the result is the argmax whatever the
+  noise: a `lax.cond` skips the prefix sum. Same result either way; under vmap with a
+  batched predicate both branches run.
+  """
+  u_N1 = u_N1[..., :1]
+  return jax.lax.cond(point_masses(probs_NV), lambda u, p: _argmax(p), _inverse_cdf, u_N1,
                       probs_NV)
 
 
@@ -247,20 +257,21 @@ def sample(key: jax.Array, probs_NV: jax.Array) -> jax.Array:
   """Categorical sample from probabilities [..., V] -> int32 tokens [...].
 
   Exact argmax for a one-hot; never a zero-probability token (see sample_from_uniforms).
-  When every row is a point mass no noise is drawn (`lax.cond`): greedy decoding skips V
-  uniforms and two logarithms over V per row.
+  One uniform per row (inverse CDF); when every row is a point mass no noise is drawn
+  (`lax.cond`): greedy decoding skips the threefry kernel and the prefix sum.
   """
   return jax.lax.cond(point_masses(probs_NV), lambda k, p: _argmax(p),
-                      lambda k, p: _gumbel_max(uniforms(k, p.shape), p), key, probs_NV)
+                      lambda k, p: _inverse_cdf(uniforms(k, p.shape[:-1] + (1,)), p),
+                      key, probs_NV)
 
 
 def uniforms_for(key: jax.Array, shape: tuple[int, ...], probs: jax.Array) -> jax.Array:
   """`uniforms(key, shape)`, or a constant 0.5 when every row of `probs` is a point mass.
 
   For the acceptance rules: with a point-mass target law every test u·q(x) < p(x) (p(x) in
-  {0, 1}, residuals renormalised) and every Gumbel-max sample has the same outcome for any u
-  in (0, 1), so greedy decoding skips drawing V uniforms per row (~2 ms per 50k-token row
-  on a CPU) and stays bit-identical; sampled decoding draws exactly what it drew before.
+  {0, 1}, residuals renormalised) and every sample of a point mass has the same outcome
+  for any u in (0, 1), so greedy decoding skips the threefry kernel and stays
+  bit-identical.
   """
   return jax.lax.cond(point_masses(probs), lambda k: jnp.full(shape, 0.5, jnp.float32),
                       lambda k: uniforms(k, shape), key)
