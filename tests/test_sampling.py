@@ -266,7 +266,7 @@ def test_sample_never_returns_zero_probability_token():
 
 
 def test_sample_distribution_chi_square():
-  """Gumbel-max frequencies match p (χ² at false-alarm rate 1e-3; fixed seed)."""
+  """Sampled frequencies match p (χ² at false-alarm rate 1e-3; fixed seed)."""
   p = np.asarray([0.05, 0.3, 0.0, 0.15, 0.4, 0.1])
   n = 200_000  # the shape of the zero-probability test: one compile for both
   x = np.asarray(sample_jit(jax.random.key(8), jnp.broadcast_to(jnp.asarray(p, jnp.float32),
