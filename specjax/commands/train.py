@@ -17,21 +17,13 @@ import pathlib
 import sys
 
 
-def _preset(name: str) -> str:
-  from specjax.training.presets import get_preset
-  try:
-    return get_preset(name).name
-  except ValueError as e:
-    raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def _preset_name(args) -> str:
   from specjax.training.presets import DEFAULT_PRESET
   return args.preset or DEFAULT_PRESET
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--preset", default=None, type=_preset,
+  p.add_argument("--preset", default=None,
                  help="size preset: base, tiny or small (default: the embedded pair's, base)")
   p.add_argument("--corpus", default="code",
                  help="'code', 'prose' (embedded, from Python's standard library) or a "
@@ -79,7 +71,7 @@ def add_parser(subparsers) -> None:
   p.set_defaults(func=run_draft)
 
   p = sub.add_parser("defaults", help="build (first use) or load the cached default pair")
-  p.add_argument("--preset", default=None, type=_preset,
+  p.add_argument("--preset", default=None,
                  help="size preset (default: the embedded pair's, base)")
   p.add_argument("--corpus", default="code", choices=("code", "prose"))
   p.add_argument("--rebuild", action="store_true", help="discard the cached pair and retrain")
@@ -89,7 +81,7 @@ def add_parser(subparsers) -> None:
   p = sub.add_parser("measure", help="validation bits/byte and greedy acceptance of a pair")
   p.add_argument("--target", required=True, help="target checkpoint ('default' for the cache)")
   p.add_argument("--draft", required=True, help="draft checkpoint ('default' for the cache)")
-  p.add_argument("--preset", default=None, type=_preset,
+  p.add_argument("--preset", default=None,
                  help="preset of 'default' checkpoints (default: the embedded pair's, base)")
   p.add_argument("--corpus", default="code")
   p.add_argument("--k", type=int, default=4, help="draft length of the simulated chain")
