@@ -115,22 +115,23 @@ def memory(params: dict) -> int:
 # ----------------------------------------------------------------------------- one point
 
 
-def tau_loop(alpha: float, k: int, batch: int, tokens: int) -> float:
+def tau_loop(alpha: float, k: int, batch: int, tokens: int, law=None) -> float:
   """Tokens per row per loop iteration of a chain of k at per-trial acceptance α, for a
   batch that runs until each row has emitted `tokens`: `calibration.tokens_per_iteration`
-  of the geometric law `calibration.chain_length_probs(α, k)` (its Monte Carlo capped at
-  MC_DRAWS draws, at least 100 batches)."""
+  of the geometric law `calibration.chain_length_probs(α, k)`, or of `law` when given (e.g.
+  each row's own, `calibration.row_length_probs`); its Monte Carlo capped at MC_DRAWS
+  draws, at least 100 batches."""
   samples = int(min(2000, max(100, MC_DRAWS // (batch * tokens))))
-  return calibration.tokens_per_iteration(calibration.chain_length_probs(alpha, k), batch,
-                                          tokens, samples=samples)
+  law = calibration.chain_length_probs(alpha, k) if law is None else law
+  return calibration.tokens_per_iteration(law, batch, tokens, samples=samples)
 
 
 def calibrated_speedup(costs: calibration.LoopCosts, alpha: float, k: int, batch: int,
-                       tokens: int) -> tuple[float, float]:
+                       tokens: int, law=None) -> tuple[float, float]:
   """(τ_loop, predicted speedup) of a chain of k from calibrated loop costs: τ_loop ÷
-  costs.cycle_steps(chain(k)) (module doc)."""
+  costs.cycle_steps(chain(k)) (module doc); `law` as in `tau_loop`."""
   from specjax import trees
-  tau = tau_loop(alpha, k, batch, tokens)
+  tau = tau_loop(alpha, k, batch, tokens, law)
   return tau, costs.predicted_speedup(trees.chain(k), tau)
 
 
@@ -175,7 +176,9 @@ def point(batch: int = 1, k: int = 4, max_new_tokens: int = 64, prompt_len: int 
     tau_pred = float(theory.expected_tokens(a, k))
     predicted = tau_pred / sc.cycle
     roof = roofline.gain(hw, wl, batch, a, k, sc.c, draft_cost)
-    tau_it, calibrated = calibrated_speedup(costs, a, k, batch, max_new_tokens - 1)
+    # Each row's own acceptance: the loop runs until its slowest row is done.
+    tau_it, calibrated = calibrated_speedup(costs, a, k, batch, max_new_tokens - 1,
+                                            calibration.row_length_probs(cmp.spec.stats, tree))
   else:  # no drafted token was tried (cannot happen with max_new_tokens >= 2)
     tau_pred = predicted = roof = tau_it = calibrated = nan
   return {

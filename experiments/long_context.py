@@ -116,12 +116,12 @@ def point(context_len: int, batch: int = 4, k: int = 4, max_new_tokens: int = 64
   tau_pred = float(theory.expected_tokens(alpha, k))
   measured = cmp.speedup
 
-  def calibrated(a: float) -> tuple[float, float]:
-    tau = calibration.tokens_per_iteration(calibration.chain_length_probs(a, k), batch,
-                                           max_new_tokens - 1)
+  def calibrated(law) -> tuple[float, float]:
+    tau = calibration.tokens_per_iteration(law, batch, max_new_tokens - 1)
     return tau, costs.predicted_speedup(tree, tau)
 
-  tau_loop, predicted = calibrated(alpha)
+  # Each row's own acceptance (the loop runs until its slowest row is done).
+  tau_loop, predicted = calibrated(calibration.row_length_probs(cmp.spec.stats, tree))
   hw = measure.hardware()
   wl = roofline.Workload.from_model_config(target.config, cache_len)
   roof = roofline.gain(hw, wl, batch, alpha, k, c)
@@ -136,7 +136,8 @@ def point(context_len: int, batch: int = 4, k: int = 4, max_new_tokens: int = 64
       "efficiency": cmp.efficiency(predicted),
       "tau_loop_predicted": tau_loop, "cycle_steps": costs.cycle_steps(tree),
       "t_step_ms": 1e3 * costs.t_step, "calibration_cached": bool(costs.meta.get("cached")),
-      "predicted_speedup_ref_alpha": calibrated(reference_alpha)[1],
+      "predicted_speedup_ref_alpha": calibrated(
+          calibration.chain_length_probs(reference_alpha, k))[1],
       "roofline_gain": roof, "efficiency_roofline": cmp.efficiency(roof),
       "predicted_speedup_timed": tau_pred / sc.cycle,
       "predicted_speedup_timed_ref_alpha": tau_ref / sc.cycle,

@@ -134,11 +134,11 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
   if mode == "chain":
     alpha = summary.alpha_trial
     tau_pred = float(theory.expected_tokens(alpha, k))
-    law = calibration.chain_length_probs(alpha, k)
   else:
     alpha = summary.alpha
     tau_pred = summary.tau
-    law = calibration.length_probs_from_reach(depth_accepted / max(cycles, 1))
+  # Each row's own law: a batch loops until its slowest row is done, and rows differ.
+  law = calibration.row_length_probs(st, tree)
   tau_loop = calibration.tokens_per_iteration(law, batch, max_new_tokens - 1)
   predicted = cmp.predicted(tau_loop)
   efficiency = cmp.efficiency(predicted)

@@ -163,9 +163,9 @@ def point(shape: str, budget: int, temperature: float = 0.0, batch: int = 1,
   sc = measure.step_costs(target, draft, batch, tree, cmp.context, cache_len, 3 * repeats)
   ts = cmp.spec.tree_summary()
   st = cmp.spec.stats
-  reach = st["depth_accepted"].sum(axis=0) / max(int(st["cycles"].sum()), 1)
+  # Each row's own reach by depth: the loop runs until its slowest row is done.
   tau_loop = loop_calibration.tokens_per_iteration(
-      loop_calibration.length_probs_from_reach(reach), batch, max_new_tokens - 1)
+      loop_calibration.row_length_probs(st, tree), batch, max_new_tokens - 1)
   predicted = cmp.predicted(tau_loop)
   standalone = ts.tau / sc.cycle
   static = isinstance(tree, trees.TreeSpec)

@@ -281,18 +281,50 @@ def tokens_per_iteration(length_probs: Sequence[float], batch: int, tokens: int,
   cut at the budget): tokens ÷ E[max over rows of the cycles a row needs], by Monte Carlo
   (`samples` batches, fixed `seed`: deterministic). With batch 1 and a long budget it tends
   to Σ (n + 1)·P(n) = E[τ]; a bigger batch waits for its slowest row, so it is lower.
+
+  length_probs: one law over n = 0..D for every row, or one per row ([batch, D + 1]): rows
+  of one batch accept at different rates (at T = 0 a prompt fixes its row's whole
+  trajectory), and the slowest row sets the loop's length (`row_length_probs`).
   """
   p = np.asarray(length_probs, np.float64)
-  if p.ndim != 1 or p.size < 1 or np.any(p < 0) or not math.isclose(p.sum(), 1, abs_tol=1e-6):
-    raise ValueError(f"length_probs must be probabilities over n = 0..D summing to 1, got "
-                     f"{length_probs!r}")
   for name, v in (("batch", batch), ("tokens", tokens), ("samples", samples)):
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
       raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+  rows = p if p.ndim == 2 else p[None]
+  if (p.ndim not in (1, 2) or rows.shape[-1] < 1 or np.any(rows < 0)
+      or not np.allclose(rows.sum(axis=-1), 1, atol=1e-6)
+      or (p.ndim == 2 and rows.shape[0] != batch)):
+    raise ValueError(f"length_probs must be probabilities over n = 0..D summing to 1, one "
+                     f"law or one per row ({batch} rows), got {length_probs!r}")
   rng = np.random.default_rng(seed)
-  emitted = rng.choice(p.size, size=(samples, batch, tokens), p=p / p.sum()) + 1
-  needed = np.argmax(np.cumsum(emitted, axis=-1) >= tokens, axis=-1) + 1  # [S, B]
+  needed = np.empty((samples, batch), np.int64)
+  for b in range(batch):
+    law = rows[b if p.ndim == 2 else 0]
+    emitted = rng.choice(law.size, size=(samples, tokens), p=law / law.sum()) + 1
+    needed[:, b] = np.argmax(np.cumsum(emitted, axis=-1) >= tokens, axis=-1) + 1
   return tokens / float(np.mean(needed.max(axis=1)))
+
+
+def row_length_probs(stats: Mapping[str, np.ndarray], tree: Tree) -> np.ndarray:
+  """Each row's law of accepted path lengths, [B, D + 1], from the loop's own counters
+  (`Generation.stats`): for a chain the geometric law at the row's per-trial acceptance
+  (accepted ÷ drafts tried: `chain_length_probs`), for a tree the row's measured reach
+  P(n ≥ d) = depth_accepted ÷ cycles (`length_probs_from_reach`). A row that ran no cycle
+  gets the batch's pooled law."""
+  cycles = np.asarray(stats["cycles"], np.float64)
+  reached = np.asarray(stats["depth_accepted"], np.float64)
+  tried = np.asarray(stats["depth_tried"], np.float64)
+  pooled_alpha = reached.sum() / max(tried.sum(), 1.0)
+  pooled_reach = reached.sum(axis=0) / max(cycles.sum(), 1.0)
+  laws = []
+  for b in range(cycles.size):
+    if tree.is_chain:
+      alpha = reached[b].sum() / tried[b].sum() if tried[b].sum() > 0 else pooled_alpha
+      laws.append(chain_length_probs(float(alpha), int(tree.max_depth)))
+    else:
+      reach = reached[b] / cycles[b] if cycles[b] > 0 else pooled_reach
+      laws.append(length_probs_from_reach(reach))
+  return np.stack(laws)
 
 
 # ----------------------------------------------------------------------------- measuring

@@ -71,6 +71,28 @@ def test_negative_controls():
     chains.cycle_steps(trees.branching((2, 1)))
 
 
+def test_per_row_laws_the_slowest_row_sets_the_loop():
+  """One slow row holds the whole batch: per-row laws predict that, a pooled law does not."""
+  fast, slow = calibration.chain_length_probs(0.95, 4), calibration.chain_length_probs(0.3, 4)
+  rows = np.stack([slow] + [fast] * 7)
+  per_row = calibration.tokens_per_iteration(rows, batch=8, tokens=63)
+  alone = calibration.tokens_per_iteration(slow, batch=1, tokens=63)
+  pooled = calibration.tokens_per_iteration((slow + 7 * fast) / 8, batch=8, tokens=63)
+  assert per_row == pytest.approx(alone, rel=0.05) and pooled > 1.3 * per_row
+  stats = {"cycles": np.array([10, 4]), "depth_tried": np.array([[10, 5, 2, 1], [4, 4, 4, 4]]),
+           "depth_accepted": np.array([[5, 2, 1, 0], [4, 4, 4, 4]])}
+  laws = calibration.row_length_probs(stats, trees.chain(4))
+  assert laws.shape == (2, 5) and np.allclose(laws.sum(axis=1), 1)
+  assert laws[0] == pytest.approx(calibration.chain_length_probs(8 / 18, 4))
+  assert laws[1] == pytest.approx(calibration.chain_length_probs(1.0, 4))
+  tree = trees.branching((2, 1))
+  laws = calibration.row_length_probs({"cycles": np.array([4]), "depth_tried": np.array([[4, 2]]),
+                                       "depth_accepted": np.array([[2, 1]])}, tree)
+  assert laws[0] == pytest.approx([0.5, 0.25, 0.25])
+  with pytest.raises(ValueError, match="one per row"):
+    calibration.tokens_per_iteration(rows, batch=4, tokens=10)
+
+
 def test_tokens_per_iteration():
   alpha, k = 0.8, 4
   law = calibration.chain_length_probs(alpha, k)

@@ -17,12 +17,13 @@ from specjax.training.presets import DEFAULT_PRESET, PRESETS
 CONFIG = "configs/batch_breakeven.gin"
 # Two points (each compiles its own plain and speculative loops, shared with its
 # calibration); the multi-k analysis is covered on synthetic records below. Tiny random
-# models decode in microseconds: the fastest of 2 alternated calls of 32 tokens keeps the
-# decode-phase differences (budget minus the prefill) out of the load's noise.
+# models decode in microseconds: the fastest of 3 alternated calls of 96 tokens keeps the
+# decode-phase differences (budget minus the prefill) out of the load's noise (32 tokens and
+# 2 calls lost it under the load of a parallel test run).
 TINY = [
     'sweeps.Sweep.axes = {"batch": [1, 4], "k": [2]}',
-    'sweeps.Sweep.fixed = {"max_new_tokens": 32, "prompt_len": 16, "repeats": 2, '
-    '"models": "random", "calibration_k": (2,), "calibration_repeats": 2, '
+    'sweeps.Sweep.fixed = {"max_new_tokens": 96, "prompt_len": 16, "repeats": 3, '
+    '"models": "random", "calibration_k": (2,), "calibration_repeats": 3, '
     '"statistic": "fastest"}',
 ]
 
@@ -53,11 +54,13 @@ def test_tiny_run_metrics_are_present_and_sane(tiny_run):
     assert 1.0 <= m["tau"] <= r["params"]["k"] + 1
     assert m["identical_to_plain"] is True  # greedy: speculation changes no token
     # one cache length for the calibration and the measured runs: the engine's for chain(2)
-    assert m["cache_len"] == decoding.cache_len_for(16, 32, 3) and m["context_len"] == 16 + 16
-    # calibrated prediction = τ per loop iteration (geometric law at the measured α) ÷ cycle
-    tau = bb.tau_loop(m["alpha_trial"], 2, r["params"]["batch"], 31)
-    assert m["tau_loop_predicted"] == pytest.approx(tau)
-    assert 1.0 <= tau <= m["tau_predicted"] + 1e-9
+    assert m["cache_len"] == decoding.cache_len_for(16, 96, 3) and m["context_len"] == 16 + 48
+    # calibrated prediction = τ per loop iteration (each row's geometric law at its measured
+    # α; at batch 1 that is the pooled α) ÷ cycle
+    tau = m["tau_loop_predicted"]
+    if r["params"]["batch"] == 1:
+      assert tau == pytest.approx(bb.tau_loop(m["alpha_trial"], 2, 1, 95))
+    assert 1.0 <= tau <= r["params"]["k"] + 1
     assert m["predicted_speedup_calibrated"] == pytest.approx(tau / m["cycle_steps"])
     assert m["efficiency_calibrated"] == pytest.approx(
         m["speedup"] / m["predicted_speedup_calibrated"])

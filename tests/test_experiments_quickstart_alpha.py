@@ -27,7 +27,7 @@ def test_quickstart_reduced_end_to_end(tmp_path, monkeypatch, capsys):
       '"temperature": [0.0, 1.0]}',
       # tiny random models decode in microseconds: the fastest of 3 alternated calls keeps
       # the decode-phase differences (64 tokens minus the prefill) out of the load's noise
-      f'sweeps.Sweep.fixed = {{"k": 3, "tree_widths": (2, 1, 1), "max_new_tokens": 64, '
+      f'sweeps.Sweep.fixed = {{"k": 3, "tree_widths": (2, 1, 1), "max_new_tokens": 96, '
       f'"prompt_len": 16, "repeats": 3, "models": "{models}", "calibration_k": (1,), '
       f'"calibration_repeats": 3, "statistic": "fastest"}}'])
   assert (s.total, s.ok, s.failed) == (8, 8, 0)
