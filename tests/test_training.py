@@ -199,14 +199,21 @@ def test_greedy_acceptance_estimates(data, teacher):
   assert same["drafted"] == 4 * same["cycles"]
 
 
+_REAL_LOAD_CORPUS = defaults.load_corpus
+
+
+def _use_preset(monkeypatch, cache_dir, name: str, preset) -> None:
+  """Preset `name` = `preset`, the pair cache in `cache_dir`, a small corpus."""
+  monkeypatch.setitem(presets.PRESETS, name, preset)
+  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(cache_dir))
+  monkeypatch.setattr(defaults, "load_corpus",
+                      lambda spec: _REAL_LOAD_CORPUS(spec, max_bytes=MAX_BYTES))
+
+
 def test_default_pair_cache_builds_loads_and_rebuilds(monkeypatch, tmp_path, capfd):
   micro = presets.Preset("tiny", TEACHER, STUDENT, TC.replace(steps=3, ckpt_every=2),
                          TC.replace(steps=3, objective="distill"), "test preset")
-  monkeypatch.setitem(presets.PRESETS, "tiny", micro)
-  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
-  real_load_corpus = defaults.load_corpus
-  monkeypatch.setattr(defaults, "load_corpus",
-                      lambda spec: real_load_corpus(spec, max_bytes=MAX_BYTES))
+  _use_preset(monkeypatch, tmp_path, "tiny", micro)
 
   pair = defaults.load_default_pair("tiny", "code", progress=False)
   entry = defaults.entry_dir("tiny", "code")
@@ -225,10 +232,7 @@ def test_default_pair_cache_builds_loads_and_rebuilds(monkeypatch, tmp_path, cap
   again = defaults.load_default_pair("tiny", "code", progress=False)
   assert _same(again.target_params, target_params) and _same(again.draft_params, draft_params)
   monkeypatch.undo()
-  monkeypatch.setitem(presets.PRESETS, "tiny", micro)
-  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
-  monkeypatch.setattr(defaults, "load_corpus",
-                      lambda spec: real_load_corpus(spec, max_bytes=MAX_BYTES))
+  _use_preset(monkeypatch, tmp_path, "tiny", micro)
 
   # corrupt one stored file: detected by checksum, reported, rebuilt
   victim = next(p for p in sorted((entry / "draft").rglob("*")) if p.is_file()
@@ -256,11 +260,7 @@ def test_bpe_preset_pair_is_built_cached_and_resumed_with_its_tokenizer(monkeypa
   micro = presets.Preset("micro-bpe", cfg, cfg, TC.replace(steps=3, ckpt_every=2),
                          TC.replace(steps=3, objective="distill"), "test preset",
                          tokenizer="bpe:300")
-  monkeypatch.setitem(presets.PRESETS, "micro-bpe", micro)
-  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
-  real_load_corpus = defaults.load_corpus
-  monkeypatch.setattr(defaults, "load_corpus",
-                      lambda spec: real_load_corpus(spec, max_bytes=MAX_BYTES))
+  _use_preset(monkeypatch, tmp_path, "micro-bpe", micro)
   pair = defaults.load_default_pair("micro-bpe", "code", progress=False)
   assert pair.tokenizer.kind == "bpe" and pair.tokenizer.vocab_size == 300
   text = "def f(x):\n    return x + 1\n"
