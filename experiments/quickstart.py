@@ -128,7 +128,6 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
                         decode_only=True, loop_costs=costs, statistic=statistic)
   summary = cmp.spec.summary()
   st = cmp.spec.stats
-  cycles = int(st["cycles"].sum())
   depth_tried = st["depth_tried"].sum(axis=0)
   depth_accepted = st["depth_accepted"].sum(axis=0)
   if mode == "chain":

@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 from specjax.acceptance import (ChainResult, _accept_chain, _Rule, accept_chain, accept_greedy,
                                 accept_test, emitted_distribution, emitted_distribution_point,
                                 residual)
-from specjax.sampling import (SamplerParams, make_sampler, sample, sample_from_uniforms,
+from specjax.sampling import (make_sampler, sample, sample_from_uniforms,
                               uniforms, warp)
 
 N_SAMPLES = 100_000

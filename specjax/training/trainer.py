@@ -43,7 +43,6 @@ from specjax.models.transformer import ModelConfig, Transformer, abstract_model,
 from specjax.training import losses
 from specjax.training.config import TrainConfig
 
-CHECKPOINT_KIND = TRAINED_KIND  # the trainer's checkpoints; loaded by checkpoints.trained
 
 
 @dataclasses.dataclass
@@ -414,7 +413,7 @@ class Trainer:
   # -- checkpoints
 
   def metadata(self) -> dict:
-    meta = {"kind": CHECKPOINT_KIND, "role": self.role,
+    meta = {"kind": TRAINED_KIND, "role": self.role,
             "train_config": dataclasses.asdict(self.tc),
             "data": {"seed": self.tc.seed, "step": self.step, "corpus": self.data.corpus_name,
                      "fingerprint": self.data.fingerprint},
@@ -426,8 +425,8 @@ class Trainer:
 
   def _check_resumable(self, meta: dict) -> None:
     problems = []
-    if meta.get("kind") != CHECKPOINT_KIND:
-      problems.append(f"kind {meta.get('kind')!r} is not {CHECKPOINT_KIND!r}")
+    if meta.get("kind") != TRAINED_KIND:
+      problems.append(f"kind {meta.get('kind')!r} is not {TRAINED_KIND!r}")
     stored = TrainConfig(**meta["train_config"]).trajectory()
     for key, value in self.tc.trajectory().items():
       if stored.get(key) != value:
