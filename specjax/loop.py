@@ -123,15 +123,16 @@ def _not_finished(state: LoopState) -> Array:
   return ~jnp.all(state.done)
 
 
-def _start(target: LM, prompt_BP, prompt_len_B, sampler, key, cache_len: int):
-  """Prefill the target, sample the first token, lay out the token buffer."""
+def _start(target: LM, prompt_BP, prompt_len_B, sampler, key, cache_len: int, capture=()):
+  """Prefill the target, sample the first token, lay out the token buffer. With `capture`
+  also returns the prompt's captured features (`Transformer.__call__`), else None."""
   b, p = prompt_BP.shape
   cache = kv.init(target.config, b, cache_len)
-  hidden_BD, cache = target.prefill(cache, prompt_BP, prompt_len_B)
+  hidden_BD, cache, *features = target.prefill(cache, prompt_BP, prompt_len_B, capture)
   first = sampling.sample(key, sampling.warp(target.head(hidden_BD), sampler))
   tokens = jnp.zeros((b, cache_len), jnp.int32).at[:, :p].set(prompt_BP)
   tokens = tokens.at[jnp.arange(b), prompt_len_B].set(first)
-  return tokens, cache, first
+  return tokens, cache, first, (features[0] if capture else None)
 
 
 def _finished(emitted_B, budget_B, hit_eos_B):
@@ -158,7 +159,8 @@ def generate_loop(target: LM, prompt_BP, prompt_len_B, budget_B, eos, sampler, k
   """Plain autoregressive decoding (pure, jittable, vmappable). Returns the final LoopState."""
   TRACE_COUNTS["generate"] += 1
   key, first_key = jax.random.split(key)
-  tokens, cache, first = _start(target, prompt_BP, prompt_len_B, sampler, first_key, cache_len)
+  tokens, cache, first, _ = _start(target, prompt_BP, prompt_len_B, sampler, first_key,
+                                   cache_len)
   length = prompt_len_B.astype(jnp.int32)
   done = _finished(jnp.ones_like(length), budget_B, first == eos)
   rows = jnp.arange(length.shape[0])
@@ -191,7 +193,10 @@ def speculative_loop(target: LM, drafter, prompt_BP, prompt_len_B, budget_B, eos
   b = prompt_BP.shape[0]
   nodes, depth = tree.size, tree.max_depth
   key, first_key = jax.random.split(key)
-  tokens, cache, first = _start(target, prompt_BP, prompt_len_B, sampler, first_key, cache_len)
+  capture = tuple(drafter.feature_layers)  # static: target features the drafter reads
+  extra = (lambda f: {"features": f}) if capture else (lambda f: {})
+  tokens, cache, first, prompt_features = _start(target, prompt_BP, prompt_len_B, sampler,
+                                                 first_key, cache_len, capture)
   length = prompt_len_B.astype(jnp.int32)
   done = _finished(jnp.ones_like(length), budget_B, first == eos)
   steps = jnp.arange(depth + 1, dtype=jnp.int32)
@@ -204,7 +209,8 @@ def speculative_loop(target: LM, drafter, prompt_BP, prompt_len_B, budget_B, eos
     layout = tree.layout(proposal)
     cur = jnp.take_along_axis(s.tokens, s.length[:, None], axis=1)
     verify_BT = jnp.concatenate([cur, proposal.tokens], axis=1)
-    logits, _, cache = target(verify_BT, layout.positions(s.length), s.cache, layout.block_mask())
+    logits, _, cache, *features = target(verify_BT, layout.positions(s.length), s.cache,
+                                         layout.block_mask(), capture)
     p_BTV = sampling.warp(logits, sampler)
     result = acceptance.accept_tree(accept_key, layout, verify_BT, p_BTV, proposal.q)
     n = result.n_accepted
@@ -229,11 +235,13 @@ def speculative_loop(target: LM, drafter, prompt_BP, prompt_len_B, budget_B, eos
       cache = kv.gather_block(cache, result.path, layout.n_nodes)
     return s.replace(tokens=tokens, length=length, done=done, key=key,
                      cache=kv.set_lengths(cache, length),
-                     draft=drafter.commit(draft, ctx, tree, result.path, n),
+                     draft=drafter.commit(draft, ctx, tree, result.path, n,
+                                          **extra(features[0] if capture else None)),
                      stats=s.stats.record(active, result, nodes))
 
   init = LoopState(tokens=tokens, length=length, done=done, cache=cache, key=key,
-                   draft=drafter.init(prompt_BP, prompt_len_B, cache_len, tree),
+                   draft=drafter.init(prompt_BP, prompt_len_B, cache_len, tree,
+                                      **extra(prompt_features)),
                    stats=Stats.zeros(b, depth, cache_len, tree.max_width))
   return jax.lax.while_loop(_not_finished, body, init)
 

@@ -375,3 +375,78 @@ def test_rope_model_past_max_len_is_refused_unless_opted_in():
   learned = model(TINY["gpt2"])  # the opt-in cannot lift learned position embeddings
   with pytest.raises(ValueError, match="learned position embeddings end there"):
     decoding.generate(learned, [[1, 2, 3]], max_new_tokens=130, allow_beyond_max_len=True)
+
+
+def test_transformer_capture_returns_the_residual_stream_and_final_hidden():
+  cfg = TINY["llama"]
+  m = model(cfg, seed=3)
+  toks = jnp.asarray([[1, 2, 3, 4, 5]], jnp.int32)
+  pos = jnp.arange(5, dtype=jnp.int32)[None]
+  logits, hidden, _ = m(toks, pos)
+  logits2, hidden2, _, feats = m(toks, pos, capture=(cfg.n_layers, 0))
+  np.testing.assert_array_equal(logits, logits2)
+  assert feats.shape == (1, 5, 2, cfg.d_model)
+  np.testing.assert_allclose(feats[:, :, 0], hidden, rtol=1e-6, atol=1e-6)
+  # layer 0's output: one block over the embeddings (rope model: no position table)
+  x = jnp.take(m.embed[...], toks, axis=0)
+  x1, _ = m.blocks[0](x, pos, None, 0, None)
+  np.testing.assert_allclose(feats[:, :, 1], x1, rtol=1e-5, atol=1e-5)
+  for bad in ((cfg.n_layers + 1,), (-1,), [0], (True,)):
+    with pytest.raises(ValueError, match="capture"):
+      m(toks, pos, capture=bad)
+
+
+from flax import struct as _struct  # noqa: E402
+
+
+@_struct.dataclass
+class _FeatureProbe(ModelDrafter):
+  """A model drafter that also keeps, per row, the target's final hidden state at position
+  L - 1 (what Medusa-style heads read), to test the loop's features path. A cycle emits
+  m = L' - L tokens (m < n + 1 when EOS or the budget cut in, 0 for a finished row); the
+  hidden state at L' - 1 is that of path node m - 1."""
+
+  feature_layers = property(lambda self: (self.lm.config.n_layers,))
+
+  def init(self, prompt_BP, prompt_len_B, cache_len, tree=None, features=None):
+    inner = super().init(prompt_BP, prompt_len_B, cache_len, tree)
+    last = jnp.take_along_axis(features[:, :, 0], (prompt_len_B - 1)[:, None, None], axis=1)
+    return (inner, last[:, 0], prompt_len_B)
+
+  def propose(self, state, ctx, tree, sampler, key):
+    proposal, inner = super().propose(state[0], ctx, tree, sampler, key)
+    return proposal, (inner,) + tuple(state[1:])
+
+  def commit(self, state, ctx, tree, path_BP, n_accepted_B, features=None):
+    inner = super().commit(state[0], ctx, tree, path_BP, n_accepted_B)
+    m = ctx.length - state[2]
+    node = jnp.take_along_axis(path_BP, jnp.maximum(m - 1, 0)[:, None], axis=1)
+    last = jnp.take_along_axis(features[:, :, 0], node[:, :, None], axis=1)[:, 0]
+    return (inner, jnp.where((m > 0)[:, None], last, state[1]), ctx.length)
+
+
+@pytest.mark.parametrize("tree", [trees.chain(3), trees.branching((2, 1))], ids=["chain", "tree"])
+def test_loop_passes_verify_features_of_the_accepted_path_to_the_drafter(tree):
+  """A drafter declaring `feature_layers` gets the prompt's and each verify pass's features;
+  at the end its copy of the final hidden state at L - 1 equals a cache-free forward's."""
+  cfg = TINY["llama"]
+  target = model(cfg, seed=0, logit_scale=4.0)
+  draft = perturbed(target, seed=1, noise=0.25)
+  prompts = RAGGED[:4]
+  batch = _loop_inputs(target, prompts, 9)
+  drafter = _FeatureProbe(lm=LM.of(draft), deterministic=True)
+  state = loop.speculative_jit(LM.of(target), drafter, batch.prompt_BP, batch.prompt_len_B,
+                               batch.budget_B, jnp.asarray(-1), sampling.make_sampler(0.0),
+                               jax.random.key(0), tree=tree, cache_len=batch.cache_len)
+  kept = np.asarray(state.draft[1])
+  for b in range(len(prompts)):
+    n = int(state.length[b])
+    toks = state.tokens[b:b + 1, :n]
+    _, hidden, _ = target(toks, jnp.arange(n, dtype=jnp.int32)[None])
+    np.testing.assert_allclose(kept[b], hidden[0, n - 1], rtol=1e-4, atol=1e-4)
+  # and the plain drafter path (no features) still yields the same tokens
+  plain = loop.speculative_jit(LM.of(target), ModelDrafter.of(draft, deterministic=True),
+                               batch.prompt_BP, batch.prompt_len_B, batch.budget_B,
+                               jnp.asarray(-1), sampling.make_sampler(0.0), jax.random.key(0),
+                               tree=tree, cache_len=batch.cache_len)
+  np.testing.assert_array_equal(state.tokens, plain.tokens)

@@ -9,9 +9,9 @@ Protocol (all pure and jittable; B = batch, N = drafted nodes per cycle, T = N +
 with the root, V = vocabulary; `tree` is a static `trees.TreeSpec` or `trees.DynamicTree`,
 a chain of k drafts being `trees.chain(k)`):
 
-    state = drafter.init(prompt_BP, prompt_len_B, cache_len, tree)
+    state = drafter.init(prompt_BP, prompt_len_B, cache_len, tree[, features=F_BPCD])
     proposal, state = drafter.propose(state, ctx, tree, sampler, key)
-    state = drafter.commit(state, ctx_after, tree, path_BP, n_accepted_B)
+    state = drafter.commit(state, ctx_after, tree, path_BP, n_accepted_B[, features=F_BTCD])
 
 and, on the host, with defaults in `Drafter`:
 
@@ -20,6 +20,8 @@ and, on the host, with defaults in `Drafter`:
                                             the verified nodes, tree.n_nodes)
     drafter.validate(tree, batch) -> None  (raises ValueError for a tree / batch the drafter
                                             cannot draft; default: accepts all)
+    drafter.feature_layers -> tuple[int]   (target layers it reads; default none. When set,
+                                            `features=` carries their outputs, see below)
 
 `ctx` is the committed context the engine sees: the token buffer `tokens_BS` and per row
 `length_B` = L, the index of the pending token. Tokens `[0, L)` are in the target's cache;
@@ -90,6 +92,16 @@ class Drafter:
     before tracing). Default: every tree and batch is fine."""
     del tree, batch
 
+  @property
+  def feature_layers(self) -> tuple[int, ...]:
+    """The target layers whose outputs this drafter reads (static; `Transformer.__call__`'s
+    `capture`: i < n_layers the residual stream after block i, n_layers the final norm's
+    output). Empty (the default): the loop computes nothing extra and calls `init` /
+    `commit` without `features`. Non-empty: the loop passes `features=` to both — the
+    prompt's [B, P, C, D] to `init`, the verify pass's [B, T, C, D] (node order, root
+    first) to `commit` — taken from passes the target makes anyway."""
+    return ()
+
   def init(self, prompt_BP: Array, prompt_len_B: Array, cache_len: int, tree: Any) -> Any:
     raise NotImplementedError
 
@@ -125,11 +137,13 @@ class LM:
   def module(self):
     return nnx.merge(self.graphdef, self.params)
 
-  def __call__(self, tokens_BT, positions_BT, cache=None, block_mask_TT=None):
-    return self.module()(tokens_BT, positions_BT, cache, block_mask_TT)
+  def __call__(self, tokens_BT, positions_BT, cache=None, block_mask_TT=None, capture=()):
+    return self.module()(tokens_BT, positions_BT, cache, block_mask_TT, capture)
 
-  def prefill(self, cache, prompt_BP: Array, prompt_len_B: Array):
-    """Runs the padded prompts through the model; returns (last hidden_BD, cache).
+  def prefill(self, cache, prompt_BP: Array, prompt_len_B: Array, capture: tuple[int, ...] = ()):
+    """Runs the padded prompts through the model; returns (last hidden_BD, cache), and with
+    a non-empty `capture` also the captured features_BPCD of every prompt position
+    (`Transformer.__call__`).
 
     Rows are right-padded to a common bucket length P; padding sits after every real token,
     so causal attention keeps it invisible to them, and committing `prompt_len` leaves the
@@ -137,9 +151,10 @@ class LM:
     """
     b, p = prompt_BP.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    _, hidden_BPD, cache = self(prompt_BP, positions, cache)
+    _, hidden_BPD, cache, *features = self(prompt_BP, positions, cache, capture=capture)
     last = jnp.take_along_axis(hidden_BPD, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]
-    return last, cache.replace(lengths=prompt_len_B.astype(jnp.int32))
+    cache = cache.replace(lengths=prompt_len_B.astype(jnp.int32))
+    return (last, cache, features[0]) if capture else (last, cache)
 
   def head(self, hidden_BD: Array) -> Array:
     return self.module().logits(hidden_BD[:, None])[:, 0]

@@ -147,6 +147,16 @@ def from_params(config: ModelConfig, params) -> "Transformer":
   return nnx.merge(graphdef_for(config), params)
 
 
+def check_capture(config: ModelConfig, capture) -> tuple[int, ...]:
+  """Validates a `capture` tuple (layer indices 0..n_layers, see `Transformer.__call__`)."""
+  if not isinstance(capture, tuple) or not all(
+      isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= config.n_layers
+      for i in capture):
+    raise ValueError(f"capture must be a tuple of layer indices in [0, {config.n_layers}] "
+                     f"(n_layers = the final norm's output), got {capture!r}")
+  return capture
+
+
 def cast_floats(tree, dtype):
   """Cast floating leaves to `dtype` (mixed precision: float32 master weights, bf16 compute)."""
   return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
@@ -312,15 +322,30 @@ class Transformer(nnx.Module):
                     Dense(c.d_model, c.vocab_size, bias=False, dtype=dt, rngs=rngs))
 
   def __call__(self, tokens_BT: Array, positions_BT: Array, cache: kv.KVCache | None = None,
-               block_mask_TT: Array | None = None):
-    """Returns (logits_BTV float32, hidden_BTD float32 after the final norm, cache)."""
+               block_mask_TT: Array | None = None, capture: tuple[int, ...] = ()):
+    """Returns (logits_BTV float32, hidden_BTD float32 after the final norm, cache).
+
+    capture: a static tuple of layer indices whose outputs the caller also wants (drafters
+    that read the target's hidden states: EAGLE, Medusa). Index i < n_layers is the residual
+    stream after block i; i = n_layers is the final norm's output (what the LM head reads).
+    With a non-empty `capture` a fourth item is returned: features_BTCD float32, C =
+    len(capture), in the order given. The computation is the same pass either way.
+    """
+    check_capture(self.config, capture)
     x = jnp.take(self.embed[...], tokens_BT, axis=0).astype(jnp.float32)
     if self.pos_embed is not None:
       x = x + jnp.take(self.pos_embed[...], positions_BT, axis=0).astype(jnp.float32)
+    kept = {}
     for layer, block in enumerate(self.blocks):
       x, cache = block(x, positions_BT, cache, layer, block_mask_TT)
+      if layer in capture:
+        kept[layer] = x
     hidden = self.final_norm(x)
-    return self.logits(hidden), hidden, cache
+    logits = self.logits(hidden)
+    if not capture:
+      return logits, hidden, cache
+    kept[self.config.n_layers] = hidden
+    return logits, hidden, cache, jnp.stack([kept[i] for i in capture], axis=2)
 
   def logits(self, hidden_BTD: Array) -> Array:
     """The LM head alone (EAGLE-style drafters reuse the target's head)."""
