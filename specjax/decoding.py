@@ -35,6 +35,7 @@ from specjax import loop, metrics, sampling, trees
 from specjax.drafters.base import LM, Drafter
 from specjax.drafters.model import ModelDrafter
 from specjax.models import cache as kv
+from specjax.models.precision import DEFAULT_PRECISION, check_precision, matmul_precision
 from specjax.trees import DynamicTree, TreeSpec
 
 Array = jax.Array
@@ -248,13 +249,17 @@ def _limits(configs, allow_beyond_max_len: bool) -> tuple[int, bool, bool]:
 
 
 def generate(target, prompts, *, max_new_tokens, sampler=None, seed=0, eos_id=None,
-             cache_len: int | None = None, allow_beyond_max_len: bool = False) -> Generation:
+             cache_len: int | None = None, allow_beyond_max_len: bool = False,
+             precision: str = DEFAULT_PRECISION) -> Generation:
   """Plain autoregressive decoding of a ragged batch of prompts (one compiled loop).
 
   allow_beyond_max_len: let a RoPE model generate past its trained length `max_len`
   (refused by default: quality past it is not guaranteed). Learned position embeddings
   always end at max_len.
+  precision: the matmul-precision policy ("highest", "high", "default";
+  `specjax.models.precision`): compare plain and speculative runs under the same one.
   """
+  check_precision(precision)
   target = LM.of(target)
   cfg = target.config
   max_len, limited, opt_in = _limits([cfg], allow_beyond_max_len)
@@ -264,10 +269,11 @@ def generate(target, prompts, *, max_new_tokens, sampler=None, seed=0, eos_id=No
   kv.check_fits(cfg, len(batch.budget_B), batch.cache_len, what="target KV cache")
   sampler = sampler if sampler is not None else sampling.make_sampler(0.0)
   start = time.perf_counter()
-  state = loop.generate_jit(target, batch.prompt_BP, batch.prompt_len_B, batch.budget_B,
-                            _eos(eos_id, cfg.vocab_size), sampler, _key(seed),
-                            cache_len=batch.cache_len)
-  state = jax.block_until_ready(state)
+  with matmul_precision(precision):
+    state = loop.generate_jit(target, batch.prompt_BP, batch.prompt_len_B, batch.budget_B,
+                              _eos(eos_id, cfg.vocab_size), sampler, _key(seed),
+                              cache_len=batch.cache_len)
+    state = jax.block_until_ready(state)
   return _collect(state, batch, time.perf_counter() - start, 0)
 
 
@@ -295,14 +301,16 @@ def resolve_tree(k: int | None, tree: TreeSpec | DynamicTree | None) -> TreeSpec
 def speculative_generate(target, draft, prompts, *, k: int | None = None,
                          tree: TreeSpec | DynamicTree | None = None, max_new_tokens,
                          sampler=None, seed=0, eos_id=None, cache_len: int | None = None,
-                         allow_beyond_max_len: bool = False) -> Generation:
+                         allow_beyond_max_len: bool = False,
+                         precision: str = DEFAULT_PRECISION) -> Generation:
   """Speculative decoding of a chain of k drafts, or of a token tree (exactly one of them).
 
   tree: a `trees.TreeSpec` (static shape, e.g. trees.branching((3, 2, 1)),
   trees.optimal(16, rank_probs)) or a `trees.DynamicTree` (EAGLE-2 style, deterministic
   candidates). k = K is tree = trees.chain(K): the same compiled code path.
-  allow_beyond_max_len: as in `generate` (for the target and the draft).
+  allow_beyond_max_len, precision: as in `generate` (the policy covers the draft too).
   """
+  check_precision(precision)
   target = LM.of(target)
   drafter = as_drafter(draft)
   cfg = target.config
@@ -332,8 +340,9 @@ def speculative_generate(target, draft, prompts, *, k: int | None = None,
   kv.check_fits(cfg, b, batch.cache_len, extra_bytes=extra, what="target + draft KV caches")
   sampler = sampler if sampler is not None else sampling.make_sampler(0.0)
   start = time.perf_counter()
-  state = loop.speculative_jit(target, drafter, batch.prompt_BP, batch.prompt_len_B,
-                               batch.budget_B, _eos(eos_id, cfg.vocab_size), sampler,
-                               _key(seed), tree=tree, cache_len=batch.cache_len)
-  state = jax.block_until_ready(state)
+  with matmul_precision(precision):
+    state = loop.speculative_jit(target, drafter, batch.prompt_BP, batch.prompt_len_B,
+                                 batch.budget_B, _eos(eos_id, cfg.vocab_size), sampler,
+                                 _key(seed), tree=tree, cache_len=batch.cache_len)
+    state = jax.block_until_ready(state)
   return _collect(state, batch, time.perf_counter() - start, tree.size, tree)

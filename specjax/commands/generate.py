@@ -40,6 +40,10 @@ def add_parser(subparsers) -> None:
                  help="let a RoPE model generate past max_len, the length it was trained for "
                  "(refused by default: quality past it is not guaranteed; learned position "
                  "embeddings cannot go past it at all)")
+  p.add_argument("--precision", default="highest", choices=("highest", "high", "default"),
+                 help="matmul precision of plain and speculative decoding alike: 'highest' "
+                 "(full float32, the setting greedy identity is tested under), 'high', or "
+                 "'default' (the backend's fastest, e.g. TF32 on GPUs) (default: %(default)s)")
   p.add_argument("--json", action="store_true", help="print one JSON document")
   p.set_defaults(func=run)
 
@@ -156,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
   _check_context(args, [target.config, draft.config], max(len(p) for p in prompts))
   drafter = ModelDrafter.of(draft, deterministic=args.deterministic_draft)
   common = dict(max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed,
-                eos_id=tok.eos_id, allow_beyond_max_len=args.allow_beyond_max_len)
+                eos_id=tok.eos_id, allow_beyond_max_len=args.allow_beyond_max_len,
+                precision=args.precision)
 
   def timed(fn):
     fn()  # compile
