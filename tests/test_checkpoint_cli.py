@@ -278,7 +278,8 @@ def test_family_specific_config_fields():
   mistral = {**_llama_hf(), "model_type": "mistral", "sliding_window": 32,
              "num_key_value_heads": 1}
   family, cfg = hf.config_from_hf(mistral)
-  assert family == "mistral" and cfg.max_len == 32 and cfg.n_kv_heads == 1  # exact up to the window
+  assert family == "mistral" and cfg.n_kv_heads == 1
+  assert (cfg.sliding_window, cfg.window_first_layer, cfg.max_len) == (32, 0, 64)  # enforced
   family, cfg = hf.config_from_hf({**_llama_hf(), "model_type": "qwen2"})
   assert family == "qwen2" and cfg.qkv_bias and not cfg.use_bias
   gpt2 = hf.hf_config_for(CONFIGS["gpt2"])
@@ -290,9 +291,62 @@ def test_family_specific_config_fields():
       hf.config_from_hf({**gpt2, **fields})
   for fields, match in (({"hidden_act": "gelu"}, "hidden_act"),
                         ({"attention_bias": True}, "attention_bias"),
-                        ({"head_dim": 16}, "head_dim"), ({"hidden_size": None}, "hidden_size")):
+                        ({"hidden_size": None}, "hidden_size")):
     with pytest.raises(ValueError, match=match):
       hf.config_from_hf(_llama_hf(**fields))
+  assert hf.config_from_hf(_llama_hf(head_dim=16))[1].head_dim == 16  # != 32 / 4 heads
+  assert hf.config_from_hf(_llama_hf(head_dim=8))[1].head_dim_override is None  # derived
+
+
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def test_llama3_rope_scaling_is_read_and_written_back():
+  for fields in ({"rope_parameters": LLAMA3},
+                 {"rope_theta": 5e5, "rope_scaling": {**LLAMA3, "rope_theta": None}}):
+    _, cfg = hf.config_from_hf(_llama_hf(**fields))
+    assert (cfg.rope_scaling, cfg.rope_theta, cfg.rope_factor, cfg.rope_low_freq_factor,
+            cfg.rope_high_freq_factor, cfg.rope_original_max_len) == (
+                "llama3", 5e5, 32.0, 1.0, 4.0, 8192)
+    again = hf.config_from_hf(hf.hf_config_for(cfg))[1]
+    assert again == cfg
+  no_factor = {k: v for k, v in LLAMA3.items() if k != "factor"}
+  with pytest.raises(ValueError, match=r"rope_parameters\.factor=None"):
+    hf.config_from_hf(_llama_hf(rope_parameters=no_factor))
+
+
+@pytest.mark.parametrize("field", ["rope_parameters", "rope_scaling"])
+@pytest.mark.parametrize("kind", ["linear", "dynamic", "yarn", "longrope", "su"])
+def test_other_rope_scalings_are_refused_naming_field_and_value(field, kind):
+  with pytest.raises(ValueError, match=rf"{field}\.rope_type='{kind}' is not supported"):
+    hf.config_from_hf(_llama_hf(**{field: {"rope_type": kind, "factor": 2.0}}))
+  if field == "rope_scaling":  # the old key name
+    with pytest.raises(ValueError, match=rf"rope_scaling\.type='{kind}'"):
+      hf.config_from_hf(_llama_hf(rope_scaling={"type": kind, "factor": 2.0}))
+
+
+def test_qwen_sliding_window_layers():
+  qwen = {**_llama_hf(), "model_type": "qwen3", "num_hidden_layers": 4}
+  qwen.pop("head_dim")
+  _, cfg = hf.config_from_hf(qwen)
+  assert cfg.qk_norm and not cfg.qkv_bias and cfg.head_dim == 128  # Qwen3's default head_dim
+  assert cfg.sliding_window is None  # use_sliding_window defaults to false
+  _, cfg = hf.config_from_hf({**qwen, "use_sliding_window": True, "sliding_window": 6,
+                              "max_window_layers": 1})
+  assert (cfg.sliding_window, cfg.window_first_layer) == (6, 1)
+  assert [cfg.window_of(i) for i in range(4)] == [None, 6, 6, 6]
+  assert hf.config_from_hf(hf.hf_config_for(cfg))[1] == cfg
+  types = ["full_attention", "full_attention", "sliding_attention", "sliding_attention"]
+  _, cfg = hf.config_from_hf({**qwen, "use_sliding_window": True, "sliding_window": 6,
+                              "layer_types": types})
+  assert cfg.window_first_layer == 2
+  for bad, match in ((types[::-1], "a final run of layers"), (types[:3], "each of the 4 layers"),
+                     (["full_attention"] * 3 + ["chunked_attention"], "chunked_attention")):
+    with pytest.raises(ValueError, match=match):
+      hf.config_from_hf({**qwen, "use_sliding_window": True, "layer_types": bad})
+  with pytest.raises(ValueError, match="attention_bias"):
+    hf.config_from_hf({**qwen, "attention_bias": True})
 
 
 # ----------------------------------------------------------------------------- bad input
