@@ -266,6 +266,9 @@ def test_model_config_validation(bad, match):
 def test_parse_config_presets_and_overrides():
   cfg = parse_config("tiny-llama:n_layers=3,rope_theta=1e6")
   assert cfg.n_layers == 3 and math.isclose(cfg.rope_theta, 1e6)
+  cfg = parse_config("tiny-llama:sliding_window=4,qk_norm=true,rope_scaling=llama3")
+  assert (cfg.sliding_window, cfg.qk_norm, cfg.rope_scaling) == (4, True, "llama3")
+  assert parse_config("tiny-llama:sliding_window=none").sliding_window is None
   assert parse_config('{"vocab_size": 10, "d_model": 8, "n_layers": 1, "n_heads": 2, '
                       '"n_kv_heads": 1, "d_ff": 16, "max_len": 32}').n_kv_heads == 1
   with pytest.raises(ValueError, match="tiny-gpt2"):
