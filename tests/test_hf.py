@@ -198,16 +198,19 @@ def _perturbed(model, scale: float, seed: int):
 
 
 @pytest.mark.parametrize("family,tree", [("llama3", None), ("mistral", (2, 2, 1)),
-                                         ("qwen3", (3, 1, 1))])
+                                         ("qwen3", "dynamic")])
 def test_speculative_matches_plain(models, family, tree):
-  """Greedy speculative decoding (chain k = 3, or a token tree verified with tree masks
-  through the sliding window) emits exactly the plain greedy tokens."""
+  """Greedy speculative decoding (chain k = 3, a static token tree, or an EAGLE-2 dynamic
+  tree with per-row masks, verified through the sliding window) emits exactly the plain
+  greedy tokens."""
   from specjax import trees
   _, d = models[family]
   target, _ = load_model(d)
   draft = _perturbed(target, 0.3, seed=1)
   plain = decoding.generate(target, PROMPTS, max_new_tokens=32).tokens
-  kw = {"k": 3} if tree is None else {"tree": trees.branching(tree)}
+  kw = ({"k": 3} if tree is None else
+        {"tree": trees.DynamicTree(budget=6, depth=3, width=2)} if tree == "dynamic" else
+        {"tree": trees.branching(tree)})
   spec = decoding.speculative_generate(target, draft, PROMPTS, max_new_tokens=32, **kw)
   accepted, drafted = spec.stats["accepted"].sum(), spec.stats["drafted"].sum()
   assert 0 < accepted < drafted, (accepted, drafted)

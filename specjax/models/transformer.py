@@ -1,5 +1,9 @@
 """A decoder-only transformer covering the GPT-2 and Llama families (Flax NNX).
 
+The Llama side also carries the generic features of its descendants, each off by default:
+Llama 3.x RoPE frequency scaling, per-head q/k RMSNorm and a free head_dim (Qwen3), and
+sliding-window attention on the last layers (Mistral, Qwen2/3).
+
 One call serves training, prefill, one-token decode, chain verification and tree
 verification; only the positions, the cache and the block mask differ:
 
