@@ -130,6 +130,21 @@ def test_logits_match_transformers(models, family):
     assert np.abs(_sj_logits(unwindowed, TOKENS) - theirs).max() > 100 * TOL
 
 
+def test_qwen2_sliding_window_on_the_last_layers(tmp_path):
+  """Qwen2 (biases) with use_sliding_window and max_window_layers=1: layer 0 full, layer 1
+  windowed to 4 positions, on 16-token sequences; logits equal transformers', and differ
+  without the window (the control)."""
+  model = _build("qwen2", seed=3, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+  model.save_pretrained(tmp_path)
+  imported = hf.import_hf(tmp_path)
+  c = imported.config
+  assert [c.window_of(i) for i in range(2)] == [None, 4] and c.qkv_bias
+  theirs = _hf_logits(model, TOKENS)
+  assert np.abs(_sj_logits(imported.model(), TOKENS) - theirs).max() <= TOL
+  unwindowed = hf.build_model(c.replace(sliding_window=None), imported.params)
+  assert np.abs(_sj_logits(unwindowed, TOKENS) - theirs).max() > 100 * TOL
+
+
 def _hf_greedy(model, prompt, n, assistant=None, k=None):
   if assistant is not None:  # pin the draft length: constant k, no confidence early stop
     assistant.generation_config.num_assistant_tokens = k
@@ -197,8 +212,8 @@ def _perturbed(model, scale: float, seed: int):
   return hf.build_model(model.config, params)
 
 
-@pytest.mark.parametrize("family,tree", [("llama3", None), ("mistral", (2, 2, 1)),
-                                         ("qwen3", "dynamic")])
+@pytest.mark.parametrize("family,tree", [("llama3", None), ("qwen2", None),
+                                         ("mistral", (2, 2, 1)), ("qwen3", "dynamic")])
 def test_speculative_matches_plain(models, family, tree):
   """Greedy speculative decoding (chain k = 3, a static token tree, or an EAGLE-2 dynamic
   tree with per-row masks, verified through the sliding window) emits exactly the plain

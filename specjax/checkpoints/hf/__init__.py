@@ -40,6 +40,7 @@ __all__ = [
     "copy_tokenizer_files", "detect_family", "export_hf", "family_for", "hf_config_for",
     "import_hf", "itemsize", "load_tokenizer_for", "model_params", "nest", "param_shapes",
     "prepare_output_dir", "publish_dir", "read_flax_msgpack", "read_hf_config",
-    "read_safetensors", "read_tensors", "rope_fields_of", "rope_theta_of", "rules_for", "safetensors_specs",
+    "read_safetensors", "read_tensors", "rope_fields_of", "rope_theta_of", "rules_for",
+    "safetensors_specs",
     "tensor_headers", "write_flax_msgpack", "write_safetensors",
 ]

@@ -3,7 +3,8 @@
 `config_from_hf` maps a config dict to (family, ModelConfig) and refuses every option that
 would make specjax compute something else (RoPE scalings other than llama3, non-tanh GELU,
 biases Llama does not have, interleaved sliding-window layers, ...), naming the field, its
-value and what is allowed. Fields a hand-written config.json may leave out take transformers' defaults.
+value and what is allowed. Fields a hand-written config.json may leave out take transformers'
+defaults.
 `family_for` / `hf_config_for` go the other way, for export.
 """
 
