@@ -30,7 +30,6 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from specjax.models import cache as kv
@@ -262,8 +261,8 @@ class Norm(nnx.Module):
     return y
 
 
-def rope_frequencies(config: ModelConfig) -> np.ndarray:
-  """The D/2 inverse frequencies ω_i = θ^(-2i/D) of the rotary embedding, float32 numpy.
+def rope_frequencies(config: ModelConfig) -> Array:
+  """The D/2 inverse frequencies ω_i = θ^(-2i/D) of the rotary embedding (float32).
 
   rope_scaling 'llama3' (Llama 3.1+) rescales them by wavelength λ_i = 2π/ω_i, with
   L = rope_original_max_len, s = rope_factor, l/h the low/high-frequency factors:
@@ -274,19 +273,16 @@ def rope_frequencies(config: ModelConfig) -> np.ndarray:
   libraries' float32 pow differs by an ulp at some exponents).
   """
   c, d = config, config.head_dim
-  inv = (np.float32(1.0) / (np.float32(c.rope_theta)
-                            ** (np.arange(0, d, 2).astype(np.float32) / np.float32(d))))
-  inv = inv.astype(np.float32)
+  inv = 1.0 / (c.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
   if c.rope_scaling == "llama3":
-    factor = np.float32(c.rope_factor)
-    low, high = c.rope_low_freq_factor, c.rope_high_freq_factor
+    factor, low, high = c.rope_factor, c.rope_low_freq_factor, c.rope_high_freq_factor
     old = c.rope_original_max_len
-    wavelen = (np.float32(2 * math.pi) / inv).astype(np.float32)
-    scaled = np.where(wavelen > old / low, inv / factor, inv).astype(np.float32)
-    smooth = ((np.float32(old) / wavelen - np.float32(low)) / np.float32(high - low))
-    smoothed = ((1 - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
+    wavelen = 2 * math.pi / inv
+    scaled = jnp.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < old / high) & ~(wavelen > old / low)
-    inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    inv = jnp.where(medium, smoothed, scaled)
   return inv
 
 
@@ -300,7 +296,7 @@ def rope(x_BTHD: Array, positions_BT: Array, theta_or_freqs) -> Array:
   if isinstance(theta_or_freqs, (int, float)):
     inv_freq = 1.0 / (theta_or_freqs ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
   else:
-    inv_freq = jnp.asarray(theta_or_freqs, jnp.float32)
+    inv_freq = theta_or_freqs.astype(jnp.float32)
   angles = positions_BT.astype(jnp.float32)[..., None] * inv_freq[None, None]  # [B, T, D/2]
   cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, D/2]
   sin = jnp.sin(angles)[:, :, None, :]
@@ -332,8 +328,8 @@ class Attention(nnx.Module):
     v = self.v(x_BTD).reshape(b, t, c.n_kv_heads, c.head_dim)
     if self.q_norm is not None:  # per-head RMSNorm before rope (Qwen3)
       q, k = self.q_norm(q), self.k_norm(k)
-    if c.positions == "rope":
-      freqs = rope_frequencies(c)
+    if c.positions == "rope":  # θ alone: the plain path, computed as it always was
+      freqs = c.rope_theta if c.rope_scaling == "none" else rope_frequencies(c)
       q = rope(q, positions_BT, freqs)
       k = rope(k, positions_BT, freqs)
     window = c.window_of(layer)
