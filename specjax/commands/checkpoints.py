@@ -204,6 +204,7 @@ def run_inspect(args: argparse.Namespace) -> int:
   if info.get("tokenizer"):
     print(f"  tokenizer:   {info['tokenizer']}")
   print("  config:")
+  width = max(map(len, c), default=0)
   for key, value in c.items():
-    print(f"    {key:15s} {value}")
+    print(f"    {key:{width}s} {value}")
   return 0
