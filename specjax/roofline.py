@@ -203,7 +203,7 @@ class Workload:
         raise ValueError(f"config.dtype must be one of {tuple(_DTYPE_BYTES)}, got {dtype!r}")
       dtype_bytes = _DTYPE_BYTES[dtype]
     b = _positive("dtype_bytes", dtype_bytes)
-    hd = config.d_model // config.n_heads
+    hd = getattr(config, "head_dim", config.d_model // config.n_heads)
     kv = 2 * config.n_layers * config.n_kv_heads * hd * b
     attn = 4.0 * config.n_layers * config.n_heads * hd if attention_flops else 0.0
     label = name or (f"{config.n_layers}L-d{config.d_model}-{counts['total'] / 1e6:.0f}M")
@@ -216,12 +216,13 @@ def param_counts(config: Any) -> dict[str, int]:
   """Parameter counts of a ModelConfig, mirroring specjax.models.transformer:
   q/k/v/o (+ biases: use_bias on all, qkv_bias on q/k/v only), MLP with 2 matrices (gelu)
   or 3 (swiglu) (+ biases), two norms per layer and a final norm (LayerNorm scale + bias
-  when use_bias, RMSNorm scale only), token embeddings, learned positions, an untied head.
+  when use_bias, RMSNorm scale only), per-head q/k RMSNorms (qk_norm), token embeddings,
+  learned positions, an untied head.
 
   Returns total, matmul (per-token matmul weights: blocks + LM head) and embedding counts.
   """
   d, n_layers, vocab = config.d_model, config.n_layers, config.vocab_size
-  hd = d // config.n_heads
+  hd = getattr(config, "head_dim", d // config.n_heads)
   q_out, kv_out = config.n_heads * hd, config.n_kv_heads * hd
   use_bias = bool(config.use_bias)
   qkv_bias = use_bias or bool(getattr(config, "qkv_bias", False))
@@ -231,7 +232,8 @@ def param_counts(config: Any) -> dict[str, int]:
   mlp_w = (3 if swiglu else 2) * d * config.d_ff
   mlp_b = ((2 if swiglu else 1) * config.d_ff + d) if use_bias else 0
   norm = d * (2 if (config.norm == "layernorm" and use_bias) else 1)
-  block = attn_w + attn_b + mlp_w + mlp_b + 2 * norm
+  qk_norm = 2 * hd if getattr(config, "qk_norm", False) else 0
+  block = attn_w + attn_b + mlp_w + mlp_b + 2 * norm + qk_norm
   embed = vocab * d
   positions = config.max_len * d if config.positions == "learned" else 0
   head = 0 if config.tie_embeddings else vocab * d

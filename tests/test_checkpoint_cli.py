@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import struct
 
 import ml_dtypes
@@ -30,8 +31,17 @@ CONFIGS = {
                                d_ff=48, max_len=64, rope_theta=500000.0),
     "qwen2": ModelConfig.llama(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                                d_ff=48, max_len=64, qkv_bias=True, tie_embeddings=True),
+    "llama3": ModelConfig.llama(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=1,
+                                d_ff=48, max_len=64, rope_scaling="llama3", rope_factor=4.0,
+                                rope_original_max_len=32),
+    "mistral": ModelConfig.llama(vocab_size=300, d_model=32, n_layers=2, n_heads=4,
+                                 n_kv_heads=2, d_ff=48, max_len=64, sliding_window=8),
+    "qwen3": ModelConfig.llama(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                               d_ff=48, max_len=64, qk_norm=True, head_dim_override=12,
+                               sliding_window=8, window_first_layer=1),
 }
-FAMILY = {"gpt2": "gpt2", "gpt2-untied": "gpt2", "llama": "llama", "qwen2": "qwen2"}
+FAMILY = {"gpt2": "gpt2", "gpt2-untied": "gpt2", "llama": "llama", "qwen2": "qwen2",
+          "llama3": "llama", "mistral": "mistral", "qwen3": "qwen3"}
 
 
 def random_params(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
@@ -185,6 +195,12 @@ def test_cli_import_inspect_export(tmp_path, capsys):
     cli("export-hf", tmp_path / "ckpt", "--out", tmp_path / "out")
   assert cli("export-hf", tmp_path / "ckpt", "--out", tmp_path / "out", "--overwrite") == 0
   assert hf.import_hf(tmp_path / "out").config.dtype == "bfloat16"
+  assert cli("export-hf", tmp_path / "ckpt", "--out", tmp_path / "flax", "--layout", "flax") == 0
+  assert sorted(p.name for p in (tmp_path / "flax").iterdir()) == ["config.json",
+                                                                     hf.FLAX_MSGPACK]
+  flax = hf.import_hf(tmp_path / "flax")
+  assert flax.layout == "flax" and flax.config == config
+  assert_params_equal(flax.params, params)
 
 
 def test_load_model_hf_dir_and_checkpoint_generate_the_same(tmp_path):
@@ -278,7 +294,8 @@ def test_family_specific_config_fields():
   mistral = {**_llama_hf(), "model_type": "mistral", "sliding_window": 32,
              "num_key_value_heads": 1}
   family, cfg = hf.config_from_hf(mistral)
-  assert family == "mistral" and cfg.max_len == 32 and cfg.n_kv_heads == 1  # exact up to the window
+  assert family == "mistral" and cfg.n_kv_heads == 1
+  assert (cfg.sliding_window, cfg.window_first_layer, cfg.max_len) == (32, 0, 64)  # enforced
   family, cfg = hf.config_from_hf({**_llama_hf(), "model_type": "qwen2"})
   assert family == "qwen2" and cfg.qkv_bias and not cfg.use_bias
   gpt2 = hf.hf_config_for(CONFIGS["gpt2"])
@@ -290,9 +307,62 @@ def test_family_specific_config_fields():
       hf.config_from_hf({**gpt2, **fields})
   for fields, match in (({"hidden_act": "gelu"}, "hidden_act"),
                         ({"attention_bias": True}, "attention_bias"),
-                        ({"head_dim": 16}, "head_dim"), ({"hidden_size": None}, "hidden_size")):
+                        ({"hidden_size": None}, "hidden_size")):
     with pytest.raises(ValueError, match=match):
       hf.config_from_hf(_llama_hf(**fields))
+  assert hf.config_from_hf(_llama_hf(head_dim=16))[1].head_dim == 16  # != 32 / 4 heads
+  assert hf.config_from_hf(_llama_hf(head_dim=8))[1].head_dim_override is None  # derived
+
+
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def test_llama3_rope_scaling_is_read_and_written_back():
+  for fields in ({"rope_parameters": LLAMA3},
+                 {"rope_theta": 5e5, "rope_scaling": {**LLAMA3, "rope_theta": None}}):
+    _, cfg = hf.config_from_hf(_llama_hf(**fields))
+    assert (cfg.rope_scaling, cfg.rope_theta, cfg.rope_factor, cfg.rope_low_freq_factor,
+            cfg.rope_high_freq_factor, cfg.rope_original_max_len) == (
+                "llama3", 5e5, 32.0, 1.0, 4.0, 8192)
+    again = hf.config_from_hf(hf.hf_config_for(cfg))[1]
+    assert again == cfg
+  no_factor = {k: v for k, v in LLAMA3.items() if k != "factor"}
+  with pytest.raises(ValueError, match=r"rope_parameters\.factor=None"):
+    hf.config_from_hf(_llama_hf(rope_parameters=no_factor))
+
+
+@pytest.mark.parametrize("field", ["rope_parameters", "rope_scaling"])
+@pytest.mark.parametrize("kind", ["linear", "dynamic", "yarn", "longrope", "su"])
+def test_other_rope_scalings_are_refused_naming_field_and_value(field, kind):
+  with pytest.raises(ValueError, match=rf"{field}\.rope_type='{kind}' is not supported"):
+    hf.config_from_hf(_llama_hf(**{field: {"rope_type": kind, "factor": 2.0}}))
+  if field == "rope_scaling":  # the old key name
+    with pytest.raises(ValueError, match=rf"rope_scaling\.type='{kind}'"):
+      hf.config_from_hf(_llama_hf(rope_scaling={"type": kind, "factor": 2.0}))
+
+
+def test_qwen_sliding_window_layers():
+  qwen = {**_llama_hf(), "model_type": "qwen3", "num_hidden_layers": 4}
+  qwen.pop("head_dim")
+  _, cfg = hf.config_from_hf(qwen)
+  assert cfg.qk_norm and not cfg.qkv_bias and cfg.head_dim == 128  # Qwen3's default head_dim
+  assert cfg.sliding_window is None  # use_sliding_window defaults to false
+  _, cfg = hf.config_from_hf({**qwen, "use_sliding_window": True, "sliding_window": 6,
+                              "max_window_layers": 1})
+  assert (cfg.sliding_window, cfg.window_first_layer) == (6, 1)
+  assert [cfg.window_of(i) for i in range(4)] == [None, 6, 6, 6]
+  assert hf.config_from_hf(hf.hf_config_for(cfg))[1] == cfg
+  types = ["full_attention", "full_attention", "sliding_attention", "sliding_attention"]
+  _, cfg = hf.config_from_hf({**qwen, "use_sliding_window": True, "sliding_window": 6,
+                              "layer_types": types})
+  assert cfg.window_first_layer == 2
+  for bad, match in ((types[::-1], "a final run of layers"), (types[:3], "each of the 4 layers"),
+                     (["full_attention"] * 3 + ["chunked_attention"], "chunked_attention")):
+    with pytest.raises(ValueError, match=match):
+      hf.config_from_hf({**qwen, "use_sliding_window": True, "layer_types": bad})
+  with pytest.raises(ValueError, match="attention_bias"):
+    hf.config_from_hf({**qwen, "attention_bias": True})
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -362,6 +432,65 @@ def test_bad_input_is_refused_and_nothing_is_written(tmp_path, case):
     load_model(tmp_path / "hf")
 
 
+def _edit_tensors(directory: pathlib.Path, edit) -> None:
+  """Apply `edit` to the {name: array} of a safetensors or Flax msgpack directory."""
+  if (directory / hf.FLAX_MSGPACK).is_file():
+    tensors = hf.read_flax_msgpack(directory / hf.FLAX_MSGPACK)
+    edit(tensors)
+    hf.write_flax_msgpack(directory / hf.FLAX_MSGPACK, tensors)
+  else:
+    _rewrite(directory / hf.SAFETENSORS, edit)
+
+
+# (family, tensor to drop, tensor to mis-shape, config edit that must be refused, its name)
+FAMILY_BAD = {
+    "llama3": ("model.layers.1.mlp.down_proj.{w}", "model.layers.0.self_attn.k_proj.{w}",
+               {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+               r"rope_parameters\.rope_type='yarn'"),
+    "mistral": ("lm_head.{w}", "model.layers.1.post_attention_layernorm.weight",
+                {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    "qwen3": ("model.layers.1.self_attn.k_norm.weight", "model.layers.0.self_attn.q_norm.weight",
+              {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+    "qwen2": ("model.layers.0.self_attn.v_proj.bias", "model.embed_tokens.{e}",
+              {"num_experts": 4, "model_type": "qwen2_moe"}, "model_type 'qwen2_moe'"),
+}
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "flax"])
+@pytest.mark.parametrize("name", sorted(FAMILY_BAD))
+def test_bad_checkpoints_of_every_family_name_the_problem(tmp_path, name, layout):
+  """Missing, unexpected and mis-shaped tensors and unsupported config fields, in both
+  layouts: refused naming the tensor or field, nothing written at --out."""
+  config = CONFIGS[name]
+  drop, reshape, bad_config, config_match = FAMILY_BAD[name]
+  w, e = ("kernel", "embedding") if layout == "flax" else ("weight", "weight")
+  drop, reshape = drop.format(w=w), reshape.format(w=w, e=e)
+  extra = "model.layers.0.self_attn.extra." + w
+  cases = {
+      "missing": (lambda t: t.pop(drop), rf"missing tensor '{re.escape(drop)}'"),
+      "unexpected": (lambda t: t.update({extra: np.zeros((2, 2), np.float32)}),
+                     rf"unexpected tensor '{re.escape(extra)}'"),
+      "shape": (lambda t: t.update({reshape: t[reshape][..., :-1]}),
+                rf"tensor '{re.escape(reshape)}' has shape"),
+  }
+  for case, (edit, match) in cases.items():
+    d = tmp_path / case
+    hf.export_hf((config, random_params(config)), d, layout=layout)
+    assert hf.import_hf(d).layout == layout
+    _edit_tensors(d, edit)
+    out = tmp_path / f"out-{case}"
+    with pytest.raises(ValueError, match=match):
+      cli("import-hf", d, "--out", out)
+    assert nothing_written(out)
+  d = tmp_path / "config"
+  hf.export_hf((config, random_params(config)), d, layout=layout)
+  fields = json.loads((d / "config.json").read_text())
+  (d / "config.json").write_text(json.dumps({**fields, **bad_config}))
+  with pytest.raises(ValueError, match=config_match):
+    cli("import-hf", d, "--out", tmp_path / "out-config")
+  assert nothing_written(tmp_path / "out-config")
+
+
 def test_bad_shard_index_is_refused(tmp_path):
   hf.export_hf((CONFIGS["llama"], random_params(CONFIGS["llama"])), tmp_path / "hf",
                max_shard_bytes=20_000)
@@ -383,8 +512,17 @@ def test_export_refuses_unexportable_models_without_writing(tmp_path):
     hf.export_hf((gqa_gpt2, random_params(gqa_gpt2)), tmp_path / "out")
   params = random_params(CONFIGS["gpt2"])
   params["blocks.0.attn.q.kernel"] = params["blocks.0.attn.q.kernel"][:, :3]
-  with pytest.raises(ValueError, match=r"blocks\.0\.attn\.q\.kernel: shape \(32, 3\)"):
-    hf.export_hf((CONFIGS["gpt2"], params), tmp_path / "out")
+  for layout in ("safetensors", "flax"):
+    with pytest.raises(ValueError, match=r"blocks\.0\.attn\.q\.kernel: shape \(32, 3\)"):
+      hf.export_hf((CONFIGS["gpt2"], params), tmp_path / "out", layout=layout)
+  with pytest.raises(ValueError, match="layout must be 'safetensors' or 'flax', got 'bin'"):
+    hf.export_hf((CONFIGS["gpt2"], random_params(CONFIGS["gpt2"])), tmp_path / "out",
+                 layout="bin")
+  for odd, match in ((CONFIGS["qwen3"].replace(qkv_bias=True), "both qk_norm and qkv_bias"),
+                     (CONFIGS["mistral"].replace(window_first_layer=1), "window_first_layer=1"),
+                     (CONFIGS["gpt2"].replace(sliding_window=4), "GPT-2 has no sliding_window")):
+    with pytest.raises(ValueError, match=match):
+      hf.export_hf((odd, random_params(odd)), tmp_path / "out")
   assert nothing_written(tmp_path / "out")
 
 

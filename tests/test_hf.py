@@ -1,8 +1,14 @@
 """Hugging Face parity: specjax loads `transformers` checkpoints exactly and hands its own back.
 
-Tiny random models (GPT-2, Llama with GQA and a non-default rope_theta, Mistral, Qwen2 with
-q/k/v biases) are built from configs and saved with `save_pretrained`; no download. Needs the
-[hf] extra (torch, transformers); skipped cleanly without it.
+Tiny random models of unusual shapes are built from configs and saved with
+`save_pretrained`; no download: GPT-2; Llama with GQA and a non-default rope_theta; Llama 3.1
+rope scaling (tied head, GQA 3:1, θ and the original context chosen so that the high,
+smoothed and low frequency bands are all present); Mistral with a sliding window far shorter
+than the sequences; Qwen2 with q/k/v biases and a tied head; Qwen3 with per-head q/k norms,
+a head_dim that is not hidden_size / heads, and a sliding window on its last layer only.
+For each family: logits, greedy generation against `generate`, speculative (chain and tree)
+against plain, export -> `from_pretrained`, and the Flax msgpack layout. Needs the [hf]
+extra (torch, transformers); skipped cleanly without it.
 """
 
 from __future__ import annotations
@@ -34,19 +40,30 @@ def _hf_config(family: str, **kw):
                                       "n_positions": 128, **kw})
   llama_like = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-  cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-         "qwen2": transformers.Qwen2Config}[family]
+  cls = {"llama": transformers.LlamaConfig, "llama3": transformers.LlamaConfig,
+         "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
+         "qwen3": transformers.Qwen3Config}[family]
   return cls(**{**common, **llama_like, **kw})
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 20000.0, "factor": 4.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 128}
 FAMILY_KW = {
     "gpt2": {},
     "llama": {"rope_theta": 50000.0},  # GQA (4 heads, 2 KV heads), non-default θ, untied head
-    "mistral": {"num_key_value_heads": 1, "sliding_window": 128},
+    # head_dim 8: wavelengths 6.3 (kept), 75 (smoothed), 888 and 10560 (divided by factor)
+    "llama3": {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 2,
+               "tie_word_embeddings": True, "rope_parameters": LLAMA3_ROPE},
+    "mistral": {"num_key_value_heads": 1, "sliding_window": 5},  # window << sequences
     "qwen2": {"tie_word_embeddings": True},  # q/k/v biases, tied head
+    "qwen3": {"head_dim": 24, "num_key_value_heads": 1, "rope_theta": 30000.0,
+              "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
 }
+FAMILY = {"llama3": "llama"}  # test model name -> specjax family when they differ
 MODEL_CLASS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
-               "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+               "llama3": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def _build(family: str, seed: int, **kw):
@@ -92,14 +109,40 @@ PROMPTS = [list(range(1, 6)), [7, 250, 3, 99, 42, 42, 8, 1, 0], [int(x) for x in
 def test_logits_match_transformers(models, family):
   model, d = models[family]
   imported = hf.import_hf(d)
-  assert imported.family == family
+  assert imported.family == FAMILY.get(family, family)
   c = imported.config
   if family == "llama":
     assert (c.n_heads, c.n_kv_heads, c.rope_theta, c.tie_embeddings) == (4, 2, 50000.0, False)
+  if family == "llama3":
+    assert (c.rope_scaling, c.rope_factor, c.rope_original_max_len, c.tie_embeddings) == (
+        "llama3", 4.0, 128, True)
+  if family == "mistral":
+    assert (c.sliding_window, c.window_first_layer) == (5, 0) and TOKENS.shape[1] > 5
   if family == "qwen2":
     assert c.qkv_bias and c.tie_embeddings
-  err = np.abs(_sj_logits(imported.model(), TOKENS) - _hf_logits(model, TOKENS)).max()
+  if family == "qwen3":
+    assert c.qk_norm and c.head_dim == 24 and [c.window_of(i) for i in range(2)] == [None, 6]
+  theirs = _hf_logits(model, TOKENS)
+  err = np.abs(_sj_logits(imported.model(), TOKENS) - theirs).max()
   assert err <= TOL, f"{family}: max |Δlogit| = {err:.3g}"
+  if c.sliding_window is not None:  # control: without the window the logits diverge
+    unwindowed = hf.build_model(c.replace(sliding_window=None), imported.params)
+    assert np.abs(_sj_logits(unwindowed, TOKENS) - theirs).max() > 100 * TOL
+
+
+def test_qwen2_sliding_window_on_the_last_layers(tmp_path):
+  """Qwen2 (biases) with use_sliding_window and max_window_layers=1: layer 0 full, layer 1
+  windowed to 4 positions, on 16-token sequences; logits equal transformers', and differ
+  without the window (the control)."""
+  model = _build("qwen2", seed=3, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+  model.save_pretrained(tmp_path)
+  imported = hf.import_hf(tmp_path)
+  c = imported.config
+  assert [c.window_of(i) for i in range(2)] == [None, 4] and c.qkv_bias
+  theirs = _hf_logits(model, TOKENS)
+  assert np.abs(_sj_logits(imported.model(), TOKENS) - theirs).max() <= TOL
+  unwindowed = hf.build_model(c.replace(sliding_window=None), imported.params)
+  assert np.abs(_sj_logits(unwindowed, TOKENS) - theirs).max() > 100 * TOL
 
 
 def _hf_greedy(model, prompt, n, assistant=None, k=None):
@@ -115,7 +158,22 @@ def _hf_greedy(model, prompt, n, assistant=None, k=None):
   return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("family", ["gpt2", "qwen2"])
+def test_llama3_frequencies_equal_transformers():
+  """The scaled inverse frequencies against transformers' own function (to float32 rounding:
+  torch's and numpy's float32 pow differ by an ulp at some exponents)."""
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+  from specjax.models.transformer import rope_frequencies
+  config = _hf_config("llama3", **FAMILY_KW["llama3"])
+  theirs, scale = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+  ours = rope_frequencies(hf.config_from_hf(config.to_dict())[1])
+  assert scale == 1.0
+  np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6, atol=0)
+  plain = 1.0 / 20000.0 ** (np.arange(0, 8, 2) / 8)
+  ratio = ours / plain  # one band each: kept, smoothed, divided by the factor
+  assert ratio[0] == pytest.approx(1.0) and 0.25 < ratio[1] < 1 and ratio[2:] == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2", "llama3", "mistral", "qwen3"])
 def test_greedy_generation_matches_transformers(models, family):
   model, d = models[family]
   target, _ = load_model(d)
@@ -145,7 +203,36 @@ def test_speculative_matches_assisted_generation(models, tmp_path):
   assert spec.tokens == [_hf_greedy(model, p, 32) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+def _perturbed(model, scale: float, seed: int):
+  """The same specjax model with relative Gaussian noise on every weight (a draft that is
+  accepted often but not always)."""
+  rng = np.random.default_rng(seed)
+  params = {k: v + scale * v.std() * rng.standard_normal(v.shape).astype(v.dtype)
+            for k, v in hf.model_params(model).items()}
+  return hf.build_model(model.config, params)
+
+
+@pytest.mark.parametrize("family,tree", [("llama3", None), ("qwen2", None),
+                                         ("mistral", (2, 2, 1)), ("qwen3", "dynamic")])
+def test_speculative_matches_plain(models, family, tree):
+  """Greedy speculative decoding (chain k = 3, a static token tree, or an EAGLE-2 dynamic
+  tree with per-row masks, verified through the sliding window) emits exactly the plain
+  greedy tokens."""
+  from specjax import trees
+  _, d = models[family]
+  target, _ = load_model(d)
+  draft = _perturbed(target, 0.3, seed=1)
+  plain = decoding.generate(target, PROMPTS, max_new_tokens=32).tokens
+  kw = ({"k": 3} if tree is None else
+        {"tree": trees.DynamicTree(budget=6, depth=3, width=2)} if tree == "dynamic" else
+        {"tree": trees.branching(tree)})
+  spec = decoding.speculative_generate(target, draft, PROMPTS, max_new_tokens=32, **kw)
+  accepted, drafted = spec.stats["accepted"].sum(), spec.stats["drafted"].sum()
+  assert 0 < accepted < drafted, (accepted, drafted)
+  assert spec.tokens == plain
+
+
+@pytest.mark.parametrize("family", list(FAMILY_KW))
 def test_export_loads_in_transformers_with_equal_logits(models, tmp_path, family):
   model, d = models[family]
   ours, _ = load_model(d)
@@ -155,15 +242,6 @@ def test_export_loads_in_transformers_with_equal_logits(models, tmp_path, family
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
   assert type(back).__name__ == MODEL_CLASS[family]
   np.testing.assert_array_equal(_hf_logits(back, TOKENS), _hf_logits(model, TOKENS))
-
-
-def test_mistral_exports_as_llama(models, tmp_path):
-  model, d = models["mistral"]
-  ours, _ = load_model(d)
-  hf.export_hf(ours, tmp_path / "out")
-  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-  assert type(back).__name__ == "LlamaForCausalLM"
-  assert np.abs(_hf_logits(back, TOKENS) - _hf_logits(model, TOKENS)).max() <= TOL
 
 
 def test_bf16_checkpoint_stays_bf16(tmp_path):
@@ -178,34 +256,55 @@ def test_bf16_checkpoint_stays_bf16(tmp_path):
   assert hf.import_hf(tmp_path / "bf16", dtype="float32").config.dtype == "float32"
 
 
-def test_flax_msgpack_layout_matches_torch_gpt2(models, tmp_path):
-  """Build flax_model.msgpack from the torch weights the way transformers' PyTorch->Flax
-  conversion did (Conv1D [in, out] -> FlaxConv1D kernel [out, in]; LayerNorm weight -> scale;
-  Embedding weight -> embedding) and check the import against the torch logits."""
-  from flax import serialization
-  model, d = models["gpt2"]
+def _flax_tree(family: str, state: dict) -> dict:
+  """The Flax msgpack tree of a torch state dict, converted the way transformers'
+  PyTorch -> Flax conversion did: GPT-2's Conv1D [in, out] -> FlaxConv1D kernel [out, in],
+  LayerNorm weight -> scale; nn.Linear weight [out, in] -> Dense kernel [in, out]; Embedding
+  weight -> embedding; RMSNorm weight kept. Buffers and a tied head are not parameters."""
   tree: dict = {}
-  for name, p in model.state_dict().items():
-    if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
-      continue  # buffers and the tied head are not Flax parameters
+  for name, p in state.items():
+    if name.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")):
+      continue
     x = p.numpy()
     parts = name.split(".")
     leaf = parts[-1]
     if leaf == "weight":
-      if ".ln_" in name:
-        leaf = "scale"
-      elif parts[-2] in ("wte", "wpe"):
+      if parts[-2] in ("wte", "wpe", "embed_tokens"):
         leaf = "embedding"
-      else:
+      elif ".ln_" in name or name.startswith("transformer.ln_f"):
+        leaf = "scale"
+      elif "norm" in parts[-2]:
+        pass
+      else:  # GPT-2 Conv1D stores [in, out], torch Linear [out, in]: both flip
         leaf, x = "kernel", x.T
     node = tree
     for part in parts[:-1]:
       node = node.setdefault(part, {})
     node[leaf] = x
+  return tree
+
+
+@pytest.mark.parametrize("family", list(FAMILY_KW))
+def test_flax_msgpack_import_and_export(models, tmp_path, family):
+  """flax_model.msgpack from the torch weights imports with the torch logits; export back
+  to Flax and re-import is bit-exact."""
+  from flax import serialization
+  model, d = models[family]
+  state = dict(model.state_dict())
+  if model.config.tie_word_embeddings:
+    state.pop("lm_head.weight", None)
   flax_dir = tmp_path / "flax"
   flax_dir.mkdir()
   (flax_dir / "config.json").write_text((d / "config.json").read_text())
-  (flax_dir / hf.FLAX_MSGPACK).write_bytes(serialization.msgpack_serialize(tree))
+  (flax_dir / hf.FLAX_MSGPACK).write_bytes(serialization.msgpack_serialize(
+      _flax_tree(family, state)))
   imported = hf.import_hf(flax_dir)
   assert imported.layout == "flax"
   assert np.abs(_sj_logits(imported.model(), TOKENS) - _hf_logits(model, TOKENS)).max() <= TOL
+  hf.export_hf(imported.model(), tmp_path / "back", layout="flax")
+  assert (tmp_path / "back" / hf.FLAX_MSGPACK).is_file()
+  assert not (tmp_path / "back" / hf.SAFETENSORS).exists()
+  again = hf.import_hf(tmp_path / "back")
+  assert again.config == imported.config and sorted(again.params) == sorted(imported.params)
+  for k, v in imported.params.items():
+    np.testing.assert_array_equal(again.params[k], v, err_msg=k)

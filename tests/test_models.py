@@ -83,6 +83,100 @@ def test_attention_mask_sees_prefix_and_block():
   assert causal[0].tolist() == [[True, True, False, False], [True, True, True, False]]
 
 
+def _windowed_reference(lengths, positions_BT, base_BTS, window):
+  """Brute force: slot j < lengths[b] holds position j, block slot lengths[b] + c holds
+  positions_BT[b, c]; a visible key stays visible iff p_query - p_key < window."""
+  b, t, s = base_BTS.shape
+  out = np.array(base_BTS)
+  for r in range(b):
+    key_pos = np.arange(s)
+    key_pos[lengths[r]:lengths[r] + t] = positions_BT[r]
+    out[r] &= (positions_BT[r][:, None] - key_pos[None, :]) < window
+  return out
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 5])
+def test_sliding_window_mask_counts_positions_not_slots(window):
+  """Causal blocks and token trees (whose nodes' slots are not their positions): the window
+  keeps the keys within `window` positions of the query, transformers' kv > q - window."""
+  lengths = np.array([4, 7])
+  s = 16
+  # tree: 0 root; 1, 2 children of 0; 3 child of 1; 4 child of 2; 5 child of 3
+  parent = [-1, 0, 0, 1, 2, 3]
+  depth = [0, 1, 1, 2, 2, 3]
+  t = len(parent)
+  anc = np.zeros((t, t), bool)
+  for i in range(t):
+    j = i
+    while j >= 0:
+      anc[i, j] = True
+      j = parent[j]
+  positions = lengths[:, None] + np.array(depth)[None]
+  base = np.asarray(kv.attention_mask(jnp.asarray(lengths), t, s, jnp.asarray(anc)))
+  got = np.asarray(kv.attention_mask(jnp.asarray(lengths), t, s, jnp.asarray(anc), window))
+  np.testing.assert_array_equal(got, _windowed_reference(lengths, positions, base, window))
+  per_row = np.broadcast_to(anc, (2, t, t))
+  np.testing.assert_array_equal(np.asarray(kv.attention_mask(
+      jnp.asarray(lengths), t, s, jnp.asarray(per_row), window)), got)
+  causal_pos = lengths[:, None] + np.arange(3)[None]
+  base = np.asarray(kv.attention_mask(jnp.asarray(lengths), 3, s, None))
+  got = np.asarray(kv.attention_mask(jnp.asarray(lengths), 3, s, None, window))
+  np.testing.assert_array_equal(got, _windowed_reference(lengths, causal_pos, base, window))
+  assert got.sum() == 2 * 3 * window  # every query sees exactly `window` keys here
+  # a mask wider than the block (R > T): earlier levels of a tree being drafted
+  wide = np.zeros((2, 4), bool)
+  wide[0, [0, 2]] = wide[1, [1, 3]] = True  # level-2 nodes over level-1 parents 0 and 1
+  lv = np.asarray(kv.attention_mask(jnp.asarray(lengths), 2, s, jnp.asarray(wide), window))
+  for r in range(2):  # slots lengths - 2 + i hold level-1 nodes (position lengths - 2)
+    for i in range(2):
+      p = lengths[r] - 1  # position of a level-2 node
+      visible = [j for j in range(s) if lv[r, i, j]]
+      expect = [j for j in range(lengths[r] - 2) if p - j < window]
+      expect += [lengths[r] - 2 + i] if window > 1 else []
+      expect += [lengths[r] + i]
+      assert visible == sorted(expect), (r, i, visible, expect)
+
+
+def test_sliding_window_cache_matches_cache_free_forward():
+  """A windowed model decoding through the cache (prefill, then one token at a time, with a
+  rejected block in between) gives the cache-free logits; the window changes them."""
+  cfg = TINY["llama"].replace(sliding_window=3, window_first_layer=1)
+  m = model(cfg)
+  toks, pos = _tokens(2, 10, cfg.vocab_size, seed=4)
+  ref, _, _ = fwd(m, toks, pos)
+  full, _, _ = fwd(model(cfg.replace(sliding_window=None)), toks, pos)
+  assert np.abs(np.asarray(ref) - np.asarray(full))[:, 4:].max() > 1e-3
+  c = kv.init(cfg, 2, 16)
+  logits, _, c = fwd(m, toks[:, :6], pos[:, :6], c)
+  c = kv.commit(c, jnp.full((2,), 6))
+  _, _, c = fwd(m, (toks[:, 6:9] + 1) % cfg.vocab_size, pos[:, 6:9], c)  # rejected
+  out = [logits]
+  for i in range(6, 10):
+    step, _, c = fwd(m, toks[:, i:i + 1], pos[:, i:i + 1], c)
+    c = kv.commit(c, jnp.ones((2,), jnp.int32))
+    out.append(step)
+  np.testing.assert_allclose(np.concatenate([np.asarray(o) for o in out], 1), ref, atol=1e-5)
+
+
+def test_config_dicts_without_the_newer_fields_still_load():
+  new = ("head_dim_override", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+         "rope_high_freq_factor", "rope_original_max_len", "qk_norm", "sliding_window",
+         "window_first_layer")
+  cfg = TINY["llama"]
+  old = {k: v for k, v in cfg.to_dict().items() if k not in new}
+  assert ModelConfig.from_dict(old) == cfg
+  odd = cfg.replace(head_dim_override=6, qk_norm=True, sliding_window=4, window_first_layer=1,
+                    rope_scaling="llama3", rope_factor=2.0, rope_original_max_len=64)
+  assert ModelConfig.from_dict(odd.to_dict()) == odd and odd.head_dim == 6
+  for bad, match in (({"rope_scaling": "yarn"}, "rope_scaling"),
+                     ({"sliding_window": 0}, "sliding_window"),
+                     ({"window_first_layer": 9}, "window_first_layer"),
+                     ({"head_dim_override": 0}, "head_dim_override"),
+                     ({"rope_scaling": "llama3", "rope_low_freq_factor": 4.0}, "low_freq")):
+    with pytest.raises(ValueError, match=match):
+      cfg.replace(**bad)
+
+
 def test_rope_matches_hf_rotate_half():
   x = np.random.default_rng(0).normal(size=(1, 3, 2, 8)).astype(np.float32)
   pos = np.array([[0, 5, 17]])
@@ -172,6 +266,9 @@ def test_model_config_validation(bad, match):
 def test_parse_config_presets_and_overrides():
   cfg = parse_config("tiny-llama:n_layers=3,rope_theta=1e6")
   assert cfg.n_layers == 3 and math.isclose(cfg.rope_theta, 1e6)
+  cfg = parse_config("tiny-llama:sliding_window=4,qk_norm=true,rope_scaling=llama3")
+  assert (cfg.sliding_window, cfg.qk_norm, cfg.rope_scaling) == (4, True, "llama3")
+  assert parse_config("tiny-llama:sliding_window=none").sliding_window is None
   assert parse_config('{"vocab_size": 10, "d_model": 8, "n_layers": 1, "n_heads": 2, '
                       '"n_kv_heads": 1, "d_ff": 16, "max_len": 32}').n_kv_heads == 1
   with pytest.raises(ValueError, match="tiny-gpt2"):

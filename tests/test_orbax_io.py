@@ -69,6 +69,18 @@ def test_config_mismatch_names_fields(tmp_path):
   assert "sizes" not in msg
 
 
+# The same class, later, with a field added after the checkpoint was written.
+NewerCfg = dataclasses.make_dataclass("Cfg", [("window", "int | None", None)], bases=(Cfg,),
+                                      frozen=True)
+
+
+def test_fields_added_later_take_their_defaults(tmp_path):
+  orbax_io.save(tmp_path, 1, params=_state(), config=Cfg())
+  orbax_io.restore(tmp_path, params_target=_state(), config=NewerCfg())
+  with pytest.raises(ValueError, match="window: checkpoint=None, expected=3"):
+    orbax_io.restore(tmp_path, params_target=_state(), config=NewerCfg(window=3))
+
+
 def test_shape_mismatch_is_a_clear_error(tmp_path):
   orbax_io.save(tmp_path, 1, params=_state(width=4))
   with pytest.raises(ValueError, match="does not match the expected parameter structure"):

@@ -205,7 +205,9 @@ def test_llama2_7b_config_gives_the_lecture_weight_bytes():
 
 @pytest.mark.parametrize("overrides", [
     {}, {"mlp": "swiglu", "norm": "rmsnorm", "positions": "rope", "use_bias": False,
-         "n_kv_heads": 2, "tie_embeddings": False}, {"qkv_bias": True, "use_bias": False}])
+         "n_kv_heads": 2, "tie_embeddings": False}, {"qkv_bias": True, "use_bias": False},
+    {"mlp": "swiglu", "norm": "rmsnorm", "positions": "rope", "use_bias": False,
+     "qk_norm": True, "head_dim_override": 48, "n_kv_heads": 2}])
 def test_param_counts_match_the_transformer(overrides):
   transformer = pytest.importorskip("specjax.models.transformer")
   base = dict(n_layers=2, d_model=128, n_heads=4, n_kv_heads=4, d_ff=256, vocab_size=1000,

@@ -56,6 +56,14 @@ def config_from_json(data: dict, cls: type) -> Any:
   return cls(**fields)
 
 
+def with_defaults(stored: dict, cls: type) -> dict:
+  """`config_to_json` output with the fields a checkpoint written before they existed lacks
+  filled in with the class's defaults (new fields' defaults keep the old behaviour)."""
+  defaults = {f.name: f.default for f in dataclasses.fields(cls)
+              if f.default is not dataclasses.MISSING}
+  return {**stored, "fields": {**defaults, **stored.get("fields", {})}}
+
+
 def config_diff(stored: dict, expected: dict) -> list[str]:
   """Lines 'field: checkpoint=X, expected=Y' for every differing field (and the class)."""
   lines = []
@@ -202,7 +210,7 @@ class Checkpointer:
     step = self._resolve(step)
     meta = self.read_meta(step)
     if config is not None:
-      diff = config_diff(meta["config"], config_to_json(config))
+      diff = config_diff(with_defaults(meta["config"], type(config)), config_to_json(config))
       if diff:
         raise ValueError(f"checkpoint {str(self.directory)!r} step {step} was saved with a "
                          "different config:\n  " + "\n  ".join(diff))

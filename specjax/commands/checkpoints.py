@@ -40,13 +40,16 @@ def add_parsers(subparsers) -> None:
   p = subparsers.add_parser(
       "export-hf", help="export a specjax checkpoint as a Hugging Face model directory",
       description="Writes config.json + safetensors that transformers loads "
-      "(GPT2LMHeadModel, LlamaForCausalLM or Qwen2ForCausalLM, chosen from the config), plus "
-      "the tokenizer files when the checkpoint has them.")
+      "(GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or "
+      "Qwen3ForCausalLM, chosen from the config), or flax_model.msgpack with --layout flax, "
+      "plus the tokenizer files when the checkpoint has them.")
   p.add_argument("ckpt", help="specjax checkpoint (or Hugging Face directory)")
   p.add_argument("--out", required=True, help="directory to create")
   _dtype_flag(p)
   p.add_argument("--max-shard-size", default="5GB",
                  help="largest safetensors shard, e.g. 5GB, 500MB or bytes (default %(default)s)")
+  p.add_argument("--layout", choices=("safetensors", "flax"), default="safetensors",
+                 help="weight file layout (default %(default)s; flax: one flax_model.msgpack)")
   p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
   p.set_defaults(func=run_export)
 
@@ -174,7 +177,8 @@ def run_export(args: argparse.Namespace) -> int:
     if f"{field}_token_id" not in base and value is not None and value < model.config.vocab_size:
       base[f"{field}_token_id"] = int(value)
   out = hf.export_hf(model, args.out, dtype=args.dtype, tokenizer_dir=src, base_config=base,
-                     max_shard_bytes=max_bytes, overwrite=args.overwrite)
+                     max_shard_bytes=max_bytes, overwrite=args.overwrite,
+                     layout=getattr(args, "layout", "safetensors"))
   files = sorted(p.name for p in out.iterdir())
   print(f"exported {hf.family_for(model.config)} -> {out}: {', '.join(files)}")
   return 0
@@ -200,6 +204,7 @@ def run_inspect(args: argparse.Namespace) -> int:
   if info.get("tokenizer"):
     print(f"  tokenizer:   {info['tokenizer']}")
   print("  config:")
+  width = max(map(len, c), default=0)
   for key, value in c.items():
-    print(f"    {key:15s} {value}")
+    print(f"    {key:{width}s} {value}")
   return 0

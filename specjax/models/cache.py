@@ -140,31 +140,52 @@ def write(cache: KVCache, layer: int, k_BTHD: Array, v_BTHD: Array) -> KVCache:
   return cache.replace(k=ks, v=vs)
 
 
-def attention_mask(lengths_B: Array, t: int, s: int, block_mask: Array | None) -> Array:
+def attention_mask(lengths_B: Array, t: int, s: int, block_mask: Array | None,
+                   window: int | None = None) -> Array:
   """mask[b, i, j]: query i (at slot lengths[b] + i) may attend to slot j.
 
   block_mask None: causal over the new block, every slot before lengths[b] visible.
   block_mask [T, R] or [B, T, R], R >= T: column c is slot lengths[b] - (R - T) + c (the
   last T columns are the new tokens). Slot j is visible if it lies before the window
   (committed) or block_mask[i, j - lengths[b] + R - T] is True.
+
+  window W (sliding-window attention, `transformers`' convention kv > q - W): of the slots
+  visible so, only those whose position is within W - 1 of the query's stay visible. The
+  slots a query sees hold exactly the positions 0..p of its own sequence in increasing slot
+  order (committed prefix, then its ancestors in the block), so the distance p - p_j is the
+  number of visible slots after j: `lengths + i - j` when causal, else the count of visible
+  block columns after j (plus, for a committed slot, the committed slots after it).
   """
   slots = jnp.arange(s, dtype=jnp.int32)[None, :]  # [1, S]
   if block_mask is None:
     rel = slots - lengths_B[:, None]  # [B, S] index of the slot within the new block
     allowed = rel[:, None, :] <= jnp.arange(t, dtype=jnp.int32)[None, :, None]  # [B, T, S]
-    return allowed | (rel < 0)[:, None, :]
+    allowed = allowed | (rel < 0)[:, None, :]
+    if window is not None:  # distance = (lengths + i) - j
+      allowed = allowed & (jnp.arange(t, dtype=jnp.int32)[None, :, None] - rel[:, None, :]
+                           < window)
+    return allowed
   r = block_mask.shape[-1]
   rel = slots - lengths_B[:, None] + (r - t)  # [B, S] column of the slot in the window
   committed = rel < 0
   in_window = (rel >= 0) & (rel < r)
   rel = jnp.clip(rel, 0, r - 1)
+  b = lengths_B.shape[0]
+  index = jnp.broadcast_to(rel[:, None, :], (b, t, s))
   if block_mask.ndim == 2:
     allowed = jnp.take(block_mask, rel, axis=1).transpose(1, 0, 2)  # [B, T, S]
   else:  # per-row masks [B, T, R]
-    b = lengths_B.shape[0]
-    allowed = jnp.take_along_axis(block_mask, jnp.broadcast_to(rel[:, None, :], (b, t, s)),
-                                  axis=2)
-  return committed[:, None, :] | (in_window[:, None, :] & allowed)
+    allowed = jnp.take_along_axis(block_mask, index, axis=2)
+  allowed = committed[:, None, :] | (in_window[:, None, :] & allowed)
+  if window is None:
+    return allowed
+  visible = jnp.broadcast_to(block_mask, (b, t, r)).astype(jnp.int32)
+  after_BTR = jnp.cumsum(visible[..., ::-1], axis=-1)[..., ::-1] - visible  # visible cols > c
+  n_win_BT = jnp.sum(visible, axis=-1)
+  start = (lengths_B - (r - t))[:, None, None]  # slot of column 0
+  distance = jnp.where(committed[:, None, :], start - 1 - slots[:, None, :] + n_win_BT[..., None],
+                       jnp.take_along_axis(after_BTR, index, axis=2))
+  return allowed & (distance < window)
 
 
 def gather_block(cache: KVCache, index_BP: Array, span: int) -> KVCache:
@@ -200,10 +221,12 @@ def compact(cache: KVCache, path_BP: Array, span: int, new_lengths_B: Array) -> 
   return set_lengths(gather_block(cache, path_BP, span), new_lengths_B)
 
 
-def attend(cache: KVCache, layer: int, q_BTHD: Array, block_mask_TT: Array | None) -> Array:
+def attend(cache: KVCache, layer: int, q_BTHD: Array, block_mask_TT: Array | None,
+           window: int | None = None) -> Array:
   """Attention of T queries over the committed prefix and the new block. Returns [B,T,H,D].
 
-  block_mask_TT: None (causal), [T, R] or [B, T, R] (see attention_mask)."""
+  block_mask_TT: None (causal), [T, R] or [B, T, R]; window: sliding window or None (see
+  attention_mask)."""
   b, t, h, d = q_BTHD.shape
   hkv = cache.n_kv_heads
   g = h // hkv
@@ -218,7 +241,7 @@ def attend(cache: KVCache, layer: int, q_BTHD: Array, block_mask_TT: Array | Non
     q = jnp.concatenate([q, q], axis=1)
   scores = jnp.einsum("nrd,nds->nrs", q, kbuf, preferred_element_type=jnp.float32)
   scores = scores[:, :rows]
-  mask = attention_mask(cache.lengths, t, s, block_mask_TT)  # [B, T, S]
+  mask = attention_mask(cache.lengths, t, s, block_mask_TT, window)  # [B, T, S]
   mask = jnp.broadcast_to(mask[:, None, None], (b, hkv, g, t, s)).reshape(b * hkv, rows, s)
   scores = jnp.where(mask, scores, _NEG_INF)
   probs = jax.nn.softmax(scores, axis=-1)
@@ -230,16 +253,21 @@ def attend(cache: KVCache, layer: int, q_BTHD: Array, block_mask_TT: Array | Non
 
 
 def causal_attention(q_BTHD: Array, k_BTKD: Array, v_BTKD: Array,
-                     block_mask_TT: Array | None = None) -> Array:
-  """Cache-free attention over the T tokens themselves (training and scoring)."""
+                     block_mask_TT: Array | None = None, window: int | None = None) -> Array:
+  """Cache-free attention over the T tokens themselves (training and scoring); block_mask_TT
+  [T, T] (None: causal) and window as in `attention_mask` with an empty cache."""
   b, t, h, d = q_BTHD.shape
   hkv = k_BTKD.shape[2]
   q = q_BTHD.reshape(b, t, hkv, h // hkv, d) * (1.0 / math.sqrt(d))
   scores = jnp.einsum("btkgd,bskd->bkgts", q, k_BTKD.astype(jnp.float32),
                       preferred_element_type=jnp.float32)
-  if block_mask_TT is None:
-    block_mask_TT = jnp.tril(jnp.ones((t, t), bool))
-  scores = jnp.where(block_mask_TT, scores, _NEG_INF)
+  if window is not None:
+    mask = attention_mask(jnp.zeros((1,), jnp.int32), t, t, block_mask_TT, window)[0]
+  elif block_mask_TT is None:
+    mask = jnp.tril(jnp.ones((t, t), bool))
+  else:
+    mask = block_mask_TT
+  scores = jnp.where(mask, scores, _NEG_INF)
   probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BTKD.astype(jnp.float32),
                    preferred_element_type=jnp.float32)

@@ -27,6 +27,8 @@ PRESETS: dict[str, ModelConfig] = {
 
 def _coerce(field: dataclasses.Field, text: str):
   kind = field.type if isinstance(field.type, type) else str(field.type)
+  if kind == "int | None":  # sliding_window=none, head_dim_override=64
+    return None if text.lower() in ("none", "null") else int(text)
   if kind in (int, "int"):
     return int(text)
   if kind in (float, "float"):

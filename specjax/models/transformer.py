@@ -1,5 +1,9 @@
 """A decoder-only transformer covering the GPT-2 and Llama families (Flax NNX).
 
+The Llama side also carries the generic features of its descendants, each off by default:
+Llama 3.x RoPE frequency scaling, per-head q/k RMSNorm and a free head_dim (Qwen3), and
+sliding-window attention on the last layers (Mistral, Qwen2/3).
+
 One call serves training, prefill, one-token decode, chain verification and tree
 verification; only the positions, the cache and the block mask differ:
 
@@ -55,6 +59,16 @@ class ModelConfig:
   qkv_bias: bool = False  # biases on q/k/v only (Qwen2); implied by use_bias
   norm_eps: float = 1e-5
   dtype: Literal["float32", "bfloat16"] = "float32"
+  # Generic features later families need; the defaults keep every older config unchanged.
+  head_dim_override: int | None = None  # per-head width when not d_model / n_heads (Qwen3)
+  rope_scaling: Literal["none", "llama3"] = "none"  # frequency scaling (`rope_frequencies`)
+  rope_factor: float = 8.0  # llama3 scaling: factor, low/high-frequency factors, and the
+  rope_low_freq_factor: float = 1.0  # context length the model was first trained at
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_len: int = 8192
+  qk_norm: bool = False  # RMSNorm over head_dim on q and k before rope (Qwen3)
+  sliding_window: int | None = None  # a query sees at most this many latest positions
+  window_first_layer: int = 0  # the window applies to layers >= this one (Qwen2/3)
 
   def __post_init__(self):
     positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_len")
@@ -62,14 +76,20 @@ class ModelConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
-    if self.d_model % self.n_heads:
+    if self.head_dim_override is not None:
+      hd = self.head_dim_override
+      if not isinstance(hd, int) or isinstance(hd, bool) or hd < 1:
+        raise ValueError(f"ModelConfig.head_dim_override must be None or a positive int, got "
+                         f"{hd!r}")
+    elif self.d_model % self.n_heads:
       raise ValueError(f"ModelConfig.d_model ({self.d_model}) must be divisible by "
                        f"n_heads ({self.n_heads})")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(f"ModelConfig.n_heads ({self.n_heads}) must be divisible by "
                        f"n_kv_heads ({self.n_kv_heads})")
     choices = {"norm": ("layernorm", "rmsnorm"), "positions": ("learned", "rope"),
-               "mlp": ("gelu", "swiglu"), "dtype": tuple(_DTYPES)}
+               "mlp": ("gelu", "swiglu"), "dtype": tuple(_DTYPES),
+               "rope_scaling": ("none", "llama3")}
     for name, allowed in choices.items():
       if getattr(self, name) not in allowed:
         raise ValueError(f"ModelConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -77,10 +97,35 @@ class ModelConfig:
       raise ValueError(f"rope needs an even head_dim, got {self.head_dim}")
     if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
       raise ValueError(f"ModelConfig.rope_theta must be positive and finite, got {self.rope_theta}")
+    if self.rope_scaling == "llama3":
+      if self.positions != "rope":
+        raise ValueError("ModelConfig.rope_scaling='llama3' needs positions='rope'")
+      if not (math.isfinite(self.rope_factor) and self.rope_factor >= 1):
+        raise ValueError(f"ModelConfig.rope_factor must be >= 1, got {self.rope_factor}")
+      if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor < math.inf:
+        raise ValueError("ModelConfig.rope_low_freq_factor must be positive and below "
+                         f"rope_high_freq_factor, got {self.rope_low_freq_factor} and "
+                         f"{self.rope_high_freq_factor}")
+      if not isinstance(self.rope_original_max_len, int) or self.rope_original_max_len < 1:
+        raise ValueError("ModelConfig.rope_original_max_len must be a positive int, got "
+                         f"{self.rope_original_max_len!r}")
+    w = self.sliding_window
+    if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+      raise ValueError(f"ModelConfig.sliding_window must be None or a positive int, got {w!r}")
+    first = self.window_first_layer
+    if not isinstance(first, int) or isinstance(first, bool) or not 0 <= first <= self.n_layers:
+      raise ValueError(f"ModelConfig.window_first_layer must be an int in [0, n_layers="
+                       f"{self.n_layers}], got {first!r}")
 
   @property
   def head_dim(self) -> int:
+    if self.head_dim_override is not None:
+      return self.head_dim_override
     return self.d_model // self.n_heads
+
+  def window_of(self, layer: int) -> int | None:
+    """The sliding window of this layer (None: full causal attention)."""
+    return self.sliding_window if layer >= self.window_first_layer else None
 
   @property
   def jnp_dtype(self):
@@ -226,13 +271,42 @@ class Norm(nnx.Module):
     return y
 
 
-def rope(x_BTHD: Array, positions_BT: Array, theta: float) -> Array:
+def rope_frequencies(config: ModelConfig) -> Array:
+  """The D/2 inverse frequencies ω_i = θ^(-2i/D) of the rotary embedding (float32).
+
+  rope_scaling 'llama3' (Llama 3.1+) rescales them by wavelength λ_i = 2π/ω_i, with
+  L = rope_original_max_len, s = rope_factor, l/h the low/high-frequency factors:
+    λ_i < L/h            ω_i unchanged (high frequencies)
+    λ_i > L/l            ω_i / s       (low frequencies)
+    otherwise            (1 - a)·ω_i/s + a·ω_i with a = (L/λ_i - l) / (h - l) (smooth)
+  computed in float32 in the same order as `transformers` (agreeing to float32 rounding: the
+  libraries' float32 pow differs by an ulp at some exponents).
+  """
+  c, d = config, config.head_dim
+  inv = 1.0 / (c.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
+  if c.rope_scaling == "llama3":
+    factor, low, high = c.rope_factor, c.rope_low_freq_factor, c.rope_high_freq_factor
+    old = c.rope_original_max_len
+    wavelen = 2 * math.pi / inv
+    scaled = jnp.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    inv = jnp.where(medium, smoothed, scaled)
+  return inv
+
+
+def rope(x_BTHD: Array, positions_BT: Array, theta_or_freqs) -> Array:
   """Rotary embedding in the half-split layout Hugging Face uses (`rotate_half`).
 
-  Pair (x[i], x[i + D/2]) is rotated by angle position / theta^(2i/D).
+  Pair (x[i], x[i + D/2]) is rotated by angle position · ω_i, with ω_i = θ^(-2i/D) when a
+  float θ is given, or the D/2 frequencies given (`rope_frequencies`, scaled variants).
   """
   d = x_BTHD.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
+  if isinstance(theta_or_freqs, (int, float)):
+    inv_freq = 1.0 / (theta_or_freqs ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
+  else:
+    inv_freq = theta_or_freqs.astype(jnp.float32)
   angles = positions_BT.astype(jnp.float32)[..., None] * inv_freq[None, None]  # [B, T, D/2]
   cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, D/2]
   sin = jnp.sin(angles)[:, :, None, :]
@@ -252,6 +326,9 @@ class Attention(nnx.Module):
     self.v = Dense(c.d_model, c.n_kv_heads * c.head_dim, bias=qkv_bias, dtype=dt, rngs=rngs)
     self.o = Dense(c.n_heads * c.head_dim, c.d_model, bias=c.use_bias, dtype=dt, rngs=rngs,
                    stddev=resid_std)
+    qk = dict(kind="rmsnorm", bias=False, eps=c.norm_eps, dtype=dt)
+    self.q_norm = Norm(c.head_dim, **qk) if c.qk_norm else None
+    self.k_norm = Norm(c.head_dim, **qk) if c.qk_norm else None
 
   def __call__(self, x_BTD, positions_BT, cache, layer, block_mask_TT):
     c = self.config
@@ -259,14 +336,18 @@ class Attention(nnx.Module):
     q = self.q(x_BTD).reshape(b, t, c.n_heads, c.head_dim)
     k = self.k(x_BTD).reshape(b, t, c.n_kv_heads, c.head_dim)
     v = self.v(x_BTD).reshape(b, t, c.n_kv_heads, c.head_dim)
-    if c.positions == "rope":
-      q = rope(q, positions_BT, c.rope_theta)
-      k = rope(k, positions_BT, c.rope_theta)
+    if self.q_norm is not None:  # per-head RMSNorm before rope (Qwen3)
+      q, k = self.q_norm(q), self.k_norm(k)
+    if c.positions == "rope":  # θ alone: the plain path, computed as it always was
+      freqs = c.rope_theta if c.rope_scaling == "none" else rope_frequencies(c)
+      q = rope(q, positions_BT, freqs)
+      k = rope(k, positions_BT, freqs)
+    window = c.window_of(layer)
     if cache is None:
-      out = kv.causal_attention(q, k, v, block_mask_TT)
+      out = kv.causal_attention(q, k, v, block_mask_TT, window=window)
     else:
       cache = kv.write(cache, layer, k, v)
-      out = kv.attend(cache, layer, q, block_mask_TT)
+      out = kv.attend(cache, layer, q, block_mask_TT, window=window)
     return self.o(out.reshape(b, t, c.n_heads * c.head_dim)), cache
 
 

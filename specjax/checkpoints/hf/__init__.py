@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints: import into specjax, export back (GPT-2, Llama, Mistral, Qwen2).
+"""Hugging Face checkpoints: import into specjax, export back (GPT-2, Llama, Mistral, Qwen2,
+Qwen3).
 
     from specjax.checkpoints import hf
     imported = hf.import_hf("path/to/hf_dir")       # HFImport(config, params, family, ...)
@@ -19,7 +20,7 @@ from __future__ import annotations
 from specjax.checkpoints.dirs import prepare_output_dir, publish_dir
 from specjax.checkpoints.hf.config import (ARCHITECTURES, FAMILIES, config_from_hf, detect_family,
                                            family_for, hf_config_for, read_hf_config,
-                                           rope_theta_of)
+                                           rope_fields_of, rope_theta_of)
 from specjax.checkpoints.hf.convert import (DEFAULT_SHARD_BYTES, HFImport, build_model,
                                             convert_in, convert_out, export_hf, import_hf,
                                             model_params, nest, param_shapes)
@@ -28,7 +29,7 @@ from specjax.checkpoints.hf.tensor_files import (FLAX_MSGPACK, SAFETENSORS, SAFE
                                                  Tensors, checkpoint_layout, itemsize,
                                                  read_flax_msgpack, read_safetensors,
                                                  read_tensors, safetensors_specs, tensor_headers,
-                                                 write_safetensors)
+                                                 write_flax_msgpack, write_safetensors)
 from specjax.checkpoints.hf.tokenizer import (TOKENIZER_FILES, HFTokenizer, copy_tokenizer_files,
                                               load_tokenizer_for)
 
@@ -39,6 +40,7 @@ __all__ = [
     "copy_tokenizer_files", "detect_family", "export_hf", "family_for", "hf_config_for",
     "import_hf", "itemsize", "load_tokenizer_for", "model_params", "nest", "param_shapes",
     "prepare_output_dir", "publish_dir", "read_flax_msgpack", "read_hf_config",
-    "read_safetensors", "read_tensors", "rope_theta_of", "rules_for", "safetensors_specs",
-    "tensor_headers", "write_safetensors",
+    "read_safetensors", "read_tensors", "rope_fields_of", "rope_theta_of", "rules_for",
+    "safetensors_specs",
+    "tensor_headers", "write_flax_msgpack", "write_safetensors",
 ]

@@ -1,9 +1,10 @@
-"""Hugging Face config.json <-> specjax ModelConfig (GPT-2, Llama, Mistral, Qwen2).
+"""Hugging Face config.json <-> specjax ModelConfig (GPT-2, Llama, Mistral, Qwen2, Qwen3).
 
 `config_from_hf` maps a config dict to (family, ModelConfig) and refuses every option that
-would make specjax compute something else (scaled RoPE, non-tanh GELU, biases Llama does
-not have, a head_dim that is not hidden_size / heads, ...), naming the field, its value and
-what is allowed. Fields a hand-written config.json may leave out take transformers' defaults.
+would make specjax compute something else (RoPE scalings other than llama3, non-tanh GELU,
+biases Llama does not have, interleaved sliding-window layers, ...), naming the field, its
+value and what is allowed. Fields a hand-written config.json may leave out take transformers'
+defaults.
 `family_for` / `hf_config_for` go the other way, for export.
 """
 
@@ -16,9 +17,10 @@ from typing import Iterable, Mapping
 
 from specjax.models.transformer import ModelConfig
 
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
-                 "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+                 "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
 
 
 def read_hf_config(directory: str | os.PathLike) -> dict:
@@ -53,36 +55,69 @@ _DEFAULTS = {
     "mistral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6, "hidden_act": "silu",
                 "tie_word_embeddings": False, "sliding_window": 4096},
     "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-              "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": 4096},
+              "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": 4096,
+              "max_window_layers": 28},
+    "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+              "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": 4096,
+              "max_window_layers": 28, "head_dim": 128, "attention_bias": False},
 }
 _GPT2_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # all the tanh approximation
 
 
-def rope_theta_of(hf: Mapping, default: float = 10000.0) -> float:
-  """θ from transformers 5's `rope_parameters` or the older `rope_theta` + `rope_scaling`.
+_LLAMA3_FIELDS = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
+                  "high_freq_factor": "rope_high_freq_factor",
+                  "original_max_position_embeddings": "rope_original_max_len"}
 
-  Only the plain ("default") rotary embedding is supported: scaled variants (linear,
-  dynamic, yarn, llama3, longrope) change the frequencies and are refused.
+
+def rope_fields_of(hf: Mapping, default: float = 10000.0) -> dict:
+  """The ModelConfig rope fields (rope_theta, rope_scaling and its parameters) from
+  transformers 5's `rope_parameters` or the older `rope_theta` + `rope_scaling`.
+
+  Supported: the plain rotary embedding ('default') and Llama 3.1's frequency scaling
+  ('llama3'); the other scalings (linear, dynamic, yarn, longrope, ...) change the
+  frequencies or the attention scale differently and are refused naming the field.
   """
   params = hf.get("rope_parameters")
   scaling = hf.get("rope_scaling")
   if params is not None and not isinstance(params, Mapping):
     raise ValueError(f"config.json: rope_parameters must be an object, got {params!r}")
+  if scaling is not None and not isinstance(scaling, Mapping):
+    raise ValueError(f"config.json: rope_scaling must be an object, got {scaling!r}")
   if params and all(isinstance(v, Mapping) for v in params.values()):
     raise ValueError(f"config.json: per-layer-type rope_parameters {sorted(params)} are not "
                      "supported")
+  field = "rope_parameters" if params else "rope_scaling"
   spec = dict(params or scaling or {})
-  kind = spec.get("rope_type", spec.get("type", "default"))
-  if kind != "default":
-    raise ValueError(f"config.json: rope type {kind!r} is not supported (specjax implements "
-                     "the default rotary embedding only)")
+  key = "rope_type" if "rope_type" in spec else "type"
+  kind = spec.get(key, "default")
+  if kind not in ("default", "llama3"):
+    raise ValueError(f"config.json: {field}.{key}={kind!r} is not supported (specjax "
+                     "implements the rope types 'default' and 'llama3')")
   factor = spec.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
   if factor not in (None, 1, 1.0):
     raise ValueError(f"config.json: partial_rotary_factor={factor} is not supported (needs 1.0)")
-  theta = spec.get("rope_theta", hf.get("rope_theta", default))
-  if theta is None:
-    theta = default
-  return float(theta)
+  theta = next((t for t in (spec.get("rope_theta"), hf.get("rope_theta")) if t is not None),
+               default)
+  out = {"rope_theta": float(theta)}
+  if kind == "llama3":
+    out["rope_scaling"] = "llama3"
+    for name, ours in _LLAMA3_FIELDS.items():
+      value = spec.get(name)
+      if name == "original_max_position_embeddings" and value is None:
+        value = hf.get("original_max_position_embeddings")
+      if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"config.json: {field}.{name}={value!r}: rope type 'llama3' needs a "
+                         "number")
+      out[ours] = int(value) if ours == "rope_original_max_len" else float(value)
+    if spec.get("attention_factor") not in (None, 1, 1.0):
+      raise ValueError(f"config.json: {field}.attention_factor={spec['attention_factor']!r} is "
+                       "not supported (needs 1.0)")
+  return out
+
+
+def rope_theta_of(hf: Mapping, default: float = 10000.0) -> float:
+  """θ alone (see `rope_fields_of`, which also reads the llama3 scaling)."""
+  return rope_fields_of(hf, default)["rope_theta"]
 
 
 def _need(hf: Mapping, family: str, *names: str):
@@ -126,40 +161,64 @@ def config_from_hf(hf: Mapping, dtype: str = "float32") -> tuple[str, ModelConfi
     return family, config
 
   _require(hf, family, "hidden_act", ("silu",), "SwiGLU uses silu")
-  if family == "llama":
+  if family in ("llama", "qwen3"):
     _require(hf, family, "attention_bias", (False,), "no attention biases")
+  if family == "llama":
     _require(hf, family, "mlp_bias", (False,), "no MLP biases")
   d = int(_need(hf, family, "hidden_size"))
   heads = int(_need(hf, family, "num_attention_heads"))
   kv = hf.get("num_key_value_heads")
-  head_dim = hf.get("head_dim")
-  if head_dim is not None and int(head_dim) * heads != d:
-    raise ValueError(f"config.json: head_dim={head_dim} with num_attention_heads={heads} is not "
-                     f"hidden_size={d} / num_attention_heads (specjax derives head_dim)")
-  max_len = int(_need(hf, family, "max_position_embeddings"))
-  window = _sliding_window(hf, family)
-  if window is not None:
-    max_len = min(max_len, window)  # beyond the window HF attends locally: exact only up to it
+  head_dim = hf.get("head_dim", _DEFAULTS[family].get("head_dim"))
+  if head_dim is not None and int(head_dim) * heads == d:
+    head_dim = None  # the derived width: stored as the default
+  n_layers = int(_need(hf, family, "num_hidden_layers"))
+  window, first = _sliding_window(hf, family, n_layers)
   config = ModelConfig(
-      vocab_size=int(_need(hf, family, "vocab_size")), d_model=d,
-      n_layers=int(_need(hf, family, "num_hidden_layers")), n_heads=heads,
-      n_kv_heads=int(kv) if kv is not None else heads,
-      d_ff=int(_need(hf, family, "intermediate_size")), max_len=max_len, norm="rmsnorm",
-      positions="rope", rope_theta=rope_theta_of(hf), mlp="swiglu",
+      vocab_size=int(_need(hf, family, "vocab_size")), d_model=d, n_layers=n_layers,
+      n_heads=heads, n_kv_heads=int(kv) if kv is not None else heads,
+      d_ff=int(_need(hf, family, "intermediate_size")),
+      max_len=int(_need(hf, family, "max_position_embeddings")), norm="rmsnorm",
+      positions="rope", mlp="swiglu",
       tie_embeddings=bool(_need(hf, family, "tie_word_embeddings")), use_bias=False,
       qkv_bias=family == "qwen2", norm_eps=float(_need(hf, family, "rms_norm_eps")),
-      dtype=dtype)
+      dtype=dtype, head_dim_override=None if head_dim is None else int(head_dim),
+      qk_norm=family == "qwen3", sliding_window=window, window_first_layer=first,
+      **rope_fields_of(hf))
   return family, config
 
 
-def _sliding_window(hf: Mapping, family: str) -> int | None:
+def _sliding_window(hf: Mapping, family: str, n_layers: int) -> tuple[int | None, int]:
+  """(window, first windowed layer), as transformers reads them: Mistral windows every
+  layer; Qwen2/3 only with use_sliding_window, the layers from max_window_layers on (or as
+  `layer_types` says, which must then be full layers followed by sliding ones)."""
   if family == "mistral":
     window = hf.get("sliding_window", _DEFAULTS[family]["sliding_window"])
-  elif family == "qwen2" and hf.get("use_sliding_window", False):
-    window = hf.get("sliding_window", _DEFAULTS[family]["sliding_window"])
-  else:
-    return None
-  return int(window) if window is not None else None
+    return (None, 0) if window is None else (int(window), 0)
+  if family not in ("qwen2", "qwen3"):
+    return None, 0
+  window = hf.get("sliding_window", _DEFAULTS[family]["sliding_window"])
+  if not hf.get("use_sliding_window", False):
+    window = None
+  types = hf.get("layer_types")
+  if types is None:
+    first = int(_need(hf, family, "max_window_layers"))
+    types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+             for i in range(n_layers)]
+  if (not isinstance(types, list) or len(types) != n_layers
+      or any(t not in ("full_attention", "sliding_attention") for t in types)):
+    raise ValueError(f"config.json: layer_types={types!r} must list 'full_attention' or "
+                     f"'sliding_attention' for each of the {n_layers} layers")
+  first = types.index("sliding_attention") if "sliding_attention" in types else n_layers
+  if any(t != "sliding_attention" for t in types[first:]):
+    raise ValueError(f"config.json: layer_types={types!r} is not supported (specjax windows "
+                     "a final run of layers: full_attention layers, then sliding_attention)")
+  if first == n_layers or window is None:
+    if first < n_layers:
+      raise ValueError(f"config.json: layer_types lists sliding_attention layers but "
+                       f"sliding_window is {window!r} (use_sliding_window="
+                       f"{hf.get('use_sliding_window', False)!r})")
+    return None, 0
+  return int(window), first
 
 
 def family_for(config: ModelConfig) -> str:
@@ -169,13 +228,31 @@ def family_for(config: ModelConfig) -> str:
     if c.n_kv_heads != c.n_heads:
       raise ValueError(f"GPT-2 has no grouped-query attention: n_kv_heads={c.n_kv_heads} must "
                        f"equal n_heads={c.n_heads} to export")
+    extras = {"qk_norm": False, "sliding_window": None, "head_dim_override": None,
+              "qkv_bias": False}
+    for name, want in extras.items():
+      if getattr(c, name) != want:
+        raise ValueError(f"GPT-2 has no {name}: {name}={getattr(c, name)!r} must be {want!r} to "
+                         "export")
     return "gpt2"
   if (c.norm, c.positions, c.mlp, c.use_bias) == ("rmsnorm", "rope", "swiglu", False):
-    return "qwen2" if c.qkv_bias else "llama"
+    if c.qk_norm:
+      if c.qkv_bias:
+        raise ValueError("no Hugging Face family has both qk_norm and qkv_bias (Qwen3's "
+                         "attention_bias also puts a bias on the output projection)")
+      return "qwen3"
+    if c.qkv_bias:
+      return "qwen2"
+    if c.sliding_window is not None:
+      if c.window_first_layer != 0:
+        raise ValueError(f"window_first_layer={c.window_first_layer}: Mistral windows every "
+                         "layer; only Qwen2/Qwen3 (qkv_bias or qk_norm) window the last layers")
+      return "mistral"
+    return "llama"
   raise ValueError(
       "no Hugging Face family computes this model: GPT-2 needs norm='layernorm', "
-      "positions='learned', mlp='gelu', use_bias=True; Llama/Qwen2 need norm='rmsnorm', "
-      f"positions='rope', mlp='swiglu', use_bias=False; got norm={c.norm!r}, "
+      "positions='learned', mlp='gelu', use_bias=True; Llama/Mistral/Qwen need "
+      f"norm='rmsnorm', positions='rope', mlp='swiglu', use_bias=False; got norm={c.norm!r}, "
       f"positions={c.positions!r}, mlp={c.mlp!r}, use_bias={c.use_bias}")
 
 
@@ -200,16 +277,25 @@ def hf_config_for(config: ModelConfig, family: str | None = None,
                activation_function="gelu_new", scale_attn_weights=True,
                scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)
     return out
+  rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+  if c.rope_scaling == "llama3":
+    rope.update(rope_type="llama3", **{hf_name: getattr(c, ours)
+                                       for hf_name, ours in _LLAMA3_FIELDS.items()})
   out.update(hidden_size=c.d_model, num_hidden_layers=c.n_layers,
              num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
              head_dim=c.head_dim, intermediate_size=c.d_ff, max_position_embeddings=c.max_len,
              rms_norm_eps=c.norm_eps, hidden_act="silu", rope_theta=c.rope_theta,
-             rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta})
+             rope_parameters=rope)
   if family == "llama":
     out.update(attention_bias=False, mlp_bias=False)
-  elif family == "qwen2":
-    out.update(use_sliding_window=False, sliding_window=None)
+  elif family in ("qwen2", "qwen3"):
+    windowed = c.sliding_window is not None
+    out.update(use_sliding_window=windowed, sliding_window=c.sliding_window,
+               max_window_layers=c.window_first_layer if windowed else c.n_layers,
+               layer_types=[("sliding_attention" if c.window_of(i) is not None else
+                             "full_attention") for i in range(c.n_layers)])
+    if family == "qwen3":
+      out.update(attention_bias=False)
   elif family == "mistral":
-    out.update(sliding_window=None)
+    out.update(sliding_window=c.sliding_window)
   return out
-

@@ -26,8 +26,9 @@ import numpy as np
 from specjax.checkpoints.dirs import assembling, prepare_output_dir
 from specjax.checkpoints.hf.config import config_from_hf, family_for, hf_config_for, read_hf_config
 from specjax.checkpoints.hf.keys import IGNORED_BUFFERS, PREFIX, TIED_HEAD, Rule, rules_for
-from specjax.checkpoints.hf.tensor_files import (SAFETENSORS, SAFETENSORS_INDEX, flatten,
-                                                 read_tensors, write_safetensors)
+from specjax.checkpoints.hf.tensor_files import (FLAX_MSGPACK, SAFETENSORS, SAFETENSORS_INDEX,
+                                                 flatten, read_tensors, write_flax_msgpack,
+                                                 write_safetensors)
 from specjax.checkpoints.hf.tokenizer import copy_tokenizer_files
 from specjax.models.transformer import ModelConfig, abstract_model, from_params
 
@@ -197,12 +198,33 @@ def _shards(tensors: Mapping[str, np.ndarray], max_bytes: int) -> list[dict[str,
   return shards
 
 
+def _write_shards(directory: pathlib.Path, tensors: Mapping[str, np.ndarray],
+                  max_bytes: int) -> None:
+  """model.safetensors, or shards and their index above `max_bytes`."""
+  shards = _shards(tensors, max_bytes)
+  meta = {"format": "pt"}
+  if len(shards) == 1:
+    write_safetensors(directory / SAFETENSORS, shards[0], meta)
+    return
+  weight_map = {}
+  for i, shard in enumerate(shards):
+    file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    write_safetensors(directory / file, shard, meta)
+    weight_map.update({name: file for name in shard})
+  index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+           "weight_map": weight_map}
+  (directory / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
 def export_hf(model, out: str | os.PathLike, *, dtype: str | None = None,
               tokenizer_dir: str | os.PathLike | None = None, base_config: Mapping | None = None,
-              max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False) -> pathlib.Path:
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
+              layout: str = "safetensors") -> pathlib.Path:
   """Write a Transformer (or (config, params)) as a Hugging Face directory.
 
-  dtype: None keeps the model's dtype. tokenizer_dir: copy the Hugging Face tokenizer files
+  layout: 'safetensors' (model.safetensors, sharded above max_shard_bytes) or 'flax' (one
+  flax_model.msgpack in the Flax models' parameter layout). dtype: None keeps the model's
+  dtype. tokenizer_dir: copy the Hugging Face tokenizer files
   found there. base_config: an original config.json to keep unrelated fields (token ids) of.
   The directory is assembled in a temporary sibling and renamed into place: on any error
   nothing is written at `out`.
@@ -211,6 +233,8 @@ def export_hf(model, out: str | os.PathLike, *, dtype: str | None = None,
     raise ValueError(f"dtype must be None, 'float32' or 'bfloat16', got {dtype!r}")
   if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
     raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+  if layout not in ("safetensors", "flax"):
+    raise ValueError(f"layout must be 'safetensors' or 'flax', got {layout!r}")
   out = prepare_output_dir(out, overwrite)
   if isinstance(model, tuple):
     config, params = model
@@ -224,25 +248,16 @@ def export_hf(model, out: str | os.PathLike, *, dtype: str | None = None,
          if k not in params or tuple(np.shape(params[k])) != s]
   if bad:
     raise ValueError("parameters do not match the config:\n  " + "\n  ".join(bad[:8]))
-  tensors = convert_out(rules_for(family, config),
+  tensors = convert_out(rules_for(family, config, layout),
                         {k: np.asarray(v).astype(target) for k, v in params.items()})
   hf = hf_config_for(config, family, base_config)
 
   with assembling(out) as tmp:
     (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    shards = _shards(tensors, max_shard_bytes)
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-      write_safetensors(tmp / SAFETENSORS, shards[0], meta)
-    else:
-      weight_map = {}
-      for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        write_safetensors(tmp / file, shard, meta)
-        weight_map.update({name: file for name in shard})
-      index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
-               "weight_map": weight_map}
-      (tmp / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
     if tokenizer_dir is not None:
       copy_tokenizer_files(tokenizer_dir, tmp)
+    if layout == "flax":
+      write_flax_msgpack(tmp / FLAX_MSGPACK, tensors)
+    else:
+      _write_shards(tmp, tensors, max_shard_bytes)
   return out

@@ -4,6 +4,11 @@ Layout conventions: torch `nn.Linear` stores [out, in], specjax and GPT-2's `Con
 [in, out]; Flax GPT-2's `FlaxConv1D` stores [out, in] (it transposes at call time); GPT-2
 fuses q, k, v into one `c_attn` of width 3·D. RoPE uses the half-split (`rotate_half`) pair
 layout in both libraries, so q/k weights need no permutation.
+
+The Flax msgpack layout of the RoPE families is the one transformers' Flax Llama and Mistral
+used (and its PyTorch -> Flax conversion applies to any of them): the same nesting as the
+torch names, `nn.Dense` kernels [in, out] named `kernel`, embeddings named `embedding`,
+RMSNorm weights kept as `weight` (Qwen2/Qwen3 had no Flax classes; the same convention).
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ def _per_layer(n_layers: int, template: list[tuple]) -> list[Rule]:
 
 
 def rules_for(family: str, config: ModelConfig, layout: str = "safetensors") -> list[Rule]:
-  """The key map of a family and file layout ('flax' exists for GPT-2 only)."""
+  """The key map of a family and file layout ('safetensors': torch names, or 'flax')."""
   c = config
   qkv = ("blocks.{i}.attn.q.{w}", "blocks.{i}.attn.k.{w}", "blocks.{i}.attn.v.{w}")
   if family == "gpt2":
@@ -98,8 +103,25 @@ def rules_for(family: str, config: ModelConfig, layout: str = "safetensors") -> 
       rules.append(Rule("lm_head.kernel", ("lm_head.kernel",)) if flax else
                    Rule("lm_head.weight", ("lm_head.kernel",), ("T",)))
     return rules
-  if layout == "flax":
-    raise ValueError(f"the Flax msgpack layout is supported for GPT-2 only, not {family}")
+  if layout not in ("safetensors", "flax"):
+    raise ValueError(f"layout must be 'safetensors' or 'flax', got {layout!r}")
+  rules = _rope_family_rules(c)
+  return [_flax_rule(r) for r in rules] if layout == "flax" else rules
+
+
+def _flax_rule(rule: Rule) -> Rule:
+  """A torch-named RoPE-family rule in the Flax layout: Linear weight [out, in] -> Dense
+  kernel [in, out]; Embedding weight -> embedding; RMSNorm weight unchanged."""
+  if "T" in rule.ops:
+    return Rule(rule.hf[:-len("weight")] + "kernel", rule.specjax,
+                tuple(op for op in rule.ops if op != "T"))
+  if rule.specjax == ("embed",):
+    return Rule(rule.hf[:-len("weight")] + "embedding", rule.specjax, rule.ops)
+  return rule
+
+
+def _rope_family_rules(c: ModelConfig) -> list[Rule]:
+  """Llama, Mistral, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm) in torch names."""
   p = "model.layers.{i}."
   layer = [(p + "input_layernorm.weight", ("blocks.{i}.attn_norm.scale",), ())]
   layer += [(p + f"self_attn.{n}_proj.weight", (f"blocks.{{i}}.attn.{n}.kernel",), ("T",))
@@ -107,6 +129,9 @@ def rules_for(family: str, config: ModelConfig, layout: str = "safetensors") -> 
   if c.qkv_bias:
     layer += [(p + f"self_attn.{n}_proj.bias", (f"blocks.{{i}}.attn.{n}.bias",), ())
               for n in "qkv"]
+  if c.qk_norm:
+    layer += [(p + f"self_attn.{n}_norm.weight", (f"blocks.{{i}}.attn.{n}_norm.scale",), ())
+              for n in "qk"]
   layer += [(p + "post_attention_layernorm.weight", ("blocks.{i}.mlp_norm.scale",), ())]
   layer += [(p + f"mlp.{n}_proj.weight", (f"blocks.{{i}}.mlp.{n}.kernel",), ("T",))
             for n in ("gate", "up", "down")]
@@ -119,7 +144,8 @@ def rules_for(family: str, config: ModelConfig, layout: str = "safetensors") -> 
 
 # The top-level module name of each family's *ForCausalLM; checkpoints of the base model
 # (no LM head) store the same tensors without it.
-PREFIX = {"gpt2": "transformer.", "llama": "model.", "mistral": "model.", "qwen2": "model."}
+PREFIX = {"gpt2": "transformer.", "llama": "model.", "mistral": "model.", "qwen2": "model.",
+          "qwen3": "model."}
 # Non-parameter buffers older checkpoints carry (causal-mask and rotary tables).
 IGNORED_BUFFERS = re.compile(r"^((transformer\.)?h\.\d+\.attn\.(masked_)?bias"
                              r"|(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq)$")

@@ -3,7 +3,8 @@
 Layouts (the first found wins, in this order):
   'safetensors'  model.safetensors
   'sharded'      model.safetensors.index.json ({"weight_map": {tensor: shard file}}) + shards
-  'flax'         flax_model.msgpack (the Flax layout Hugging Face used for GPT-2)
+  'flax'         flax_model.msgpack (the Flax layout of Hugging Face's Flax models:
+                 flax.serialization msgpack of the nested parameter dict)
 
 safetensors files go through the `safetensors` package. Its numpy backend reads BF16 tensors
 as numpy's dtype named 'bfloat16', which exists only once `ml_dtypes` is imported (done here:
@@ -182,6 +183,20 @@ def read_flax_msgpack(path: str | os.PathLike) -> dict[str, np.ndarray]:
   if set(tree) == {"params"}:
     tree = tree["params"]
   return {k: np.asarray(v) for k, v in flatten(tree).items()}
+
+
+def write_flax_msgpack(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]) -> None:
+  """{'a.b.kernel': x} written nested ({'a': {'b': {'kernel': x}}}) with flax.serialization,
+  as Hugging Face's Flax `save_pretrained` did (no outer 'params' collection)."""
+  from flax import serialization
+  tree: dict = {}
+  for name in sorted(tensors):
+    node = tree
+    *parents, leaf = name.split(".")
+    for part in parents:
+      node = node.setdefault(part, {})
+    node[leaf] = np.ascontiguousarray(tensors[name])
+  pathlib.Path(path).write_bytes(serialization.msgpack_serialize(tree))
 
 
 # ----------------------------------------------------------------------------- directories
