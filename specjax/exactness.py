@@ -326,6 +326,8 @@ def detectable_tv(samples: int, dof: int, false_alarm: float,
   if dof == 0:
     return float(-np.expm1(np.log1p(-level) / samples))
   crit = stats.chi2.isf(false_alarm, dof)
+  if stats.chi2.sf(crit, dof) >= level:  # a false-alarm rate >= level: any deviation
+    return 0.0
   lam = optimize.brentq(lambda x: stats.ncx2.sf(crit, dof, x) - level, 1e-9, 1e9)
   return float(math.sqrt(lam / (4.0 * samples)))
 
