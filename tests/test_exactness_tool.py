@@ -249,3 +249,21 @@ def test_check_exact_cli_bad_input_is_one_line(capsys, args, match):
   err = capsys.readouterr().err
   assert err.startswith("specjax: error: ") and err.count("\n") == 1
   assert __import__("re").search(match, err), err
+
+
+# ----------------------------------------------------------------------------- experiment
+
+
+def test_exactness_experiment_reduced(tmp_path):
+  """The `exactness` study (configs/exactness.gin) on one loop case, few rows."""
+  from specjax.sweeps import launch, runner
+  params = ['sweeps.Sweep.axes = {"case": ["model/chain"], "temperature": [1.0], '
+            '"top_p": [1.0]}',
+            'sweeps.Sweep.fixed = {"vocab": 16, "samples": 2000, "top_k": 3, "tokens": 3}']
+  summary = launch.run("exactness", params, out=str(tmp_path / "run"), progress=False)
+  assert summary.ok == 1 and summary.failed == 0
+  (record,) = runner.read_results(summary.run_dir / runner.RESULTS).values()
+  m = record["metrics"]
+  assert m["passed"] and m["mode"] == "chi2" and m["controls_rejected"], m["verdict"]
+  assert set(m["controls"]) == set(acceptance.PLANTED_BUGS)
+  assert "1/1 points PASS" in (summary.run_dir / "report.md").read_text()
