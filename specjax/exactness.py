@@ -279,12 +279,6 @@ def _pool(expected_C: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   return np.sort(order[n_small:]), order[:n_small]
 
 
-def dof_for(probs_C: np.ndarray, samples: int) -> int:
-  """Degrees of freedom of the test of `samples` rows against this law (after pooling)."""
-  kept, pooled = _pool(samples * probs_C)
-  return len(kept) + (len(pooled) > 0) - 1
-
-
 def chi_square(samples_NM: np.ndarray, cells_CM: np.ndarray, probs_C: np.ndarray,
                false_alarm: float) -> GofTest:
   """Pearson's χ² test of the rows of `samples_NM` against the exact law (module doc)."""
@@ -417,7 +411,8 @@ def check(target, drafter, *, k: int | None = None, tree: TreeSpec | DynamicTree
   target: a `Transformer` (or `LM`); drafter: any `drafters.base.Drafter`, or a draft model
   (wrapped as `ModelDrafter`). Exactly one of k (a chain) and tree. sampler:
   `sampling.make_sampler(T, top_k, top_p)`; T = 0 selects greedy mode.
-  tokens: m, the emitted tokens compared (default 3 at T > 0, 32 at T = 0).
+  tokens: m, the emitted tokens compared (default 3 at T > 0; at T = 0 as many as fit,
+  up to 32).
   samples: independent rows at T > 0. false_alarm: the χ² test's size. deviation: the total
   variation δ at which the power is stated. prompt: token ids (default: 4 random ids from
   `seed`). controls: planted bugs to run (default: every bug of `acceptance.PLANTED_BUGS`
