@@ -15,6 +15,7 @@ import sys
 # each parser sets `func` (args -> int exit code) via set_defaults.
 COMMANDS = {
     "generate": "specjax.commands.generate",
+    "check-exact": "specjax.commands.check_exact",
     "theory": "specjax.commands.theory",
     "train": "specjax.commands.train",
     "import-hf, export-hf, inspect": "specjax.commands.checkpoints",

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from specjax.commands.models import config_from_flag as _config
+from specjax.commands.models import load_from_flag as _load
+
 
 def add_parser(subparsers) -> None:
   p = subparsers.add_parser(
@@ -46,28 +49,6 @@ def add_parser(subparsers) -> None:
                  "'default' (the backend's fastest, e.g. TF32 on GPUs) (default: %(default)s)")
   p.add_argument("--json", action="store_true", help="print one JSON document")
   p.set_defaults(func=run)
-
-
-def _config(flag: str, spec: str, vocab_size: int):
-  """parse_config, its errors naming the flag."""
-  from specjax.models.presets import parse_config
-  try:
-    return parse_config(spec, vocab_size=vocab_size)
-  except (ValueError, TypeError) as e:  # bad JSON, unknown preset or field, bad value
-    raise ValueError(f"{flag} {spec!r}: {e}") from None
-  except OSError as e:
-    raise OSError(e.errno, e.strerror, f"{flag} {spec}") from None
-
-
-def _load(flag: str, path: str):
-  """checkpoints.load_model, its errors naming the flag."""
-  from specjax.checkpoints import load_model
-  try:
-    return load_model(path)
-  except ValueError as e:
-    raise ValueError(f"{flag} {path}: {e}") from None
-  except OSError as e:
-    raise OSError(e.errno, e.strerror or str(e), f"{flag} {path}") from None
 
 
 def _models(args):
