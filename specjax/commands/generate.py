@@ -221,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
   report = {
       "backend": jax.default_backend(),
       "target_config": target_cfg.to_dict(),
-      "drafter": args.draft or "model", "k": args.k, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+      "drafter": args.draft or ("self" if args.draft_config == "self" else "model"),
+      "k": args.k, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
       "batch": len(prompts),
       "plain": {"tokens": plain.emitted, "seconds": plain_s,
                 "tokens_per_s": plain.emitted / plain_s},
