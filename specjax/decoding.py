@@ -305,6 +305,10 @@ def speculative_generate(target, draft, prompts, *, k: int | None = None,
                          precision: str = DEFAULT_PRECISION) -> Generation:
   """Speculative decoding of a chain of k drafts, or of a token tree (exactly one of them).
 
+  draft: a draft model (wrapped as a `ModelDrafter`) or any `drafters.Drafter`, e.g.
+  `LookupDrafter(max_ngram=3)` (prompt lookup, no model) or
+  `LayerSkipDrafter.of(target, m)` (the target's first m layers).
+
   tree: a `trees.TreeSpec` (static shape, e.g. trees.branching((3, 2, 1)),
   trees.optimal(16, rank_probs)) or a `trees.DynamicTree` (EAGLE-2 style, deterministic
   candidates). k = K is tree = trees.chain(K): the same compiled code path.

@@ -16,12 +16,22 @@ def add_parser(subparsers) -> None:
       "same prompts and prints the text, α, τ and tokens/s of both (compiled once, timed on "
       "a second call). Models come from --target/--draft (the trained embedded default pair, "
       "a Hugging Face directory or a specjax checkpoint) or are randomly initialised from "
-      "--target-config/--draft-config.")
+      "--target-config/--draft-config. --draft lookup drafts by prompt lookup (n-gram "
+      "matches in the context, no model); --draft layer-skip:M drafts with the target's own "
+      "first M layers.")
   p.add_argument("--target", default=None, metavar="default|DIR",
                  help="'default' (embedded trained tiny target; trained on first use), a "
                  "Hugging Face model directory or a specjax checkpoint directory")
-  p.add_argument("--draft", default=None, metavar="default|self|DIR",
-                 help="'default' (the embedded distilled draft), 'self', or a directory")
+  p.add_argument("--draft", default=None, metavar="default|self|lookup|layer-skip:M|DIR",
+                 help="'default' (the embedded distilled draft), 'self', 'lookup' (prompt "
+                 "lookup: the continuation of the context's longest earlier suffix match, "
+                 "sizes from --ngram-max/--ngram-min), 'layer-skip:M' (the target's first M "
+                 "layers, final norm and head, sharing its weights), or a directory (write "
+                 "./lookup for a directory of that name)")
+  p.add_argument("--ngram-max", type=int, default=3,
+                 help="--draft lookup: longest suffix tried (default %(default)s)")
+  p.add_argument("--ngram-min", type=int, default=1,
+                 help="--draft lookup: shortest suffix tried (default %(default)s)")
   p.add_argument("--target-config", default="tiny-gpt2",
                  help="preset name, NAME:field=value,..., a JSON object or JSON file "
                  "(default: %(default)s)")
@@ -51,8 +61,39 @@ def add_parser(subparsers) -> None:
   p.set_defaults(func=run)
 
 
+def _draft_kind(args) -> tuple[str, int | None]:
+  """("lookup", None), ("layer-skip", M) or ("model", None) from --draft (syntax checked)."""
+  spec = args.draft or ""
+  if spec == "lookup":
+    return "lookup", None
+  if spec == "layer-skip" or spec.startswith("layer-skip:"):
+    _, sep, m = spec.partition(":")
+    if not sep or not m.strip().isdigit() or int(m) < 1:
+      raise ValueError(f"--draft {spec!r}: write layer-skip:M with M an int >= 1, the number "
+                       f"of the target's first layers the draft runs (e.g. layer-skip:2)")
+    return "layer-skip", int(m)
+  return "model", None
+
+
+def _drafter(args, target, draft):
+  """The drafter --draft asks for (validated before anything compiles)."""
+  from specjax.drafters.layer_skip import LayerSkipDrafter
+  from specjax.drafters.lookup import LookupDrafter
+  from specjax.drafters.model import ModelDrafter
+  kind, m = _draft_kind(args)
+  if kind == "lookup":
+    return LookupDrafter(max_ngram=args.ngram_max, min_ngram=args.ngram_min)
+  if kind == "layer-skip":
+    try:
+      return LayerSkipDrafter.of(target, m, deterministic=args.deterministic_draft)
+    except ValueError as e:
+      raise ValueError(f"--draft {args.draft}: {e}") from None
+  return ModelDrafter.of(draft, deterministic=args.deterministic_draft)
+
+
 def _models(args):
-  """(target, draft, tokenizer) as the flags ask; validated before anything is built."""
+  """(target, draft, tokenizer) as the flags ask; validated before anything is built. The
+  draft is None for the drafters without a model of their own (lookup, layer-skip)."""
   from flax import nnx
 
   from specjax.data.tokenizer import ByteTokenizer
@@ -74,7 +115,9 @@ def _models(args):
     target = Transformer(_config("--target-config", args.target_config, tok.vocab_size),
                          rngs=nnx.Rngs(args.seed))
   draft_spec = args.draft or ("self" if args.draft_config == "self" else None)
-  if draft_spec == "self":
+  if _draft_kind(args)[0] != "model":
+    draft = None  # built from the target (layer-skip) or no model at all (lookup)
+  elif draft_spec == "self":
     draft = target
   elif draft_spec == "default":
     draft = pair.draft_module()
@@ -93,6 +136,14 @@ def _check_args(args) -> None:
                           ("--seed", args.seed, 0)):
     if value < lo:
       raise ValueError(f"{flag} must be an int >= {lo}, got {value}")
+  kind, _ = _draft_kind(args)
+  if kind == "lookup":
+    from specjax.drafters.lookup import check_ngram
+    try:
+      check_ngram(args.ngram_max, args.ngram_min)
+    except ValueError as e:
+      raise ValueError(f"--ngram-max {args.ngram_max} / --ngram-min {args.ngram_min}: "
+                       f"{e}") from None
   for i, text in enumerate(args.prompt or []):
     try:
       text.encode("utf-8")
@@ -130,7 +181,6 @@ def run(args: argparse.Namespace) -> int:
   import numpy as np
 
   from specjax import decoding, sampling
-  from specjax.drafters.model import ModelDrafter
 
   _check_args(args)
   sampler = sampling.make_sampler(args.temperature, args.top_k, args.top_p)
@@ -138,8 +188,9 @@ def run(args: argparse.Namespace) -> int:
   target_cfg = target.config
   texts = (args.prompt or [DEFAULT_PROMPT]) * args.batch
   prompts = [tok.encode(t, bos=True) for t in texts]
-  _check_context(args, [target.config, draft.config], max(len(p) for p in prompts))
-  drafter = ModelDrafter.of(draft, deterministic=args.deterministic_draft)
+  drafter = _drafter(args, target, draft)
+  draft_configs = [] if drafter.config is None else [drafter.config]
+  _check_context(args, [target.config] + draft_configs, max(len(p) for p in prompts))
   common = dict(max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed,
                 eos_id=tok.eos_id, allow_beyond_max_len=args.allow_beyond_max_len,
                 precision=args.precision)
@@ -156,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
   report = {
       "backend": jax.default_backend(),
       "target_config": target_cfg.to_dict(),
+      "drafter": args.draft or ("self" if args.draft_config == "self" else "model"),
       "k": args.k, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
       "batch": len(prompts),
       "plain": {"tokens": plain.emitted, "seconds": plain_s,

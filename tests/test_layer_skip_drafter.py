@@ -1,0 +1,148 @@
+"""Layer-skip self-speculation: shared weights, the truncated forward, greedy identity with
+plain decoding (chain, static and dynamic trees), the joint law at T > 0 with top-k / top-p
+(with a planted-bug negative control), the CLI, bad input.
+
+The χ² tests use a false-alarm rate of 1e-3 and fixed seeds (deterministic suite); the
+negative control shows the same test rejecting a drafter that reports the wrong q.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import struct
+
+from specjax import decoding, loop, sampling, trees
+from specjax.cli import main
+from specjax.drafters import LayerSkipDrafter
+from specjax.drafters.base import LM
+from specjax.models.transformer import ModelConfig
+from specjax_testing import TINY, model
+from test_decoding import FALSE_ALARM, VOCAB, _exact_joint, _joint_pvalue
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [7], [9, 8]]
+
+
+@pytest.fixture(scope="module")
+def target():
+  # mix=3: the first layer predicts the second's output often, not always (0 < α < 1).
+  return model(TINY["llama"], logit_scale=4.0, mix=3.0)
+
+
+def test_draft_shares_the_targets_arrays_and_runs_its_first_layers(target):
+  drafter = LayerSkipDrafter.of(target, 1)
+  assert drafter.layers == 1 and drafter.config.n_layers == 1
+  full = LM.of(target).params
+  view = drafter.lm.params
+  assert view["embed"][...] is full["embed"][...]  # the same buffer, not a copy
+  q_kernel = lambda params: params["blocks"][0]["attn"]["q"]["kernel"][...]
+  assert q_kernel(view) is q_kernel(full)
+  assert view["lm_head"]["kernel"][...] is full["lm_head"]["kernel"][...]
+  assert len(jax.tree.leaves(view)) < len(jax.tree.leaves(full))  # block 1 is not carried
+  # The truncated forward, written out from the target module's own parts.
+  tokens = jnp.asarray([[3, 1, 4, 1, 5]])
+  pos = jnp.arange(5)[None]
+  module = LM.of(target).module()
+  x = jnp.take(module.embed[...], tokens, axis=0).astype(jnp.float32)
+  x, _ = module.blocks[0](x, pos, None, 0, None)
+  expected = module.logits(module.final_norm(x))
+  got, _, _ = drafter.lm(tokens, pos)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [dict(k=3), dict(tree=trees.branching((2, 2, 1))),
+                                   dict(tree=trees.DynamicTree(budget=6, depth=3, width=2))],
+                         ids=["chain", "static-tree", "dynamic-tree"])
+def test_ragged_batch_greedy_output_is_identical_to_plain_decoding(target, shape):
+  plain = decoding.generate(target, PROMPTS, max_new_tokens=16)
+  run = decoding.speculative_generate(target, LayerSkipDrafter.of(target, 1), PROMPTS,
+                                      max_new_tokens=16, **shape)
+  assert run.tokens == plain.tokens
+  assert 1.0 < run.summary().tau < 1.0 + run.tree.max_depth  # some, not all, accepted
+
+
+def test_learned_positions_tied_head_and_deterministic_drafting_greedy_identity():
+  gpt2 = model(TINY["gpt2"], logit_scale=4.0, mix=6.0)
+  plain = decoding.generate(gpt2, PROMPTS, max_new_tokens=16)
+  drafter = LayerSkipDrafter.of(gpt2, 1, deterministic=True)  # top-k candidates, q = None
+  run = decoding.speculative_generate(gpt2, drafter, PROMPTS, k=3, max_new_tokens=16)
+  assert run.tokens == plain.tokens
+
+
+# ----------------------------------------------------------------------------- exactness
+
+JOINT_ROWS = 40_000
+PROMPT = [1, 5, 2]
+
+
+@pytest.fixture(scope="module")
+def joint_target():
+  cfg = ModelConfig.llama(vocab_size=VOCAB, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1,
+                          d_ff=32, max_len=32)
+  return model(cfg, seed=2, logit_scale=6.0)
+
+
+def _first_three(target, drafter, tree, sampler, seed):
+  batch = decoding.prepare_batch([PROMPT] * JOINT_ROWS, vocab_size=VOCAB, max_len=32,
+                                 max_new_tokens=3, slots=drafter.slots_needed(tree))
+  state = loop.speculative_jit(LM.of(target), drafter, batch.prompt_BP, batch.prompt_len_B,
+                               batch.budget_B, jnp.asarray(-1), sampler, jax.random.key(seed),
+                               tree=tree, cache_len=batch.cache_len)
+  n = len(PROMPT)
+  return np.asarray(state.tokens)[:, n:n + 3]
+
+
+@pytest.mark.parametrize("tree, sampler_args", [
+    (trees.chain(2), (0.8, 5, 0.9)),
+    (trees.branching((2, 1)), (1.0, 0, 1.0)),
+], ids=["chain-T0.8-topk5-topp0.9", "tree-T1"])
+def test_joint_law_of_first_three_tokens_matches_the_target(joint_target, tree, sampler_args):
+  """Sampled drafting (q = the warped law of the first layer): χ² goodness of fit of 40,000
+  independent rows against the enumerated target joint over 8³ outcomes (sparse cells
+  pooled); false-alarm rate 1e-3."""
+  sampler = sampling.make_sampler(*sampler_args)
+  drafter = LayerSkipDrafter.of(joint_target, 1)
+  tokens = _first_three(joint_target, drafter, tree, sampler, seed=11)
+  assert _joint_pvalue(tokens, _exact_joint(joint_target, PROMPT, sampler)) > FALSE_ALARM
+
+
+@struct.dataclass
+class _ReportsUniformQ(LayerSkipDrafter):
+  """Planted bug: samples its candidates from q but tells the rule q is uniform."""
+
+  def propose(self, state, ctx, tree, sampler, key):
+    proposal, state = super().propose(state, ctx, tree, sampler, key)
+    return proposal.replace(q=jnp.full_like(proposal.q, 1.0 / proposal.q.shape[-1])), state
+
+
+def test_joint_law_test_catches_a_drafter_that_reports_the_wrong_q(joint_target):
+  """Negative control: the same test must reject the planted drafter's output."""
+  sampler = sampling.make_sampler(0.8, 5, 0.9)
+  drafter = _ReportsUniformQ(lm=LayerSkipDrafter.of(joint_target, 1).lm)
+  tokens = _first_three(joint_target, drafter, trees.chain(2), sampler, seed=11)
+  assert _joint_pvalue(tokens, _exact_joint(joint_target, PROMPT, sampler)) < FALSE_ALARM
+
+
+# ----------------------------------------------------------------------------- CLI, bad input
+
+
+def test_cli_generate_with_layer_skip_draft(capsys):
+  code = main(["generate", "--target-config", "tiny-llama", "--draft", "layer-skip:1",
+               "--max-new-tokens", "8", "--k", "3", "--repeats", "1", "--json",
+               "--prompt", "def f(x):"])
+  assert code == 0
+  report = json.loads(capsys.readouterr().out)
+  assert report["drafter"] == "layer-skip:1" and report["identical_to_plain"] is True
+  for bad, message in (("layer-skip:2", "layers must be an int in [1, 1]"),
+                       ("layer-skip:x", "write layer-skip:M with M an int >= 1"),
+                       ("layer-skip", "write layer-skip:M")):
+    assert main(["generate", "--target-config", "tiny-llama", "--draft", bad]) == 2
+    assert message in capsys.readouterr().err, bad
+
+
+@pytest.mark.parametrize("layers", [0, 2, 5, -1, 1.0, True, "1"])
+def test_bad_layer_count_is_refused_naming_the_argument(target, layers):
+  with pytest.raises(ValueError, match=r"layers must be an int in \[1, 1\] .* got"):
+    LayerSkipDrafter.of(target, layers)
