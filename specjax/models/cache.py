@@ -54,10 +54,16 @@ class KVCache:
     return self.v[0].shape[0] // self.batch
 
 
-def cache_bytes(config, batch: int, max_len: int, dtype=jnp.float32) -> int:
-  """Bytes the cache of `batch` rows × `max_len` slots occupies."""
+def cache_dtype(config):
+  """The storage dtype of a model's cache (`ModelConfig.cache_dtype`, float32 by default)."""
+  return jnp.dtype(getattr(config, "cache_dtype", "float32"))
+
+
+def cache_bytes(config, batch: int, max_len: int, dtype=None) -> int:
+  """Bytes the cache of `batch` rows × `max_len` slots occupies (dtype: the config's)."""
   per_token = 2 * config.n_layers * config.n_kv_heads * config.head_dim
-  return per_token * batch * max_len * jnp.dtype(dtype).itemsize
+  dtype = cache_dtype(config) if dtype is None else jnp.dtype(dtype)
+  return per_token * batch * max_len * dtype.itemsize
 
 
 def available_memory_bytes(device=None) -> int | None:
@@ -82,7 +88,7 @@ def available_memory_bytes(device=None) -> int | None:
     return None
 
 
-def check_fits(config, batch: int, max_len: int, dtype=jnp.float32, *, extra_bytes: int = 0,
+def check_fits(config, batch: int, max_len: int, dtype=None, *, extra_bytes: int = 0,
                available: int | None = None, what: str = "cache") -> int:
   """Refuses (ValueError) a cache that would not fit, before anything is allocated.
 
@@ -100,10 +106,12 @@ def check_fits(config, batch: int, max_len: int, dtype=jnp.float32, *, extra_byt
   return need
 
 
-def init(config, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-  """An empty cache (all lengths 0). Kept in float32 by default, also for bf16 weights: a
-  bf16 cache at large batch was upcast to float32 on every step (docs/xla_notes.md,
-  trap 4)."""
+def init(config, batch: int, max_len: int, dtype=None) -> KVCache:
+  """An empty cache (all lengths 0) stored in `dtype`, by default the config's
+  `cache_dtype`: float32 unless asked otherwise, also for bf16 weights (on XLA:CPU a bf16
+  cache at large batch was upcast to float32 on every step, docs/xla_notes.md, trap 4;
+  accelerators read bf16 natively and a bf16 cache halves the memory)."""
+  dtype = cache_dtype(config) if dtype is None else dtype
   rows, hd = batch * config.n_kv_heads, config.head_dim
   k = tuple(jnp.zeros((rows, hd, max_len), dtype) for _ in range(config.n_layers))
   v = tuple(jnp.zeros((rows, max_len, hd), dtype) for _ in range(config.n_layers))
@@ -221,17 +229,34 @@ def compact(cache: KVCache, path_BP: Array, span: int, new_lengths_B: Array) -> 
   return set_lengths(gather_block(cache, path_BP, span), new_lengths_B)
 
 
+# Attention reads only the live prefix of the cache: the S slots are split into a few
+# static prefix sizes (S, S/2, S/4, ... down to BUCKET_MIN) and each call reads the smallest
+# one that holds every row's visible slots, chosen at run time with `lax.switch` (one
+# compiled program; a long cache early in a generation costs what its content costs, not
+# what its capacity costs). Caches below 2 * BUCKET_MIN slots use one path.
+BUCKET_MIN = 512
+BUCKETS_MAX = 4
+
+
+def prefix_buckets(s: int) -> tuple[int, ...]:
+  """The ascending static prefix sizes attention may read from a cache of s slots."""
+  sizes = [s]
+  while (len(sizes) < BUCKETS_MAX and sizes[-1] % 2 == 0 and sizes[-1] // 2 >= BUCKET_MIN):
+    sizes.append(sizes[-1] // 2)
+  return tuple(reversed(sizes))
+
+
 def attend(cache: KVCache, layer: int, q_BTHD: Array, block_mask_TT: Array | None,
            window: int | None = None) -> Array:
   """Attention of T queries over the committed prefix and the new block. Returns [B,T,H,D].
 
   block_mask_TT: None (causal), [T, R] or [B, T, R]; window: sliding window or None (see
-  attention_mask)."""
+  attention_mask). Reads the smallest prefix bucket holding slots [0, max(lengths) + T)
+  (`prefix_buckets`); the slots beyond it are masked for every query anyway."""
   b, t, h, d = q_BTHD.shape
   hkv = cache.n_kv_heads
   g = h // hkv
   kbuf, vbuf = cache.k[layer], cache.v[layer]
-  s = vbuf.shape[1]
   # [B, T, Hkv, G, D] -> [B, Hkv, G, T, D] -> [B·Hkv, G·T, D]: GQA groups become query rows.
   q = q_BTHD.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b * hkv, g * t, d)
   q = (q * (1.0 / math.sqrt(d))).astype(kbuf.dtype)
@@ -239,16 +264,28 @@ def attend(cache: KVCache, layer: int, q_BTHD: Array, block_mask_TT: Array | Non
   if rows == 1:  # XLA:CPU runs a one-row product on a ~10x slower path: pad to 2 rows
     # (docs/xla_notes.md, trap 3).
     q = jnp.concatenate([q, q], axis=1)
-  scores = jnp.einsum("nrd,nds->nrs", q, kbuf, preferred_element_type=jnp.float32)
-  scores = scores[:, :rows]
-  mask = attention_mask(cache.lengths, t, s, block_mask_TT, window)  # [B, T, S]
-  mask = jnp.broadcast_to(mask[:, None, None], (b, hkv, g, t, s)).reshape(b * hkv, rows, s)
-  scores = jnp.where(mask, scores, _NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1)
-  if rows == 1:
-    probs = jnp.concatenate([probs, probs], axis=1)
-  out = jnp.einsum("nrs,nsd->nrd", probs.astype(vbuf.dtype), vbuf,
-                   preferred_element_type=jnp.float32)[:, :rows]
+
+  def over(s: int):
+    def run(q, kbuf, vbuf, lengths):
+      scores = jnp.einsum("nrd,nds->nrs", q, kbuf[:, :, :s], preferred_element_type=jnp.float32)
+      scores = scores[:, :rows]
+      mask = attention_mask(lengths, t, s, block_mask_TT, window)  # [B, T, S]
+      mask = jnp.broadcast_to(mask[:, None, None], (b, hkv, g, t, s)).reshape(b * hkv, rows, s)
+      probs = jax.nn.softmax(jnp.where(mask, scores, _NEG_INF), axis=-1)
+      if rows == 1:
+        probs = jnp.concatenate([probs, probs], axis=1)
+      return jnp.einsum("nrs,nsd->nrd", probs.astype(vbuf.dtype), vbuf[:, :s],
+                        preferred_element_type=jnp.float32)[:, :rows]
+    return run
+
+  sizes = prefix_buckets(vbuf.shape[1])
+  args = (q, kbuf, vbuf, cache.lengths)
+  if len(sizes) == 1:
+    out = over(sizes[0])(*args)
+  else:
+    needed = jnp.max(cache.lengths) + t  # every query's visible slots lie below this
+    index = jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < needed)
+    out = jax.lax.switch(index, [over(s) for s in sizes], *args)
   return out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 

@@ -69,6 +69,9 @@ class ModelConfig:
   qk_norm: bool = False  # RMSNorm over head_dim on q and k before rope (Qwen3)
   sliding_window: int | None = None  # a query sees at most this many latest positions
   window_first_layer: int = 0  # the window applies to layers >= this one (Qwen2/3)
+  # KV cache storage: float32 (default, also for bf16 weights) or bfloat16 (half the
+  # memory; keys/values are rounded once when written, products accumulate in float32).
+  cache_dtype: Literal["float32", "bfloat16"] = "float32"
 
   def __post_init__(self):
     positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_len")
@@ -89,7 +92,7 @@ class ModelConfig:
                        f"n_kv_heads ({self.n_kv_heads})")
     choices = {"norm": ("layernorm", "rmsnorm"), "positions": ("learned", "rope"),
                "mlp": ("gelu", "swiglu"), "dtype": tuple(_DTYPES),
-               "rope_scaling": ("none", "llama3")}
+               "rope_scaling": ("none", "llama3"), "cache_dtype": tuple(_DTYPES)}
     for name, allowed in choices.items():
       if getattr(self, name) not in allowed:
         raise ValueError(f"ModelConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
