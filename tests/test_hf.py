@@ -21,10 +21,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from specjax import decoding  # noqa: E402
 from specjax.checkpoints import hf, load_model  # noqa: E402
+from specjax.drafters.base import LM  # noqa: E402
 
 V = 300
 TOL = 1e-4
@@ -94,11 +96,16 @@ def _hf_logits(model, tokens_BT: np.ndarray) -> np.ndarray:
     return model(torch.as_tensor(tokens_BT)).logits.float().numpy()
 
 
+@jax.jit
+def _forward(lm, tokens_BT, positions_BT):
+  return lm(tokens_BT, positions_BT)[0]
+
+
 def _sj_logits(model, tokens_BT: np.ndarray) -> np.ndarray:
+  """Cache-free logits, jitted (op-by-op NNX dispatch is slower than compiling tiny graphs)."""
   b, t = tokens_BT.shape
   positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
-  logits, _, _ = model(jnp.asarray(tokens_BT), jnp.asarray(positions))
-  return np.asarray(logits)
+  return np.asarray(_forward(LM.of(model), jnp.asarray(tokens_BT), jnp.asarray(positions)))
 
 
 TOKENS = np.random.default_rng(0).integers(0, V, (3, 16))
