@@ -190,7 +190,7 @@ def test_training_lowers_the_loss_and_raises_acceptance(data, byte_target):
   loss0, acc0 = trainer.validation_loss(), trainer.evaluate()
   result = trainer.run()
   assert result.completed and result.step == TC.steps
-  assert trainer.validation_loss() < 0.8 * loss0
+  assert trainer.validation_loss() < 0.9 * loss0
   acc = result.acceptance
   assert np.mean(acc.top1) > np.mean(acc0.top1) + 0.02, (acc0, acc)
   assert all(a >= b for a, b in zip(acc.top1, acc0.top1)), (acc0, acc)
@@ -282,7 +282,7 @@ def test_default_heads_are_built_cached_verified_and_rebuilt(monkeypatch, tmp_pa
                       (KIND.spec(), TC.replace(steps=2, ckpt_every=1)))
   head = defaults.load_default_heads("medusa", progress=False)
   assert "training the default medusa heads" in capfd.readouterr().err
-  entry = next((tmp_path / "heads").iterdir())
+  entry = next(p for p in (tmp_path / "heads").iterdir() if p.is_dir())
   manifest = json.loads((entry / "manifest.json").read_text())
   assert manifest["fingerprint"] == params_fingerprint(head.params)
   again = defaults.load_default_heads("medusa", progress=False)
