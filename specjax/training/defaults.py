@@ -234,8 +234,8 @@ def load_default_pair(preset: str = DEFAULT_PRESET, corpus: str = "code", *, pro
 HEADS_FORMAT = 1
 DEFAULT_HEADS: dict[str, tuple[dict, TrainConfig]] = {
     "medusa": ({"heads": 4, "decay": 0.8},
-               TrainConfig(steps=60, batch_size=8, seq_len=128, lr=3e-3, warmup_steps=6,
-                           eval_every=0, ckpt_every=20, eval_windows=32)),
+               TrainConfig(steps=60, batch_size=8, seq_len=128, lr=5e-3, warmup_steps=6,
+                           eval_every=0, ckpt_every=30, eval_windows=32)),
 }
 
 
