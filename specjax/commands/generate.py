@@ -114,6 +114,9 @@ def _check_args(args) -> None:
                           ("--seed", args.seed, 0)):
     if value < lo:
       raise ValueError(f"{flag} must be an int >= {lo}, got {value}")
+  if args.draft == "medusa:default" and args.target != "default":
+    raise ValueError("--draft medusa:default holds heads for the default target: pass "
+                     "--target default, or medusa:DIR with heads trained for --target")
   for i, text in enumerate(args.prompt or []):
     try:
       text.encode("utf-8")
@@ -154,9 +157,6 @@ def _drafter(args, target, draft):
   from specjax.drafters.medusa import MedusaDrafter
   where = args.draft.partition(":")[2]
   if where == "default":
-    if args.target != "default":
-      raise ValueError("--draft medusa:default holds heads for the default target: pass "
-                       "--target default, or medusa:DIR with heads trained for --target")
     from specjax.training.defaults import load_default_heads
     head = load_default_heads("medusa")
   else:

@@ -16,6 +16,11 @@ and is renamed into place atomically. The entry's manifest.json records the conf
 corpus fingerprint, the figures measured at build time and a sha256 of every file; a load
 re-checks all of it (plus the parameter fingerprints), and an entry that fails is reported,
 moved aside and rebuilt, never used.
+
+Default draft heads (`load_default_heads("medusa")`, one `DEFAULT_HEADS` entry per kind) are
+trained for the default target on first use (never by the quickstart) and cached the same
+way under <cache>/heads/<preset>-<corpus>-<kind>-<key>, the key hashing the kind's spec, its
+schedule, the pair entry and the target's parameter fingerprint.
 """
 
 from __future__ import annotations
