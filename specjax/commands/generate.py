@@ -22,12 +22,16 @@ def add_parser(subparsers) -> None:
   p.add_argument("--target", default=None, metavar="default|DIR",
                  help="'default' (embedded trained tiny target; trained on first use), a "
                  "Hugging Face model directory or a specjax checkpoint directory")
-  p.add_argument("--draft", default=None, metavar="default|self|lookup|layer-skip:M|DIR",
+  p.add_argument("--draft", default=None,
+                 metavar="default|self|lookup|layer-skip:M|medusa:DIR|DIR",
                  help="'default' (the embedded distilled draft), 'self', 'lookup' (prompt "
                  "lookup: the continuation of the context's longest earlier suffix match, "
                  "sizes from --ngram-max/--ngram-min), 'layer-skip:M' (the target's first M "
-                 "layers, final norm and head, sharing its weights), or a directory (write "
-                 "./lookup for a directory of that name)")
+                 "layers, final norm and head, sharing its weights), 'medusa:DIR' / "
+                 "'medusa:default' (Medusa heads trained for the target by `specjax train "
+                 "medusa`; the default target's are built on first use; --k is then the node "
+                 "budget of the static tree built from the heads' measured acceptance), or a "
+                 "directory (write ./lookup for a directory of that name)")
   p.add_argument("--ngram-max", type=int, default=3,
                  help="--draft lookup: longest suffix tried (default %(default)s)")
   p.add_argument("--ngram-min", type=int, default=1,
@@ -61,8 +65,12 @@ def add_parser(subparsers) -> None:
   p.set_defaults(func=run)
 
 
-def _draft_kind(args) -> tuple[str, int | None]:
-  """("lookup", None), ("layer-skip", M) or ("model", None) from --draft (syntax checked)."""
+HEAD_DRAFTS = ("medusa",)  # draft heads trained on the target: KIND:DIR or KIND:default
+
+
+def _draft_kind(args) -> tuple[str, int | str | None]:
+  """("lookup", None), ("layer-skip", M), (head kind, DIR or "default") or ("model", None)
+  from --draft (syntax checked)."""
   spec = args.draft or ""
   if spec == "lookup":
     return "lookup", None
@@ -72,23 +80,54 @@ def _draft_kind(args) -> tuple[str, int | None]:
       raise ValueError(f"--draft {spec!r}: write layer-skip:M with M an int >= 1, the number "
                        f"of the target's first layers the draft runs (e.g. layer-skip:2)")
     return "layer-skip", int(m)
+  kind, sep, where = spec.partition(":")
+  if sep and kind in HEAD_DRAFTS:
+    if not where:
+      raise ValueError(f"--draft {spec!r}: write {kind}:DIR or {kind}:default")
+    return kind, where
   return "model", None
 
 
+def _head_drafter(args, target, kind: str, where: str):
+  """(drafter, shape) of trained draft heads: --k is the node budget of the best tree for
+  their measured acceptance."""
+  from flax import nnx
+
+  from specjax import trees
+  from specjax.drafters.medusa import MedusaDrafter
+  if where == "default":
+    from specjax.training.defaults import load_default_heads
+    head = load_default_heads(kind)
+  else:
+    from specjax.training.heads import load_head
+    try:
+      head = load_head(where, target=(target.config, nnx.state(target, nnx.Param)), kind=kind)
+    except ValueError as e:
+      raise ValueError(f"--draft {args.draft}: {e}") from None
+  depth = head.kind.heads
+  tree = (head.acceptance.tree(args.k, max_depth=depth) if head.acceptance is not None
+          else trees.chain(min(args.k, depth)))
+  return MedusaDrafter.of(target, head.params), {"tree": tree}
+
+
 def _drafter(args, target, draft):
-  """The drafter --draft asks for (validated before anything compiles)."""
+  """(drafter, the k= or tree= of speculative_generate) for --draft, validated before
+  anything compiles."""
   from specjax.drafters.layer_skip import LayerSkipDrafter
   from specjax.drafters.lookup import LookupDrafter
   from specjax.drafters.model import ModelDrafter
-  kind, m = _draft_kind(args)
+  kind, arg = _draft_kind(args)
   if kind == "lookup":
-    return LookupDrafter(max_ngram=args.ngram_max, min_ngram=args.ngram_min)
+    return LookupDrafter(max_ngram=args.ngram_max, min_ngram=args.ngram_min), {"k": args.k}
   if kind == "layer-skip":
     try:
-      return LayerSkipDrafter.of(target, m, deterministic=args.deterministic_draft)
+      drafter = LayerSkipDrafter.of(target, arg, deterministic=args.deterministic_draft)
     except ValueError as e:
       raise ValueError(f"--draft {args.draft}: {e}") from None
-  return ModelDrafter.of(draft, deterministic=args.deterministic_draft)
+    return drafter, {"k": args.k}
+  if kind in HEAD_DRAFTS:
+    return _head_drafter(args, target, kind, arg)
+  return ModelDrafter.of(draft, deterministic=args.deterministic_draft), {"k": args.k}
 
 
 def _models(args):
@@ -116,7 +155,7 @@ def _models(args):
                          rngs=nnx.Rngs(args.seed))
   draft_spec = args.draft or ("self" if args.draft_config == "self" else None)
   if _draft_kind(args)[0] != "model":
-    draft = None  # built from the target (layer-skip) or no model at all (lookup)
+    draft = None  # built from the target (layer-skip, heads) or no model at all (lookup)
   elif draft_spec == "self":
     draft = target
   elif draft_spec == "default":
@@ -144,6 +183,9 @@ def _check_args(args) -> None:
     except ValueError as e:
       raise ValueError(f"--ngram-max {args.ngram_max} / --ngram-min {args.ngram_min}: "
                        f"{e}") from None
+  if kind in HEAD_DRAFTS and args.draft.endswith(":default") and args.target != "default":
+    raise ValueError(f"--draft {args.draft} holds heads for the default target: pass "
+                     f"--target default, or {kind}:DIR with heads trained for --target")
   for i, text in enumerate(args.prompt or []):
     try:
       text.encode("utf-8")
@@ -173,6 +215,32 @@ def _check_context(args, configs, n_prompt_tokens: int, known: bool = True) -> N
         f"max_len {max_len}: shorten the prompt or lower --max-new-tokens or --k{opt_in}")
 
 
+def _drafter(args, target, draft):
+  """(drafter, the k= or tree= of speculative_generate) for --draft."""
+  from specjax.drafters.model import ModelDrafter
+  if draft is not None:
+    return ModelDrafter.of(draft, deterministic=args.deterministic_draft), {"k": args.k}
+  from flax import nnx
+
+  from specjax import trees
+  from specjax.drafters.medusa import MedusaDrafter
+  where = args.draft.partition(":")[2]
+  if where == "default":
+    from specjax.training.defaults import load_default_heads
+    head = load_default_heads("medusa")
+  else:
+    from specjax.training.heads import load_head
+    try:
+      head = load_head(where, target=(target.config, nnx.state(target, nnx.Param)),
+                       kind="medusa")
+    except ValueError as e:
+      raise ValueError(f"--draft {args.draft}: {e}") from None
+  k = head.kind.heads
+  tree = (head.acceptance.tree(args.k, max_depth=k) if head.acceptance is not None
+          else trees.chain(min(args.k, k)))
+  return MedusaDrafter.of(target, head.params), {"tree": tree}
+
+
 DEFAULT_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
 
@@ -188,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
   target_cfg = target.config
   texts = (args.prompt or [DEFAULT_PROMPT]) * args.batch
   prompts = [tok.encode(t, bos=True) for t in texts]
-  drafter = _drafter(args, target, draft)
+  drafter, shape = _drafter(args, target, draft)
   draft_configs = [] if drafter.config is None else [drafter.config]
   _check_context(args, [target.config] + draft_configs, max(len(p) for p in prompts))
   common = dict(max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed,
@@ -202,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
 
   plain, plain_s = timed(lambda: decoding.generate(target, prompts, **common))
   spec, spec_s = timed(lambda: decoding.speculative_generate(target, drafter, prompts,
-                                                             k=args.k, **common))
+                                                             **shape, **common))
   summary = spec.summary()
   report = {
       "backend": jax.default_backend(),
