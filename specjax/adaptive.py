@@ -1,0 +1,369 @@
+"""The adaptive speculation policy: which shape of a static menu to verify this cycle.
+
+One object (`AdaptivePolicy`), used inside the compiled loop (`loop.adaptive_loop`, pure
+jnp) and on the host (`choose`, `table`: what `specjax theory` prints, what the
+experiments predict). The menu is static (each entry is traced once into the loop and picked
+with `lax.switch`); everything the choice reads is an array, so changing costs, decay,
+prior, threshold or forced schedule reuses the compiled loop.
+
+Menu. Entries are `None` (k = 0: a plain decoding step) or static `trees.TreeSpec`s (a chain
+of k drafts is `trees.chain(k)`): `menu((0, 1, 2, 4, 6))`, optionally with one or two trees.
+
+Acceptance estimate, per row b and sibling rank r: exponentially weighted counts of the
+rank-r candidates tried and accepted (`acc`, `tried`, decay λ per cycle),
+
+    a_r(b) = (acc_r(b) + w·α₀) / (tried_r(b) + w)
+
+(prior α₀ with weight w). a_0 is the per-trial α of a chain; a_r is the acceptance of the
+rank-r sibling once ranks < r were rejected. A speculative cycle observes the result's
+per-rank counts; a k = 0 cycle observes the acceptance probability the drafter's one-token
+catch-up draft would have had (`acceptance_of`), so a policy that switched itself off keeps
+learning and switches back on.
+
+Expected tokens of an entry (Sequoia's positional model, `theory.tree_expected_tokens`):
+the rank-r child of an accepted node is the accepted one with probability
+p_r = a_r·Π_{j<r}(1 − a_j), a node is on the accepted path with the product of p along its
+root path, and E[τ] = 1 + Σ_nodes P(node). For a chain this is Σ_{i≤k} α^i. k = 0: 1.
+
+Cost: seconds per cycle of each entry at the compiled batch, interpolated (linear in
+log batch, clamped) from a table over calibrated batch sizes (`from_costs`, one
+`calibration.LoopCosts` per batch). A k = 0 cycle costs a plain step plus the drafter's
+catch-up pass (t_step + t_draft of the fit). The loop evaluates cost at the static batch it
+computes: finished rows still flow through the static-shape computation, so they cost the
+same; they only stop counting as tokens.
+
+Choice: argmax over entries of Σ_{active rows} E[τ_b](entry) ÷ cycle seconds(entry) (ties
+to the earlier entry): predicted tokens per second. `forced` (int32 [S], -1 = free) forces
+entry forced[c mod S] at cycle c (tests alternate shapes with it).
+
+Dynamic draft stopping: `threshold` (a float32 array, 0 = off). Within a cycle the chain
+is cut after the deepest node whose cumulative draft confidence (product of the draft's
+max probabilities along the path) is still >= threshold; the cut is a stopping time of the
+emitted sequence (it depends on the path's own tokens), so truncating the emission there
+keeps the output exact (docs/cost_model.md, "Adaptive speculation").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax import trees
+from specjax.trees import TreeSpec
+
+Array = jax.Array
+
+DEFAULT_CHAINS = (0, 1, 2, 4, 6)
+
+
+def menu(entries: Sequence[Any] = DEFAULT_CHAINS) -> tuple[TreeSpec | None, ...]:
+  """A validated menu: ints k >= 0 (0 = plain step, k = trees.chain(k)) and static TreeSpecs.
+
+  Raises ValueError for an empty menu, a negative k, a dynamic tree or anything else."""
+  if isinstance(entries, (str, bytes)) or not isinstance(entries, (Sequence, np.ndarray)):
+    raise ValueError(f"menu must be a sequence of chain lengths k >= 0 and trees.TreeSpec "
+                     f"shapes, got {entries!r}")
+  if len(entries) == 0:
+    raise ValueError("menu must hold at least one shape (e.g. (0, 1, 2, 4, 6)), got an "
+                     "empty menu")
+  out: list[TreeSpec | None] = []
+  for i, e in enumerate(entries):
+    if e is None:
+      out.append(None)
+    elif isinstance(e, (int, np.integer)) and not isinstance(e, bool):
+      if e < 0:
+        raise ValueError(f"menu[{i}] must be a chain length k >= 0 (0 = plain step), got {e}")
+      out.append(None if e == 0 else trees.chain(int(e)))
+    elif isinstance(e, TreeSpec):
+      out.append(e)
+    else:
+      raise ValueError(f"menu[{i}] must be an int k >= 0 or a static trees.TreeSpec (dynamic "
+                       f"trees are not menu shapes), got {e!r}")
+  keys = [entry_name(e) for e in out]
+  if len(set(keys)) != len(keys):
+    raise ValueError(f"menu has duplicate shapes: {keys}")
+  return tuple(out)
+
+
+def entry_name(entry: TreeSpec | None) -> str:
+  """'k=0' (plain), 'k=K' (a chain) or 'tree(N nodes, depth D)': the policy label."""
+  if entry is None:
+    return "k=0"
+  if entry.is_chain:
+    return f"k={entry.size}"
+  return f"tree{entry.parents}"
+
+
+def _float(name: str, value, lo: float, hi: float = math.inf, lo_open: bool = False) -> float:
+  ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
+  if ok:
+    value = float(value)
+    ok = math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi
+  if not ok:
+    rng = f"({lo:g}, {hi:g}]" if lo_open else f"[{lo:g}, {hi:g}]"
+    raise ValueError(f"{name} must be a finite number in {rng}, got {value!r}")
+  return value
+
+
+def check_threshold(threshold) -> float:
+  """The draft-stopping threshold: a finite number in [0, 1] (0 = never stop)."""
+  return _float("threshold", threshold, 0.0, 1.0)
+
+
+def _entry_tables(entries, width: int):
+  """Static tables of each entry: node rank [E, N], ancestor-or-self mask [E, N, N] over the
+  drafted nodes (padded: rank 0, no ancestors, masked out by `valid`), valid [E, N]."""
+  n = max([1] + [e.size for e in entries if e is not None])
+  rank = np.zeros((len(entries), n), np.int32)
+  anc = np.zeros((len(entries), n, n), np.float32)
+  valid = np.zeros((len(entries), n), np.float32)
+  for i, e in enumerate(entries):
+    if e is None:
+      continue
+    s = e.size
+    rank[i, :s] = np.minimum(e.ranks[1:], width - 1)
+    anc[i, :s, :s] = e.ancestors[1:, 1:]
+    valid[i, :s] = 1.0
+  return rank, anc, valid
+
+
+@struct.dataclass
+class AdaptivePolicy:
+  """The per-cycle shape choice (module doc). A pytree: the menu is static, the rest arrays.
+
+  menu: static entries (None = k = 0, else a TreeSpec). batches: float32 [NB] calibrated
+  batch sizes, ascending. seconds: float32 [NB, E] seconds per cycle of each entry there.
+  decay: λ in [0, 1) per cycle. prior_alpha α₀, prior_weight w. threshold: draft stopping
+  (0 = off). forced: int32 [S] forced entry per cycle (mod S), -1 = free choice.
+  """
+
+  menu: tuple = struct.field(pytree_node=False)
+  batches: Array
+  seconds: Array
+  decay: Array
+  prior_alpha: Array
+  prior_weight: Array
+  threshold: Array
+  forced: Array
+
+  # ----------------------------------------------------------------------- construction
+
+  @classmethod
+  def create(cls, entries: Sequence[Any], seconds, batches: Sequence[int] = (1,), *,
+             decay: float = 0.7, prior_alpha: float = 0.5, prior_weight: float = 2.0,
+             threshold: float = 0.0, forced: Sequence[int] | None = None) -> "AdaptivePolicy":
+    """From explicit costs: seconds [len(batches), len(menu)] (or [len(menu)] for one batch)
+    seconds per cycle (any positive unit: only ratios matter)."""
+    m = menu(entries)
+    b = np.asarray(batches, np.float64)
+    if b.ndim != 1 or b.size == 0 or np.any(~np.isfinite(b)) or np.any(b < 1) or np.any(
+        np.diff(b) <= 0):
+      raise ValueError(f"batches must be increasing batch sizes >= 1, got {batches!r}")
+    s = np.asarray(seconds, np.float64)
+    if s.ndim == 1:
+      s = s[None]
+    if s.shape != (b.size, len(m)) or np.any(~np.isfinite(s)) or np.any(s <= 0):
+      raise ValueError(f"seconds must be finite cycle costs > 0 of shape [{b.size} batches, "
+                       f"{len(m)} menu entries], got {np.asarray(seconds).tolist()!r}")
+    _float("decay", decay, 0.0, 1.0)
+    if decay >= 1.0:
+      raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+    _float("prior_alpha", prior_alpha, 0.0, 1.0)
+    _float("prior_weight", prior_weight, 0.0, lo_open=True)
+    check_threshold(threshold)
+    if forced is None:
+      f = np.asarray([-1], np.int32)
+    else:
+      f = np.asarray(forced)
+      if f.ndim != 1 or f.size == 0 or not np.issubdtype(f.dtype, np.integer) or np.any(
+          f < -1) or np.any(f >= len(m)):
+        raise ValueError(f"forced must be a non-empty list of menu indices in [0, {len(m)}) or "
+                         f"-1 (free), got {forced!r}")
+    return cls(menu=m, batches=jnp.asarray(b, jnp.float32), seconds=jnp.asarray(s, jnp.float32),
+               decay=jnp.asarray(decay, jnp.float32),
+               prior_alpha=jnp.asarray(prior_alpha, jnp.float32),
+               prior_weight=jnp.asarray(prior_weight, jnp.float32),
+               threshold=jnp.asarray(threshold, jnp.float32),
+               forced=jnp.asarray(f, jnp.int32))
+
+  @classmethod
+  def from_costs(cls, entries: Sequence[Any], costs: Mapping[int, Any] | Any,
+                 **kwargs) -> "AdaptivePolicy":
+    """From calibrations (`calibration.LoopCosts`): one, or {batch: LoopCosts}. A tree entry
+    costs `costs.cycle_seconds(tree)` (measured or fitted); k = 0 costs t_step plus the
+    drafter's catch-up pass (the fit's t_draft, 0 without a fit)."""
+    m = menu(entries)
+    table = costs if isinstance(costs, Mapping) else {int(costs.meta.get("batch", 1)): costs}
+    if not table:
+      raise ValueError("costs must hold at least one calibration, got none")
+    batches = sorted(table)
+    rows = []
+    for b in batches:
+      c = table[b]
+      t_draft = c.fitted.t_draft if c.fitted is not None else 0.0
+      rows.append([c.t_step + t_draft if e is None else c.cycle_seconds(e) for e in m])
+    return cls.create(m, rows, batches, **kwargs)
+
+  @classmethod
+  def from_model(cls, entries: Sequence[Any], *, c: float, v: float = 0.0,
+                 fixed: float = 0.0, **kwargs) -> "AdaptivePolicy":
+    """Uncalibrated costs in target steps: cycle(N, D) = 1 + fixed + v·N + c·D, k = 0 costs
+    1 + c (the drafter's catch-up pass). c: a draft pass, v: one more verified node."""
+    _float("c", c, 0.0)
+    _float("v", v, 0.0)
+    _float("fixed", fixed, 0.0)
+    m = menu(entries)
+    row = [1.0 + c if e is None else 1.0 + fixed + v * e.size + c * e.max_depth for e in m]
+    return cls.create(m, row, (1,), **kwargs)
+
+  def replace_runtime(self, **kwargs) -> "AdaptivePolicy":
+    """The same menu with other runtime values (threshold, forced, decay...): no recompile
+    as long as shapes stay (`forced` of the same length)."""
+    new = AdaptivePolicy.create(self.menu, np.asarray(self.seconds),
+                                np.asarray(self.batches).astype(int).tolist(),
+                                **{"decay": float(self.decay),
+                                   "prior_alpha": float(self.prior_alpha),
+                                   "prior_weight": float(self.prior_weight),
+                                   "threshold": float(self.threshold),
+                                   "forced": None if int(self.forced[0]) == -1 and
+                                   self.forced.size == 1 else np.asarray(self.forced).tolist(),
+                                   **kwargs})
+    return new
+
+  # ----------------------------------------------------------------------- static facts
+
+  @property
+  def width(self) -> int:
+    """R: sibling ranks tracked (the widest menu tree, at least 1)."""
+    return max([1] + [e.max_width for e in self.menu if e is not None])
+
+  @property
+  def max_nodes(self) -> int:
+    """The largest drafted-node count of the menu (0 for a plain-only menu)."""
+    return max([0] + [e.size for e in self.menu if e is not None])
+
+  @property
+  def max_depth(self) -> int:
+    return max([0] + [e.max_depth for e in self.menu if e is not None])
+
+  @property
+  def max_verify(self) -> int:
+    """Verified nodes with the root of the largest entry (1 for k = 0)."""
+    return 1 + self.max_nodes
+
+  @property
+  def names(self) -> list[str]:
+    return [entry_name(e) for e in self.menu]
+
+  # ----------------------------------------------------------------------- the estimate
+
+  def init_state(self, batch: int) -> tuple[Array, Array]:
+    """(acc [B, R], tried [B, R]): no observations yet (the prior alone)."""
+    z = jnp.zeros((batch, self.width), jnp.float32)
+    return z, z
+
+  def rates(self, acc_BR: Array, tried_BR: Array) -> Array:
+    """a_r per row [B, R] (module doc)."""
+    w = self.prior_weight
+    return (acc_BR + w * self.prior_alpha) / (tried_BR + w)
+
+  def observe(self, acc_BR, tried_BR, accepted_BR, trials_BR, active_B):
+    """One cycle's per-rank counts (active rows only), exponentially weighted."""
+    a = active_B[:, None]
+    lam = self.decay
+    acc = jnp.where(a, lam * acc_BR + accepted_BR, acc_BR)
+    tried = jnp.where(a, lam * tried_BR + trials_BR, tried_BR)
+    return acc, tried
+
+  def pad_ranks(self, x_BW: Array) -> Array:
+    """Per-rank counts [B, W] of one entry padded to [B, R]."""
+    w = x_BW.shape[1]
+    return jnp.pad(x_BW.astype(jnp.float32), ((0, 0), (0, self.width - w)))
+
+  # ----------------------------------------------------------------------- the choice
+
+  def expected_tokens(self, rates_BR: Array) -> Array:
+    """E[τ] per row and entry [B, E] from per-rank rates (module doc)."""
+    rank, anc, valid = _entry_tables(self.menu, self.width)
+    rates_BR = jnp.clip(rates_BR, 0.0, 1.0)
+    survive = jnp.cumprod(1.0 - rates_BR, axis=1)
+    before = jnp.concatenate([jnp.ones_like(survive[:, :1]), survive[:, :-1]], axis=1)
+    p_BR = rates_BR * before  # P(rank r is the accepted sibling | parent accepted)
+    edge_BEN = jnp.take(p_BR, jnp.asarray(rank), axis=1)  # [B, E, N]
+    log_edge = jnp.log(jnp.maximum(edge_BEN, 1e-30))
+    node_BEN = jnp.exp(jnp.einsum("ben,emn->bem", log_edge, jnp.asarray(anc)))
+    return 1.0 + jnp.sum(node_BEN * jnp.asarray(valid)[None], axis=-1)
+
+  def cycle_seconds(self, batch) -> Array:
+    """Seconds per cycle of each entry [E] at `batch` rows (linear in log batch, clamped)."""
+    x = jnp.log(jnp.asarray(batch, jnp.float32))
+    xs = jnp.log(self.batches)
+    return jax.vmap(lambda col: jnp.interp(x, xs, col), in_axes=1)(self.seconds)
+
+  def scores(self, rates_BR: Array, active_B: Array, batch) -> Array:
+    """Predicted tokens per second of each entry [E]: Σ_active E[τ] ÷ cycle seconds."""
+    tokens = jnp.sum(self.expected_tokens(rates_BR) * active_B[:, None].astype(jnp.float32),
+                     axis=0)
+    return tokens / self.cycle_seconds(batch)
+
+  def pick(self, rates_BR: Array, active_B: Array, batch, cycle: Array) -> Array:
+    """The entry index (int32) this cycle: forced[cycle mod S] if >= 0, else the argmax of
+    `scores` (first entry among ties). Pure jnp: the loop's choice."""
+    best = jnp.argmax(self.scores(rates_BR, active_B, batch)).astype(jnp.int32)
+    f = self.forced[jnp.mod(cycle, self.forced.shape[0])]
+    return jnp.where(f >= 0, f, best)
+
+  # ----------------------------------------------------------------------- host answers
+
+  def choose(self, alpha, batch: int, rank_rates: Sequence[float] | None = None) -> int:
+    """Host: the entry the loop would pick for `batch` rows that all accept at α (or at
+    per-rank rates `rank_rates`), with no forced schedule."""
+    if rank_rates is None:
+      rates = np.full(self.width, _float("alpha", alpha, 0.0, 1.0), np.float32)
+    else:
+      rates = np.zeros(self.width, np.float32)
+      rr = np.asarray(rank_rates, np.float32)[:self.width]
+      rates[:rr.size] = rr
+      rates[rr.size:] = rr[-1] if rr.size else 0.0
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+      raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+    s = self.scores(jnp.asarray(rates)[None], jnp.ones((1,), bool), batch)
+    return int(np.argmax(np.asarray(s)))
+
+  def predicted_speedup(self, alpha: float, batch: int, entry: int) -> float:
+    """Predicted speedup of `entry` over plain decoding (plain = t_step: the k = 0 entry's
+    cost minus nothing when no k = 0 entry is on the menu, the cheapest entry otherwise)."""
+    rates = jnp.full((1, self.width), _float("alpha", alpha, 0.0, 1.0), jnp.float32)
+    tau = float(self.expected_tokens(rates)[0, entry])
+    sec = np.asarray(self.cycle_seconds(batch))
+    return tau / float(sec[entry]) * float(self.plain_seconds(batch))
+
+  def plain_seconds(self, batch: int) -> float:
+    """Seconds of a plain step at `batch` (the k = 0 entry's cost; else the cheapest)."""
+    sec = np.asarray(self.cycle_seconds(batch))
+    idx = [i for i, e in enumerate(self.menu) if e is None]
+    return float(sec[idx[0]] if idx else sec.min())
+
+  def table(self, alphas: Sequence[float], batches: Sequence[int]) -> list[dict]:
+    """[{alpha, batch, choice, speedup}]: what the engine would choose."""
+    out = []
+    for a in alphas:
+      for b in batches:
+        i = self.choose(a, int(b))
+        out.append({"alpha": float(a), "batch": int(b), "choice": self.names[i],
+                    "speedup": self.predicted_speedup(float(a), int(b), i)})
+    return out
+
+  def breakpoints(self, alpha: float, max_batch: int) -> list[tuple[int, str]]:
+    """[(first batch, choice)] where the choice at α changes over batches 1..max_batch."""
+    out: list[tuple[int, str]] = []
+    for b in range(1, int(max_batch) + 1):
+      name = self.names[self.choose(alpha, b)]
+      if not out or out[-1][1] != name:
+        out.append((b, name))
+    return out
