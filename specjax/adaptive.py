@@ -287,29 +287,34 @@ class AdaptivePolicy:
 
   # ----------------------------------------------------------------------- the choice
 
-  def expected_tokens(self, rates_BR: Array) -> Array:
-    """E[τ] per row and entry [B, E] from per-rank rates (module doc)."""
+  def expected_tokens(self, rates_BR, xp=jnp):
+    """E[τ] per row and entry [B, E] from per-rank rates (module doc). xp: jnp (in the
+    loop) or np (on the host): one formula for both."""
     rank, anc, valid = _entry_tables(self.menu, self.width)
-    rates_BR = jnp.clip(rates_BR, 0.0, 1.0)
-    survive = jnp.cumprod(1.0 - rates_BR, axis=1)
-    before = jnp.concatenate([jnp.ones_like(survive[:, :1]), survive[:, :-1]], axis=1)
+    rates_BR = xp.clip(xp.asarray(rates_BR, xp.float32), 0.0, 1.0)
+    survive = xp.cumprod(1.0 - rates_BR, axis=1)
+    before = xp.concatenate([xp.ones_like(survive[:, :1]), survive[:, :-1]], axis=1)
     p_BR = rates_BR * before  # P(rank r is the accepted sibling | parent accepted)
-    edge_BEN = jnp.take(p_BR, jnp.asarray(rank), axis=1)  # [B, E, N]
-    log_edge = jnp.log(jnp.maximum(edge_BEN, 1e-30))
-    node_BEN = jnp.exp(jnp.einsum("ben,emn->bem", log_edge, jnp.asarray(anc)))
-    return 1.0 + jnp.sum(node_BEN * jnp.asarray(valid)[None], axis=-1)
+    edge_BEN = xp.take(p_BR, xp.asarray(rank), axis=1)  # [B, E, N]
+    log_edge = xp.log(xp.maximum(edge_BEN, 1e-30))
+    node_BEN = xp.exp(xp.einsum("ben,emn->bem", log_edge, xp.asarray(anc)))
+    return 1.0 + xp.sum(node_BEN * xp.asarray(valid)[None], axis=-1)
 
-  def cycle_seconds(self, batch) -> Array:
-    """Seconds per cycle of each entry [E] at `batch` rows (linear in log batch, clamped)."""
-    x = jnp.log(jnp.asarray(batch, jnp.float32))
-    xs = jnp.log(self.batches)
-    return jax.vmap(lambda col: jnp.interp(x, xs, col), in_axes=1)(self.seconds)
+  def cycle_seconds(self, batch, xp=jnp):
+    """Seconds per cycle of each entry [E] at `batch` rows (linear in log batch, clamped);
+    `batch` may be an array [Q] (then [Q, E])."""
+    x = xp.log(xp.asarray(batch, xp.float32))
+    xs = xp.log(xp.asarray(self.batches))
+    secs = xp.asarray(self.seconds)
+    cols = [xp.interp(x, xs, secs[:, e]) for e in range(secs.shape[1])]
+    return xp.stack(cols, axis=-1)
 
-  def scores(self, rates_BR: Array, active_B: Array, batch) -> Array:
-    """Predicted tokens per second of each entry [E]: Σ_active E[τ] ÷ cycle seconds."""
-    tokens = jnp.sum(self.expected_tokens(rates_BR) * active_B[:, None].astype(jnp.float32),
-                     axis=0)
-    return tokens / self.cycle_seconds(batch)
+  def scores(self, rates_BR, active_B, batch, xp=jnp):
+    """Predicted tokens per second of each entry [E] (or [Q, E] for batches [Q]):
+    Σ_active E[τ] ÷ cycle seconds."""
+    tau_BE = self.expected_tokens(rates_BR, xp)
+    tokens = xp.sum(tau_BE * xp.asarray(active_B)[:, None].astype(xp.float32), axis=0)
+    return tokens / self.cycle_seconds(batch, xp)
 
   def pick(self, rates_BR: Array, active_B: Array, batch, cycle: Array) -> Array:
     """The entry index (int32) this cycle: forced[cycle mod S] if >= 0, else the argmax of
@@ -320,32 +325,42 @@ class AdaptivePolicy:
 
   # ----------------------------------------------------------------------- host answers
 
+  def _host_rates(self, alpha, rank_rates=None) -> np.ndarray:
+    if rank_rates is None:
+      return np.full((1, self.width), _float("alpha", alpha, 0.0, 1.0), np.float32)
+    rr = np.asarray(rank_rates, np.float32).ravel()
+    if rr.size == 0 or np.any(~np.isfinite(rr)) or np.any(rr < 0) or np.any(rr > 1):
+      raise ValueError(f"rank_rates must be probabilities in [0, 1], got {rank_rates!r}")
+    rates = np.full(self.width, rr[-1], np.float32)
+    rates[:min(rr.size, self.width)] = rr[:self.width]
+    return rates[None]
+
+  def choose_batches(self, alpha, batches, rank_rates=None) -> np.ndarray:
+    """Host (numpy, the loop's formula): the entry index the loop would pick at each batch
+    size in `batches` for rows that all accept at α (or at per-rank rates), no forcing."""
+    b = np.asarray(batches)
+    if b.ndim != 1 or b.size == 0 or not np.issubdtype(b.dtype, np.integer) or np.any(b < 1):
+      raise ValueError(f"batches must be ints >= 1, got {batches!r}")
+    s = self.scores(self._host_rates(alpha, rank_rates), np.ones(1, bool), b, np)
+    return np.argmax(s, axis=-1)
+
   def choose(self, alpha, batch: int, rank_rates: Sequence[float] | None = None) -> int:
     """Host: the entry the loop would pick for `batch` rows that all accept at α (or at
     per-rank rates `rank_rates`), with no forced schedule."""
-    if rank_rates is None:
-      rates = np.full(self.width, _float("alpha", alpha, 0.0, 1.0), np.float32)
-    else:
-      rates = np.zeros(self.width, np.float32)
-      rr = np.asarray(rank_rates, np.float32)[:self.width]
-      rates[:rr.size] = rr
-      rates[rr.size:] = rr[-1] if rr.size else 0.0
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
       raise ValueError(f"batch must be an int >= 1, got {batch!r}")
-    s = self.scores(jnp.asarray(rates)[None], jnp.ones((1,), bool), batch)
-    return int(np.argmax(np.asarray(s)))
+    return int(self.choose_batches(alpha, [int(batch)], rank_rates)[0])
 
   def predicted_speedup(self, alpha: float, batch: int, entry: int) -> float:
-    """Predicted speedup of `entry` over plain decoding (plain = t_step: the k = 0 entry's
-    cost minus nothing when no k = 0 entry is on the menu, the cheapest entry otherwise)."""
-    rates = jnp.full((1, self.width), _float("alpha", alpha, 0.0, 1.0), jnp.float32)
-    tau = float(self.expected_tokens(rates)[0, entry])
-    sec = np.asarray(self.cycle_seconds(batch))
-    return tau / float(sec[entry]) * float(self.plain_seconds(batch))
+    """Predicted speedup of `entry` over plain decoding at `batch` (plain: the k = 0
+    entry's cost, else the cheapest entry's)."""
+    tau = float(self.expected_tokens(self._host_rates(alpha), np)[0, entry])
+    sec = self.cycle_seconds(batch, np)
+    return tau / float(sec[entry]) * self.plain_seconds(batch)
 
   def plain_seconds(self, batch: int) -> float:
     """Seconds of a plain step at `batch` (the k = 0 entry's cost; else the cheapest)."""
-    sec = np.asarray(self.cycle_seconds(batch))
+    sec = self.cycle_seconds(batch, np)
     idx = [i for i, e in enumerate(self.menu) if e is None]
     return float(sec[idx[0]] if idx else sec.min())
 
@@ -353,17 +368,16 @@ class AdaptivePolicy:
     """[{alpha, batch, choice, speedup}]: what the engine would choose."""
     out = []
     for a in alphas:
-      for b in batches:
-        i = self.choose(a, int(b))
-        out.append({"alpha": float(a), "batch": int(b), "choice": self.names[i],
-                    "speedup": self.predicted_speedup(float(a), int(b), i)})
+      for b, i in zip(batches, self.choose_batches(a, list(batches))):
+        out.append({"alpha": float(a), "batch": int(b), "choice": self.names[int(i)],
+                    "speedup": self.predicted_speedup(float(a), int(b), int(i))})
     return out
 
   def breakpoints(self, alpha: float, max_batch: int) -> list[tuple[int, str]]:
     """[(first batch, choice)] where the choice at α changes over batches 1..max_batch."""
     out: list[tuple[int, str]] = []
-    for b in range(1, int(max_batch) + 1):
-      name = self.names[self.choose(alpha, b)]
+    for b, i in enumerate(self.choose_batches(alpha, np.arange(1, int(max_batch) + 1)), 1):
+      name = self.names[int(i)]
       if not out or out[-1][1] != name:
         out.append((b, name))
     return out
