@@ -138,6 +138,8 @@ class AdaptivePolicy:
 
   menu: static entries (None = k = 0, else a TreeSpec). batches: float32 [NB] calibrated
   batch sizes, ascending. seconds: float32 [NB, E] seconds per cycle of each entry there.
+  plain: float32 [NB] seconds of a step of plain decoding there (the reference of
+  `predicted_speedup`; a k = 0 entry costs it plus the drafter's catch-up).
   decay: λ in [0, 1) per cycle. prior_alpha α₀, prior_weight w. threshold: draft stopping
   (0 = off). forced: int32 [S] forced entry per cycle (mod S), -1 = free choice.
   """
@@ -145,6 +147,7 @@ class AdaptivePolicy:
   menu: tuple = struct.field(pytree_node=False)
   batches: Array
   seconds: Array
+  plain: Array
   decay: Array
   prior_alpha: Array
   prior_weight: Array
@@ -155,10 +158,12 @@ class AdaptivePolicy:
 
   @classmethod
   def create(cls, entries: Sequence[Any], seconds, batches: Sequence[int] = (1,), *,
-             decay: float = 0.7, prior_alpha: float = 0.5, prior_weight: float = 2.0,
-             threshold: float = 0.0, forced: Sequence[int] | None = None) -> "AdaptivePolicy":
+             plain=None, decay: float = 0.7, prior_alpha: float = 0.5,
+             prior_weight: float = 2.0, threshold: float = 0.0,
+             forced: Sequence[int] | None = None) -> "AdaptivePolicy":
     """From explicit costs: seconds [len(batches), len(menu)] (or [len(menu)] for one batch)
-    seconds per cycle (any positive unit: only ratios matter)."""
+    seconds per cycle (any positive unit: only ratios matter). plain: [len(batches)] a plain
+    decoding step in the same unit (default: the k = 0 entry's cost, else the cheapest)."""
     m = menu(entries)
     b = np.asarray(batches, np.float64)
     if b.ndim != 1 or b.size == 0 or np.any(~np.isfinite(b)) or np.any(b < 1) or np.any(
@@ -170,6 +175,14 @@ class AdaptivePolicy:
     if s.shape != (b.size, len(m)) or np.any(~np.isfinite(s)) or np.any(s <= 0):
       raise ValueError(f"seconds must be finite cycle costs > 0 of shape [{b.size} batches, "
                        f"{len(m)} menu entries], got {np.asarray(seconds).tolist()!r}")
+    if plain is None:
+      idx = [i for i, e in enumerate(m) if e is None]
+      pl = s[:, idx[0]] if idx else s.min(axis=1)
+    else:
+      pl = np.asarray(plain, np.float64).reshape(-1)
+      if pl.shape != (b.size,) or np.any(~np.isfinite(pl)) or np.any(pl <= 0):
+        raise ValueError(f"plain must be finite step costs > 0, one per batch ({b.size}), got "
+                         f"{plain!r}")
     _float("decay", decay, 0.0, 1.0)
     if decay >= 1.0:
       raise ValueError(f"decay must be in [0, 1), got {decay!r}")
@@ -185,6 +198,7 @@ class AdaptivePolicy:
         raise ValueError(f"forced must be a non-empty list of menu indices in [0, {len(m)}) or "
                          f"-1 (free), got {forced!r}")
     return cls(menu=m, batches=jnp.asarray(b, jnp.float32), seconds=jnp.asarray(s, jnp.float32),
+               plain=jnp.asarray(pl, jnp.float32),
                decay=jnp.asarray(decay, jnp.float32),
                prior_alpha=jnp.asarray(prior_alpha, jnp.float32),
                prior_weight=jnp.asarray(prior_weight, jnp.float32),
@@ -202,12 +216,13 @@ class AdaptivePolicy:
     if not table:
       raise ValueError("costs must hold at least one calibration, got none")
     batches = sorted(table)
-    rows = []
+    rows, plain = [], []
     for b in batches:
       c = table[b]
       t_draft = c.fitted.t_draft if c.fitted is not None else 0.0
       rows.append([c.t_step + t_draft if e is None else c.cycle_seconds(e) for e in m])
-    return cls.create(m, rows, batches, **kwargs)
+      plain.append(c.t_step)
+    return cls.create(m, rows, batches, plain=plain, **kwargs)
 
   @classmethod
   def from_model(cls, entries: Sequence[Any], *, c: float, v: float = 0.0,
@@ -219,14 +234,15 @@ class AdaptivePolicy:
     _float("fixed", fixed, 0.0)
     m = menu(entries)
     row = [1.0 + c if e is None else 1.0 + fixed + v * e.size + c * e.max_depth for e in m]
-    return cls.create(m, row, (1,), **kwargs)
+    return cls.create(m, row, (1,), plain=[1.0], **kwargs)
 
   def replace_runtime(self, **kwargs) -> "AdaptivePolicy":
     """The same menu with other runtime values (threshold, forced, decay...): no recompile
     as long as shapes stay (`forced` of the same length)."""
     new = AdaptivePolicy.create(self.menu, np.asarray(self.seconds),
                                 np.asarray(self.batches).astype(int).tolist(),
-                                **{"decay": float(self.decay),
+                                **{"plain": np.asarray(self.plain).tolist(),
+                                   "decay": float(self.decay),
                                    "prior_alpha": float(self.prior_alpha),
                                    "prior_weight": float(self.prior_weight),
                                    "threshold": float(self.threshold),
@@ -352,17 +368,15 @@ class AdaptivePolicy:
     return int(self.choose_batches(alpha, [int(batch)], rank_rates)[0])
 
   def predicted_speedup(self, alpha: float, batch: int, entry: int) -> float:
-    """Predicted speedup of `entry` over plain decoding at `batch` (plain: the k = 0
-    entry's cost, else the cheapest entry's)."""
+    """Predicted speedup of `entry` over plain decoding at `batch` (`plain_seconds`)."""
     tau = float(self.expected_tokens(self._host_rates(alpha), np)[0, entry])
     sec = self.cycle_seconds(batch, np)
     return tau / float(sec[entry]) * self.plain_seconds(batch)
 
   def plain_seconds(self, batch: int) -> float:
-    """Seconds of a plain step at `batch` (the k = 0 entry's cost; else the cheapest)."""
-    sec = self.cycle_seconds(batch, np)
-    idx = [i for i, e in enumerate(self.menu) if e is None]
-    return float(sec[idx[0]] if idx else sec.min())
+    """Seconds of a plain decoding step at `batch` (linear in log batch, clamped)."""
+    return float(np.interp(np.log(batch), np.log(np.asarray(self.batches)),
+                           np.asarray(self.plain)))
 
   def table(self, alphas: Sequence[float], batches: Sequence[int]) -> list[dict]:
     """[{alpha, batch, choice, speedup}]: what the engine would choose."""

@@ -79,6 +79,9 @@ class Generation:
 
     For trees α = accepted / drafted nodes is the node utilisation and the run lengths are
     accepted path lengths 0..depth (`tree_summary` has the per-depth and per-rank view).
+    Adaptive runs (shapes mixed) count speculative cycles only; their per-trial α here
+    assumes the deepest menu shape in every cycle: read α, τ or `tree_summary` (per-depth
+    reach, exact for mixed shapes) instead.
     """
     if self.stats is None:
       raise ValueError("plain generation has no speculative statistics")
