@@ -310,18 +310,20 @@ def resolve_tree(k: int | None, tree: TreeSpec | DynamicTree | None) -> TreeSpec
   return tree
 
 
-def default_policy(target, drafter) -> adaptive.AdaptivePolicy:
-  """The policy of `k="auto"` without calibrated costs: `adaptive.DEFAULT_CHAINS` priced by
-  the draft's share of the target's per-token matmul weights (c; 1 for a drafter without a
-  model of its own, e.g. self-drafting). Calibrate for real costs
-  (`adaptive.AdaptivePolicy.from_costs`)."""
+def default_policy(target, drafter, entries=adaptive.DEFAULT_CHAINS,
+                   **kwargs) -> adaptive.AdaptivePolicy:
+  """The policy of `k="auto"` without calibrated costs: the menu `entries` (default
+  `adaptive.DEFAULT_CHAINS`) priced by `AdaptivePolicy.from_model` with c = the draft's share
+  of the target's per-token matmul weights (1 for a drafter without a model of its own or
+  the target itself). kwargs: the policy's runtime values (threshold, decay, ...). Calibrate
+  for real costs (`adaptive.AdaptivePolicy.from_costs`)."""
   from specjax import roofline  # plain numpy; only needed here
 
   cfg = drafter.config
   c = 1.0
   if cfg is not None and cfg != target.config:
     c = roofline.param_counts(cfg)["matmul"] / roofline.param_counts(target.config)["matmul"]
-  return adaptive.AdaptivePolicy.from_model(adaptive.DEFAULT_CHAINS, c=min(c, 1.0))
+  return adaptive.AdaptivePolicy.from_model(entries, c=min(c, 1.0), **kwargs)
 
 
 def speculative_generate(target, draft, prompts, *, k: int | str | None = None,
