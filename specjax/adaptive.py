@@ -158,8 +158,8 @@ class AdaptivePolicy:
 
   @classmethod
   def create(cls, entries: Sequence[Any], seconds, batches: Sequence[int] = (1,), *,
-             plain=None, decay: float = 0.7, prior_alpha: float = 0.5,
-             prior_weight: float = 2.0, threshold: float = 0.0,
+             plain=None, decay: float = 0.9, prior_alpha: float = 0.5,
+             prior_weight: float = 1.0, threshold: float = 0.0,
              forced: Sequence[int] | None = None) -> "AdaptivePolicy":
     """From explicit costs: seconds [len(batches), len(menu)] (or [len(menu)] for one batch)
     seconds per cycle (any positive unit: only ratios matter). plain: [len(batches)] a plain

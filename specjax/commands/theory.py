@@ -55,6 +55,8 @@ def add_parser(subparsers) -> None:
                  help="a calibration JSON (calibration.LoopCosts) or a directory of them, one "
                  "per batch (default: this machine's calibration cache, if it holds any)")
   s.add_argument("--menu", default="0,1,2,4,6", help="chain lengths k (0 = plain step)")
+  s.add_argument("--temperature", type=float, default=0.0,
+                 help="use the calibrations made at this temperature (default %(default)s)")
   s.add_argument("--alphas", default=_DEFAULT_ALPHAS, help="comma-separated α values")
   s.add_argument("--batches", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
   s.add_argument("--c", type=float, default=0.15,
@@ -351,8 +353,9 @@ def _optimal_k(args) -> int:
   return 0
 
 
-def _calibrations(path: str | None) -> dict:
-  """{batch: LoopCosts} from a calibration file or directory (newest file per batch)."""
+def _calibrations(path: str | None, temperature: float) -> dict:
+  """{batch: LoopCosts} from a calibration file or directory (newest file per batch among
+  those made at `temperature`)."""
   import pathlib
 
   from specjax import calibration  # lazy: imports JAX
@@ -370,7 +373,8 @@ def _calibrations(path: str | None) -> dict:
       if path is not None and f == root:
         raise ValueError(f"--calibration {path!r} is not a calibration: {e}") from None
       continue
-    out[int(costs.meta.get("batch", 1))] = costs
+    if float(costs.meta.get("temperature", temperature)) == temperature:
+      out[int(costs.meta.get("batch", 1))] = costs
   return out
 
 
@@ -385,10 +389,10 @@ def _adaptive(args) -> int:
   for b in batches:
     _check_k("--batches", b)
   menu = _ints("--menu", args.menu)
-  costs = _calibrations(args.calibration)
+  costs = _calibrations(args.calibration, args.temperature)
   if costs:
     policy = adaptive.AdaptivePolicy.from_costs(menu, costs)
-    source = f"calibrated at batch {sorted(costs)}"
+    source = f"calibrated at batch {sorted(costs)}, T = {args.temperature:g}"
   else:
     policy = adaptive.AdaptivePolicy.from_model(menu, c=args.c, v=args.v)
     source = f"uncalibrated: cycle = 1 + {args.v:g}·N + {args.c:g}·D steps"
