@@ -200,3 +200,31 @@ def _joint_models():
                              n_kv_heads=1, d_ff=32, max_len=32)
   target = model(cfg, seed=2, logit_scale=6.0)
   return target, perturbed(target, seed=4, noise=0.7)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def test_cli_theory_adaptive_from_a_calibration_file_and_bad_k(capsys, tmp_path):
+  """`specjax theory adaptive` answers from a calibration file with the policy's host path;
+  `specjax generate --k` takes an int or 'auto' only."""
+  import json
+
+  from specjax import calibration
+  from specjax.cli import main
+
+  costs = calibration.LoopCosts.from_timings(
+      1.0, [(trees.chain(1), 1.3), (trees.chain(2), 1.5), (trees.chain(4), 1.9),
+            (TREE, 1.8)], meta={"batch": 1, "temperature": 0.0})
+  path = tmp_path / "cal.json"
+  path.write_text(json.dumps(costs.to_dict()))
+  assert main(["theory", "adaptive", "--calibration", str(path), "--menu", "0,1,2,4",
+               "--alphas", "0.2,0.9", "--batches", "1", "--json"]) == 0
+  doc = json.loads(capsys.readouterr().out)
+  pol = adaptive.AdaptivePolicy.from_costs((0, 1, 2, 4), costs)
+  assert [r["choice"] for r in doc["rows"]] == [pol.names[pol.choose(a, 1)] for a in (0.2, 0.9)]
+  assert doc["rows"][0]["choice"] == "k=0" and doc["rows"][1]["choice"] == "k=4"
+  with pytest.raises(SystemExit) as exc:  # argparse refuses it
+    main(["generate", "--k", "fast", "--repeats", "1"])
+  assert exc.value.code == 2
+  assert "'auto'" in capsys.readouterr().err

@@ -105,7 +105,12 @@ def _models(args):
 
 def _k_arg(text: str):
   """--k: an int, or 'auto' (adaptive speculation)."""
-  return "auto" if text == "auto" else int(text)
+  if text == "auto":
+    return text
+  try:
+    return int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"must be an int >= 1 or 'auto', got {text!r}") from None
 
 
 def _k_max(args) -> int:
