@@ -424,4 +424,5 @@ def _adaptive_generate(target: LM, drafter: Drafter, policy: adaptive.AdaptivePo
                             batch.budget_B, _eos(eos_id, cfg.vocab_size), sampler, _key(seed),
                             cache_len=batch.cache_len)
   state = jax.block_until_ready(state)
-  return _collect(state, batch, time.perf_counter() - start, policy.max_depth, None, policy)
+  return _collect(state, batch, time.perf_counter() - start, max(policy.max_depth, 1), None,
+                  policy)

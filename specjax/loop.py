@@ -1,5 +1,6 @@
-"""The jitted decoding loops and their state: plain autoregressive and speculative, one
-`jax.lax.while_loop` each.
+"""The jitted decoding loops and their state: plain autoregressive, speculative (one tree)
+and adaptive (a menu of shapes picked per cycle by `adaptive.AdaptivePolicy` with
+`lax.switch`, see `adaptive_loop`), one `jax.lax.while_loop` each.
 
 Bookkeeping shared by both loops (per row b of a ragged batch):
 - `tokens[b]` holds the prompt then every emitted token; `length[b]` = L is the index of
@@ -25,7 +26,9 @@ The loops are pure, jittable and vmappable, and check nothing: the host API
 (`Stats`); the analysis of the counts is the host's (`decoding.Generation.summary`).
 Runtime values (temperature, top-k, top-p, budgets, EOS id, seed, drafter weights) are
 arrays: changing them reuses the compiled loop. Static: model shapes, batch, prompt bucket,
-cache length, the tree shape. See docs/architecture.md for the jit boundary.
+cache length, the tree shape (the adaptive loop: the policy's menu; its costs, estimate
+parameters, threshold and forced schedule are arrays). See docs/architecture.md for the
+jit boundary.
 """
 
 from __future__ import annotations
