@@ -59,6 +59,9 @@ def test_comparison_and_first_plain_batch_on_synthetic_records():
   assert rows[8]["adaptive ÷ max(best, plain)"] == pytest.approx(0.9) and not rows[8]["≥ 0.95"]
   assert rows[16]["best fixed"] is None and rows[16]["≥ 0.95"] is None
   assert ex.first_plain_batch(recs) == {(0.0, "code"): 8}
+  (be,) = ex.break_even_check(recs)  # best fixed: 1.55 at batch 1, 0.8 at 8: crossing ≈ 4.6
+  assert be["adaptive first k=0 batch"] == 8 and be["within 25%"] is False
+  assert be["measured break-even"].startswith("B ≈ 4.")
 
 
 @pytest.mark.parametrize("params, match", [
