@@ -400,8 +400,8 @@ def _adaptive_generate(target: LM, drafter: Drafter, policy: adaptive.AdaptivePo
   if draft_cfg is not None and draft_cfg.vocab_size != cfg.vocab_size:
     raise ValueError(f"draft vocabulary ({draft_cfg.vocab_size}) must match the target's "
                      f"({cfg.vocab_size})")
-  if not policy.menu:
-    raise ValueError("policy menu must hold at least one shape, got an empty menu")
+  adaptive.menu(policy.menu)  # empty, dynamic or duplicate shapes: ValueError
+  adaptive.check_threshold(float(policy.threshold))
   configs = [cfg] if draft_cfg is None else [cfg, draft_cfg]
   max_len, limited, opt_in = _limits(configs, allow_beyond_max_len)
   shapes = [trees.chain(1) if e is None else e for e in policy.menu]  # k = 0 drafts a chain(1)

@@ -103,6 +103,8 @@ def test_generate_bad_input_before_work(pair):
       (dict(k=3, policy=_policy()), "neither"),
       (dict(k="fast"), "'auto'"),
       (dict(policy="adaptive"), "AdaptivePolicy"),
+      (dict(policy=_policy().replace(menu=())), "empty menu"),  # built around `create`
+      (dict(policy=_policy().replace(threshold=jnp.asarray(float("nan")))), "threshold"),
   ]
   for kw, match in cases:
     with pytest.raises(ValueError, match=match):
