@@ -17,7 +17,7 @@ rank-r candidates tried and accepted (`acc`, `tried`, decay λ per cycle),
 (prior α₀ with weight w). a_0 is the per-trial α of a chain; a_r is the acceptance of the
 rank-r sibling once ranks < r were rejected. A speculative cycle observes the result's
 per-rank counts; a k = 0 cycle observes the acceptance probability the drafter's one-token
-catch-up draft would have had (`acceptance_of`), so a policy that switched itself off keeps
+catch-up draft would have had (`loop._draft_acceptance`), so a policy that switched itself off keeps
 learning and switches back on.
 
 Expected tokens of an entry (Sequoia's positional model, `theory.tree_expected_tokens`):
@@ -37,10 +37,12 @@ to the earlier entry): predicted tokens per second. `forced` (int32 [S], -1 = fr
 entry forced[c mod S] at cycle c (tests alternate shapes with it).
 
 Dynamic draft stopping: `threshold` (a float32 array, 0 = off). Within a cycle the chain
-is cut after the deepest node whose cumulative draft confidence (product of the draft's
-max probabilities along the path) is still >= threshold; the cut is a stopping time of the
-emitted sequence (it depends on the path's own tokens), so truncating the emission there
-keeps the output exact (docs/cost_model.md, "Adaptive speculation").
+is cut after the deepest accepted node whose cumulative draft confidence (product of the
+draft's max probabilities along the path) is still >= threshold, and one more token is
+emitted (the next accepted draft or the target's token, equal in law); the cut is a
+stopping time of the emitted sequence (it depends on the path's own tokens), so the output
+stays exact (docs/cost_model.md, "Adaptive speculation"). It reads the draft law q, so it
+acts on sampled candidates only.
 """
 
 from __future__ import annotations
