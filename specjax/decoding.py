@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import loop, metrics, sampling, trees
+from specjax import adaptive, loop, metrics, sampling, trees
 from specjax.drafters.base import LM, Drafter
 from specjax.drafters.model import ModelDrafter
 from specjax.models import cache as kv
@@ -61,6 +61,15 @@ class Generation:
   seconds: float  # wall time of the call, compilation included on a first call
   k: int = 0
   tree: Any = None
+  choices: np.ndarray | None = None  # adaptive: menu index of each loop iteration
+  menu: list[str] | None = None  # adaptive: the menu's entry names (adaptive.entry_name)
+  stopping: dict[str, np.ndarray] | None = None  # adaptive: per-row stopped / discarded
+  plain_steps: np.ndarray | None = None  # adaptive: per-row k = 0 steps (one token each)
+
+  def _spec_emitted(self) -> np.ndarray:
+    """Tokens per row emitted by speculative cycles (the prefill's and plain steps' out)."""
+    emitted = np.asarray([len(t) for t in self.tokens]) - 1
+    return emitted if self.plain_steps is None else emitted - self.plain_steps
 
   @property
   def emitted(self) -> int:
@@ -71,13 +80,16 @@ class Generation:
 
     For trees α = accepted / drafted nodes is the node utilisation and the run lengths are
     accepted path lengths 0..depth (`tree_summary` has the per-depth and per-rank view).
+    Adaptive runs (shapes mixed) count speculative cycles only; their per-trial α here
+    assumes the deepest menu shape in every cycle: read α, τ or `tree_summary` (per-depth
+    reach, exact for mixed shapes) instead.
     """
     if self.stats is None:
       raise ValueError("plain generation has no speculative statistics")
-    emitted = np.asarray([len(t) for t in self.tokens])
     depth = self.tree.max_depth if self.tree is not None else self.k
     return metrics.summarize(cycles=self.stats["cycles"], drafted=self.stats["drafted"],
-                             accepted=self.stats["accepted"], emitted=emitted - 1,
+                             accepted=self.stats["accepted"],
+                             emitted=self._spec_emitted(),
                              cycle_log=self.stats["cycle_log"], k=depth)
 
   def tree_summary(self) -> metrics.TreeSummary:
@@ -85,8 +97,7 @@ class Generation:
     (metrics.summarize_tree)."""
     if self.stats is None:
       raise ValueError("plain generation has no speculative statistics")
-    emitted = np.asarray([len(t) for t in self.tokens]) - 1  # the prefill's token excluded
-    return metrics.summarize_tree(self.stats, emitted)
+    return metrics.summarize_tree(self.stats, self._spec_emitted())
 
 
 def _bucket(n: int, cap: int) -> int:
@@ -216,7 +227,7 @@ def _eos(eos_id, vocab_size: int) -> Array:
 
 
 def _collect(state: loop.LoopState, batch: Batch, seconds: float, k: int,
-             tree: Any = None) -> Generation:
+             tree: Any = None, policy: Any = None) -> Generation:
   tokens = np.asarray(state.tokens)
   length = np.asarray(state.length)
   out = [tokens[b, p:l + 1].tolist() for b, (p, l) in enumerate(zip(batch.prompt_len_B, length))]
@@ -224,8 +235,15 @@ def _collect(state: loop.LoopState, batch: Batch, seconds: float, k: int,
   if state.stats is not None:
     stats = {f.name: np.asarray(getattr(state.stats, f.name))
              for f in dataclasses.fields(state.stats)}
+  extra = {}
+  if state.adapt is not None:
+    a = state.adapt
+    extra = dict(choices=np.asarray(a.choices)[:int(a.cycle)], menu=policy.names,
+                 plain_steps=np.asarray(a.plain_steps),
+                 stopping={"stopped": np.asarray(a.stopped),
+                           "discarded": np.asarray(a.discarded)})
   return Generation(tokens=out, prompt_lengths=batch.prompt_len_B.tolist(), stats=stats,
-                    seconds=seconds, k=k, tree=tree)
+                    seconds=seconds, k=k, tree=tree, **extra)
 
 
 def _check_opt_in(value) -> bool:
@@ -298,12 +316,32 @@ def resolve_tree(k: int | None, tree: TreeSpec | DynamicTree | None) -> TreeSpec
   return tree
 
 
-def speculative_generate(target, draft, prompts, *, k: int | None = None,
-                         tree: TreeSpec | DynamicTree | None = None, max_new_tokens,
+def default_policy(target, drafter, entries=adaptive.DEFAULT_CHAINS,
+                   **kwargs) -> adaptive.AdaptivePolicy:
+  """The policy of `k="auto"` without calibrated costs: the menu `entries` (default
+  `adaptive.DEFAULT_CHAINS`) priced by `AdaptivePolicy.from_model` with c = the draft's share
+  of the target's per-token matmul weights (1 for a drafter without a model of its own or
+  the target itself). kwargs: the policy's runtime values (threshold, decay, ...). Calibrate
+  for real costs (`adaptive.AdaptivePolicy.from_costs`)."""
+  from specjax import roofline  # plain numpy; only needed here
+
+  cfg = drafter.config
+  c = 1.0
+  if cfg is not None and cfg != target.config:
+    c = roofline.param_counts(cfg)["matmul"] / roofline.param_counts(target.config)["matmul"]
+  return adaptive.AdaptivePolicy.from_model(entries, c=min(c, 1.0), **kwargs)
+
+
+def speculative_generate(target, draft, prompts, *, k: int | str | None = None,
+                         tree: TreeSpec | DynamicTree | None = None,
+                         policy: adaptive.AdaptivePolicy | None = None, max_new_tokens,
                          sampler=None, seed=0, eos_id=None, cache_len: int | None = None,
                          allow_beyond_max_len: bool = False,
                          precision: str = DEFAULT_PRECISION) -> Generation:
-  """Speculative decoding of a chain of k drafts, or of a token tree (exactly one of them).
+  """Speculative decoding of a chain of k drafts, or of a token tree (exactly one of them),
+  or adaptive: `k="auto"` and/or `policy=` (an `adaptive.AdaptivePolicy`; default
+  `default_policy`) picks a shape of the policy's menu every cycle inside one compiled loop
+  (`loop.adaptive_loop`).
 
   draft: a draft model (wrapped as a `ModelDrafter`) or any `drafters.Drafter`, e.g.
   `LookupDrafter(max_ngram=3)` (prompt lookup, no model) or
@@ -317,6 +355,19 @@ def speculative_generate(target, draft, prompts, *, k: int | None = None,
   check_precision(precision)
   target = LM.of(target)
   drafter = as_drafter(draft)
+  if (isinstance(k, str) and k == "auto") or policy is not None:
+    if tree is not None or (k is not None and not (isinstance(k, str) and k == "auto")):
+      raise ValueError(f"adaptive speculation (k='auto' or policy=) takes its shapes from the "
+                       f"policy's menu: pass neither k={k!r} nor tree={tree!r} with it")
+    if policy is None:
+      policy = default_policy(target, drafter)
+    if not isinstance(policy, adaptive.AdaptivePolicy):
+      raise ValueError(f"policy must be an adaptive.AdaptivePolicy, got {policy!r}")
+    return _adaptive_generate(target, drafter, policy, prompts, max_new_tokens=max_new_tokens,
+                              sampler=sampler, seed=seed, eos_id=eos_id, cache_len=cache_len,
+                              allow_beyond_max_len=allow_beyond_max_len, precision=precision)
+  if isinstance(k, str):
+    raise ValueError(f"k must be an int >= 1 or 'auto', got {k!r}")
   cfg = target.config
   draft_cfg = drafter.config
   if draft_cfg is not None and draft_cfg.vocab_size != cfg.vocab_size:
@@ -350,3 +401,42 @@ def speculative_generate(target, draft, prompts, *, k: int | None = None,
                                  _key(seed), tree=tree, cache_len=batch.cache_len)
     state = jax.block_until_ready(state)
   return _collect(state, batch, time.perf_counter() - start, tree.size, tree)
+
+
+def _adaptive_generate(target: LM, drafter: Drafter, policy: adaptive.AdaptivePolicy, prompts, *,
+                       max_new_tokens, sampler, seed, eos_id, cache_len,
+                       allow_beyond_max_len, precision) -> Generation:
+  """`speculative_generate` with a policy: every menu shape validated (the drafter, the
+  vocabulary, the cache: the largest shape's slots must fit) before anything compiles."""
+  cfg = target.config
+  draft_cfg = drafter.config
+  if draft_cfg is not None and draft_cfg.vocab_size != cfg.vocab_size:
+    raise ValueError(f"draft vocabulary ({draft_cfg.vocab_size}) must match the target's "
+                     f"({cfg.vocab_size})")
+  adaptive.menu(policy.menu)  # empty, dynamic or duplicate shapes: ValueError
+  adaptive.check_threshold(float(policy.threshold))
+  configs = [cfg] if draft_cfg is None else [cfg, draft_cfg]
+  max_len, limited, opt_in = _limits(configs, allow_beyond_max_len)
+  shapes = [trees.chain(1) if e is None else e for e in policy.menu]  # k = 0 drafts a chain(1)
+  width = max(e.max_width for e in shapes)
+  if width > cfg.vocab_size:
+    raise ValueError(f"policy menu has a tree of width {width} but the vocabulary has only "
+                     f"{cfg.vocab_size} tokens: width must be <= {cfg.vocab_size}")
+  slots = max(max(e.n_nodes, drafter.slots_needed(e)) for e in shapes)
+  batch = prepare_batch(prompts, slots=slots, vocab_size=cfg.vocab_size, max_len=max_len,
+                        max_new_tokens=max_new_tokens, cache_len=cache_len,
+                        positions_limited=limited, max_len_opt_in=opt_in)
+  b = len(batch.budget_B)
+  for e in shapes:
+    drafter.validate(e, b)
+  extra = kv.cache_bytes(draft_cfg, b, batch.cache_len) if draft_cfg is not None else 0
+  kv.check_fits(cfg, b, batch.cache_len, extra_bytes=extra, what="target + draft KV caches")
+  sampler = sampler if sampler is not None else sampling.make_sampler(0.0)
+  start = time.perf_counter()
+  with matmul_precision(precision):
+    state = loop.adaptive_jit(target, drafter, policy, batch.prompt_BP, batch.prompt_len_B,
+                              batch.budget_B, _eos(eos_id, cfg.vocab_size), sampler,
+                              _key(seed), cache_len=batch.cache_len)
+    state = jax.block_until_ready(state)
+  return _collect(state, batch, time.perf_counter() - start, max(policy.max_depth, 1), None,
+                  policy)

@@ -1,5 +1,6 @@
-"""The jitted decoding loops and their state: plain autoregressive and speculative, one
-`jax.lax.while_loop` each.
+"""The jitted decoding loops and their state: plain autoregressive, speculative (one tree)
+and adaptive (a menu of shapes picked per cycle by `adaptive.AdaptivePolicy` with
+`lax.switch`, see `adaptive_loop`), one `jax.lax.while_loop` each.
 
 Bookkeeping shared by both loops (per row b of a ragged batch):
 - `tokens[b]` holds the prompt then every emitted token; `length[b]` = L is the index of
@@ -25,7 +26,9 @@ The loops are pure, jittable and vmappable, and check nothing: the host API
 (`Stats`); the analysis of the counts is the host's (`decoding.Generation.summary`).
 Runtime values (temperature, top-k, top-p, budgets, EOS id, seed, drafter weights) are
 arrays: changing them reuses the compiled loop. Static: model shapes, batch, prompt bucket,
-cache length, the tree shape. See docs/architecture.md for the jit boundary.
+cache length, the tree shape (the adaptive loop: the policy's menu; its costs, estimate
+parameters, threshold and forced schedule are arrays). See docs/architecture.md for the
+jit boundary.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax import acceptance, sampling
+from specjax import acceptance, sampling, trees
 from specjax.drafters.base import LM, Context
 from specjax.models import cache as kv
 
@@ -112,8 +115,9 @@ class LoopState:
   done: Array  # bool [B]
   cache: kv.KVCache
   key: Array
-  draft: Any = None  # drafter state (speculative loop only)
+  draft: Any = None  # drafter state (speculative loops only)
   stats: Stats | None = None
+  adapt: Any = None  # AdaptState (adaptive loop only)
 
   def context(self) -> Context:
     return Context(tokens=self.tokens, length=self.length)
@@ -182,6 +186,78 @@ def generate_loop(target: LM, prompt_BP, prompt_len_B, budget_B, eos, sampler, k
   return jax.lax.while_loop(_not_finished, body, init)
 
 
+def _emit(s: LoopState, emitted_BT, n_B, prompt_len_B, budget_B, eos, stop_B=None):
+  """Writes a cycle's tokens: emitted_BT[:, :m] with m = min(n + 1, room, stop + 1), cut
+  after an EOS; done rows write nothing. Returns (tokens, length, done, active)."""
+  steps = jnp.arange(emitted_BT.shape[1], dtype=jnp.int32)
+  active = ~s.done
+  room = budget_B - (s.length + 1 - prompt_len_B)
+  m = jnp.minimum(n_B + 1, room)
+  if stop_B is not None:  # dynamic draft stopping: a stopping time of the emitted sequence
+    m = jnp.minimum(m, stop_B + 1)
+  is_eos = (emitted_BT == eos) & (steps[None] < m[:, None])
+  hit_eos = jnp.any(is_eos, axis=1)
+  m = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, m)
+  m = jnp.where(active, m, 0).astype(jnp.int32)
+  tokens = _write_rows(s.tokens, s.length + 1, emitted_BT, m)
+  length = s.length + m
+  done = s.done | (active & (hit_eos | (m >= room)))
+  return tokens, length, done, active
+
+
+def _stop_depth(proposal, tree, result, threshold):
+  """Dynamic draft stopping: per row, how many nodes of the accepted path have cumulative
+  draft confidence >= threshold (confidence of a node = max of the draft law q its parent's
+  children were sampled from; cumulative = product along the root path). None when the
+  proposal has no q (deterministic candidates): no stopping."""
+  if proposal.q is None or threshold is None:
+    return None
+  parents = jnp.asarray(tree.parents[1:])
+  conf_BN = jnp.max(proposal.q, axis=-1)[:, parents]  # [B, N]
+  anc = jnp.asarray(tree.ancestors[1:, 1:], jnp.float32)  # [N, N] ancestor-or-self
+  cum_BN = jnp.exp(jnp.log(jnp.maximum(conf_BN, 1e-30)) @ anc.T)
+  cum_BT = jnp.concatenate([jnp.ones_like(cum_BN[:, :1]), cum_BN], axis=1)
+  on_path = jnp.take_along_axis(cum_BT, result.path[:, 1:], axis=1)  # [B, D], non-increasing
+  return jnp.sum(on_path >= threshold, axis=1).astype(jnp.int32)
+
+
+def _spec_cycle(target, drafter, s: LoopState, tree, sampler, draft_key, accept_key,
+                prompt_len_B, budget_B, eos, capture, width=None, threshold=None):
+  """One speculative cycle of `tree` (module doc). Emission padded to `width` tokens (None:
+  the tree's D + 1). Returns (state without stats, TreeResult, active_B, stop_B)."""
+  depth = tree.max_depth
+  steps = jnp.arange(depth + 1, dtype=jnp.int32)
+  extra = (lambda f: {"features": f}) if capture else (lambda f: {})
+  proposal, draft = drafter.propose(s.draft, s.context(), tree, sampler, draft_key)
+
+  # One target pass over [x_L, nodes] at positions L + depth, ancestor mask.
+  layout = tree.layout(proposal)
+  cur = jnp.take_along_axis(s.tokens, s.length[:, None], axis=1)
+  verify_BT = jnp.concatenate([cur, proposal.tokens], axis=1)
+  logits, _, cache, *features = target(verify_BT, layout.positions(s.length), s.cache,
+                                       layout.block_mask(), capture)
+  p_BTV = sampling.warp(logits, sampler)
+  result = acceptance.accept_tree(accept_key, layout, verify_BT, p_BTV, proposal.q)
+  n = result.n_accepted
+
+  # Emitted this cycle: the path's n nodes then the target's token; cut at EOS and budget.
+  path_tokens = jnp.take_along_axis(verify_BT, result.path, axis=1)  # [B, D+1], root first
+  path_tokens = jnp.concatenate([path_tokens[:, 1:], path_tokens[:, :1]], axis=1)
+  emitted_BT = jnp.where(steps[None] < n[:, None], path_tokens, result.next_token[:, None])
+  if width is not None and width > depth + 1:  # tokens past n + 1 are never written
+    emitted_BT = jnp.pad(emitted_BT, ((0, 0), (0, width - depth - 1)))
+  stop = _stop_depth(proposal, tree, result, threshold)
+  tokens, length, done, active = _emit(s, emitted_BT, n, prompt_len_B, budget_B, eos, stop)
+  ctx = Context(tokens=tokens, length=length)
+  if not layout.is_chain:  # the path's entries to [L, L + n]; a chain's are in place
+    cache = kv.gather_block(cache, result.path, layout.n_nodes)
+  new = s.replace(tokens=tokens, length=length, done=done,
+                  cache=kv.set_lengths(cache, length),
+                  draft=drafter.commit(draft, ctx, tree, result.path, n,
+                                       **extra(features[0] if capture else None)))
+  return new, result, active, stop
+
+
 def speculative_loop(target: LM, drafter, prompt_BP, prompt_len_B, budget_B, eos, sampler,
                      key, *, tree, cache_len: int) -> LoopState:
   """Speculative decoding of a token tree (pure, jittable, vmappable).
@@ -199,45 +275,12 @@ def speculative_loop(target: LM, drafter, prompt_BP, prompt_len_B, budget_B, eos
                                                  first_key, cache_len, capture)
   length = prompt_len_B.astype(jnp.int32)
   done = _finished(jnp.ones_like(length), budget_B, first == eos)
-  steps = jnp.arange(depth + 1, dtype=jnp.int32)
 
   def body(s: LoopState) -> LoopState:
     key, draft_key, accept_key = jax.random.split(s.key, 3)
-    proposal, draft = drafter.propose(s.draft, s.context(), tree, sampler, draft_key)
-
-    # One target pass over [x_L, nodes] at positions L + depth, ancestor mask.
-    layout = tree.layout(proposal)
-    cur = jnp.take_along_axis(s.tokens, s.length[:, None], axis=1)
-    verify_BT = jnp.concatenate([cur, proposal.tokens], axis=1)
-    logits, _, cache, *features = target(verify_BT, layout.positions(s.length), s.cache,
-                                         layout.block_mask(), capture)
-    p_BTV = sampling.warp(logits, sampler)
-    result = acceptance.accept_tree(accept_key, layout, verify_BT, p_BTV, proposal.q)
-    n = result.n_accepted
-
-    # Emitted this cycle: the path's n nodes then the target's token; cut at EOS and budget.
-    path_tokens = jnp.take_along_axis(verify_BT, result.path, axis=1)  # [B, D+1], root first
-    path_tokens = jnp.concatenate([path_tokens[:, 1:], path_tokens[:, :1]], axis=1)
-    emitted_BT = jnp.where(steps[None] < n[:, None], path_tokens, result.next_token[:, None])
-    active = ~s.done
-    room = budget_B - (s.length + 1 - prompt_len_B)
-    m = jnp.minimum(n + 1, room)
-    is_eos = (emitted_BT == eos) & (steps[None] < m[:, None])
-    hit_eos = jnp.any(is_eos, axis=1)
-    m = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, m)
-    m = jnp.where(active, m, 0).astype(jnp.int32)
-
-    tokens = _write_rows(s.tokens, s.length + 1, emitted_BT, m)
-    length = s.length + m
-    done = s.done | (active & (hit_eos | (m >= room)))
-    ctx = Context(tokens=tokens, length=length)
-    if not layout.is_chain:  # the path's entries to [L, L + n]; a chain's are in place
-      cache = kv.gather_block(cache, result.path, layout.n_nodes)
-    return s.replace(tokens=tokens, length=length, done=done, key=key,
-                     cache=kv.set_lengths(cache, length),
-                     draft=drafter.commit(draft, ctx, tree, result.path, n,
-                                          **extra(features[0] if capture else None)),
-                     stats=s.stats.record(active, result, nodes))
+    new, result, active, _ = _spec_cycle(target, drafter, s, tree, sampler, draft_key,
+                                         accept_key, prompt_len_B, budget_B, eos, capture)
+    return new.replace(key=key, stats=s.stats.record(active, result, nodes))
 
   init = LoopState(tokens=tokens, length=length, done=done, cache=cache, key=key,
                    draft=drafter.init(prompt_BP, prompt_len_B, cache_len, tree,
@@ -246,6 +289,143 @@ def speculative_loop(target: LM, drafter, prompt_BP, prompt_len_B, budget_B, eos
   return jax.lax.while_loop(_not_finished, body, init)
 
 
+@struct.dataclass
+class AdaptState:
+  """The adaptive loop's own state: the policy's per-row, per-rank exponentially weighted
+  counts (acc, tried [B, R]), the loop iteration, the menu entry chosen at each iteration
+  (choices [C], -1 unused), the plain (k = 0) steps each row took (plain_steps [B]; one
+  token each) and the draft-stopping counters per row: cycles it cut (stopped) and accepted
+  drafts it discarded (discarded)."""
+
+  acc: Array  # float32 [B, R]
+  tried: Array  # float32 [B, R]
+  cycle: Array  # int32 []
+  choices: Array  # int32 [C]
+  plain_steps: Array  # int32 [B]
+  stopped: Array  # int32 [B]
+  discarded: Array  # int32 [B]
+
+
+def _pad_result(result: acceptance.TreeResult, depth: int, width: int) -> acceptance.TreeResult:
+  """A TreeResult padded to depth D and width W (path: deepest node repeated, as the rule
+  pads it; tried/accepted counters: zeros)."""
+  d = result.depth_tried.shape[1]
+  w = result.rank_tried.shape[1]
+  path = jnp.concatenate([result.path, jnp.repeat(result.path[:, -1:], depth - d, axis=1)],
+                         axis=1)
+  return result.replace(path=path,
+                        depth_tried=jnp.pad(result.depth_tried, ((0, 0), (0, depth - d))),
+                        rank_tried=jnp.pad(result.rank_tried, ((0, 0), (0, width - w))),
+                        rank_accepted=jnp.pad(result.rank_accepted, ((0, 0), (0, width - w))))
+
+
+def _draft_acceptance(proposal, p_BV) -> Array:
+  """P(the one-token draft of a chain(1) proposal would be accepted) given the target's
+  warped law p: Σ min(p, q) for a sampled draft, p(x) for a deterministic one."""
+  if proposal.q is None:
+    return jnp.take_along_axis(p_BV, proposal.tokens[:, :1], axis=1)[:, 0]
+  return jnp.sum(jnp.minimum(p_BV, proposal.q[:, 0]), axis=-1)
+
+
+def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B, eos,
+                  sampler, key, *, cache_len: int) -> LoopState:
+  """Speculative decoding that picks a menu shape every cycle (`adaptive.AdaptivePolicy`).
+
+  Every menu entry is traced once into this loop and chosen per cycle with `lax.switch`
+  (one compile; the menu is static, the policy's numbers are arrays). All branches return
+  the same state: emission is padded to the deepest entry, results to its depth and width.
+  A spec entry is a `_spec_cycle` of its tree. k = 0 (entry None) is a plain decoding step,
+  token for token `generate_loop`'s (same key use), plus the drafter's catch-up: it proposes
+  a chain(1) and commits it with nothing accepted, so a separate-model drafter's cache stays
+  at L − 1 (it feeds [x_{L−1}, x_L]); that draft's acceptance probability is the policy's
+  observation for the cycle (features for drafters that read them: the one-token pass's,
+  the root's row repeated). Speculative cycles only are counted in `stats`; every loop
+  iteration's choice is logged in `adapt.choices`.
+  """
+  TRACE_COUNTS["adaptive"] += 1
+  b = prompt_BP.shape[0]
+  menu = policy.menu
+  depth = max(policy.max_depth, 1)
+  width = depth + 1  # emitted tokens, padded
+  ranks = policy.width
+  key, first_key = jax.random.split(key)
+  capture = tuple(drafter.feature_layers)
+  extra = (lambda f: {"features": f}) if capture else (lambda f: {})
+  tokens, cache, first, prompt_features = _start(target, prompt_BP, prompt_len_B, sampler,
+                                                 first_key, cache_len, capture)
+  length = prompt_len_B.astype(jnp.int32)
+  done = _finished(jnp.ones_like(length), budget_B, first == eos)
+  rows = jnp.arange(b)
+  one = trees.chain(1)
+  largest = max((e for e in menu if e is not None), key=lambda e: e.n_nodes, default=one)
+
+  def plain_branch(s: LoopState):
+    key, step_key = jax.random.split(s.key)  # generate_loop's key use
+    draft_key = jax.random.fold_in(step_key, 1)
+    proposal, draft = drafter.propose(s.draft, s.context(), one, sampler, draft_key)
+    cur = s.tokens[rows, s.length]
+    logits, _, cache, *features = target(cur[:, None], s.length[:, None], s.cache, None,
+                                         capture)
+    p_BV = sampling.warp(logits[:, 0], sampler)
+    nxt = sampling.sample(step_key, p_BV)
+    emitted_BT = jnp.broadcast_to(nxt[:, None], (b, width))
+    tokens, length, done, active = _emit(s, emitted_BT, jnp.zeros_like(s.length), prompt_len_B,
+                                         budget_B, eos)
+    ctx = Context(tokens=tokens, length=length)
+    feats = (jnp.concatenate([features[0], features[0]], axis=1) if capture else None)
+    draft = drafter.commit(draft, ctx, one, jnp.zeros((b, 2), jnp.int32),
+                           jnp.zeros((b,), jnp.int32), **extra(feats))
+    new = s.replace(tokens=tokens, length=length, done=done, key=key, draft=draft,
+                    cache=kv.set_lengths(cache, length))
+    obs = jnp.zeros((b, ranks), jnp.float32)
+    acc_obs = obs.at[:, 0].set(_draft_acceptance(proposal, p_BV))
+    return new, acc_obs, obs.at[:, 0].set(1.0), active, jnp.zeros((b,), jnp.int32)
+
+  def spec_branch(tree):
+    def run(s: LoopState):
+      key, draft_key, accept_key = jax.random.split(s.key, 3)
+      new, result, active, stop = _spec_cycle(target, drafter, s, tree, sampler, draft_key,
+                                              accept_key, prompt_len_B, budget_B, eos,
+                                              capture, width, policy.threshold)
+      n = result.n_accepted
+      lost = jnp.zeros_like(n) if stop is None else jnp.maximum(n - stop, 0)
+      stats = s.stats.record(active, _pad_result(result, depth, ranks), tree.size)
+      new = new.replace(key=key, stats=stats)
+      return (new, policy.pad_ranks(result.rank_accepted), policy.pad_ranks(result.rank_tried),
+              active, jnp.where(active, lost, 0).astype(jnp.int32))
+    return run
+
+  branches = [plain_branch if e is None else spec_branch(e) for e in menu]
+  plain_index = menu.index(None) if None in menu else -1
+
+  def body(s: LoopState) -> LoopState:
+    a = s.adapt
+    rates = policy.rates(a.acc, a.tried)
+    choice = policy.pick(rates, ~s.done, b, a.cycle)
+    new, acc_obs, tried_obs, active, lost = jax.lax.switch(choice, branches, s)
+    acc, tried = policy.observe(a.acc, a.tried, acc_obs, tried_obs, active)
+    at = jnp.minimum(a.cycle, a.choices.shape[0] - 1)
+    plain = (active & (choice == plain_index)).astype(jnp.int32)
+    adapt = AdaptState(acc=acc, tried=tried, cycle=a.cycle + 1,
+                       choices=a.choices.at[at].set(choice),
+                       plain_steps=a.plain_steps + plain,
+                       stopped=a.stopped + (lost > 0).astype(jnp.int32),
+                       discarded=a.discarded + lost)
+    return new.replace(adapt=adapt)
+
+  acc0, tried0 = policy.init_state(b)
+  zb = jnp.zeros((b,), jnp.int32)
+  init = LoopState(tokens=tokens, length=length, done=done, cache=cache, key=key,
+                   draft=drafter.init(prompt_BP, prompt_len_B, cache_len, largest,
+                                      **extra(prompt_features)),
+                   stats=Stats.zeros(b, depth, cache_len, ranks),
+                   adapt=AdaptState(acc=acc0, tried=tried0, cycle=jnp.zeros((), jnp.int32),
+                                    choices=jnp.full((cache_len,), -1, jnp.int32),
+                                    plain_steps=zb, stopped=zb, discarded=zb))
+  return jax.lax.while_loop(_not_finished, body, init)
+
+
 # The compiled loops the host API calls: one compile per static configuration.
 generate_jit = jax.jit(generate_loop, static_argnames=("cache_len",))
 speculative_jit = jax.jit(speculative_loop, static_argnames=("tree", "cache_len"))
+adaptive_jit = jax.jit(adaptive_loop, static_argnames=("cache_len",))

@@ -261,7 +261,7 @@ def summarize(cycles: Any, drafted: Any, accepted: Any, emitted: Any, cycle_log:
   else:  # Fall back to the logged cycles for both numerator and denominator.
     trials = sum(len(f) for f in rows_flags)
   trial_acc = n_acc if log_complete else int(sum(f.sum() for f in rows_flags))
-  rho_ess = min(rho, 0.999)
+  rho_ess = min(max(rho, 0.0), 0.999)  # only positive rho widens; -1 (alternating) is valid
   a, lo, hi = alpha_interval(n_acc, n_drafted, confidence)
   _, lo_e, hi_e = alpha_interval(n_acc, n_drafted, confidence, rho=rho_ess)
   at, lo_t, hi_t = alpha_interval(trial_acc, trials, confidence)

@@ -470,10 +470,13 @@ def draft_kv_cost(hw: Hardware, wl: Workload, alpha: float, k: int, c: float,
 class AdaptiveKPolicy:
   """The k to draft at each batch size: deep when the engine is quiet, 0 (off) when full.
 
-  k_for_batch(B) = min over b <= B of best_k(b): the roofline optimum made monotone
+  The roofline's prices for the engine's one policy (`specjax.adaptive.AdaptivePolicy`,
+  exposed as `.policy`): the menu is k = 0..k_max, the cost of entry k at batch b is
+  `cycle_time(b, k)` (k = 0: the plain step t(b, 1)), and the raw choice at batch b is the
+  policy's at acceptance α. k_for_batch(B) = min over b <= B of that choice: made monotone
   non-increasing in B (the running minimum only matters where the raw optimum wiggles).
   Precomputed for B = 1..max_batch; larger batches use the max_batch value. Hashable, so it
-  can be a static argument.
+  can be a static argument. Building it imports JAX (the policy's module).
   """
 
   hardware: Hardware
@@ -484,17 +487,26 @@ class AdaptiveKPolicy:
   max_batch: int = 4096
   draft_cost: str = "full"
   ks: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+  policy: Any = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
+    from specjax import adaptive  # lazy: the policy module imports JAX
+
     a, _, cc, dc = _spec_args(self.alpha, 0, self.c, self.draft_cost)
     k_max = _int("k_max", self.k_max, 0)
     n = _int("max_batch", self.max_batch, 1)
-    b_B1 = np.arange(1, n + 1, dtype=np.float64)[:, None]
-    k_1K = np.arange(k_max + 1)[None, :]
-    g_BK = _gain_arr(self.hardware, self.workload, b_B1, a, k_1K, cc,
-                     self.workload.context_len, dc)
-    g_BK[:, 0] = 1.0
-    raw_B = np.argmax(g_BK, axis=1)  # smallest k among ties
+    b_B = np.arange(1, n + 1)
+    b_B1 = b_B.astype(np.float64)[:, None]
+    L = self.workload.context_len
+    t_plain_B1 = np.maximum(_t_mem(self.hardware, self.workload, b_B1, L),
+                            _t_comp(self.hardware, self.workload, b_B1, 1, L))
+    k_1K = np.arange(1, k_max + 1)[None, :]
+    cycle_BK = _cycle_arr(self.hardware, self.workload, b_B1, k_1K, cc, L, dc)
+    policy = adaptive.AdaptivePolicy.create(tuple(range(k_max + 1)),
+                                            np.concatenate([t_plain_B1, cycle_BK], axis=1),
+                                            tuple(b_B.tolist()))
+    raw_B = policy.choose_batches(a, b_B)  # smallest k among ties
+    object.__setattr__(self, "policy", policy)
     object.__setattr__(self, "ks", tuple(int(x) for x in np.minimum.accumulate(raw_B)))
 
   def k_for_batch(self, batch: int) -> int:

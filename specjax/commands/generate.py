@@ -45,7 +45,9 @@ def add_parser(subparsers) -> None:
                  help="prompt text (repeat for a ragged batch; default: a code snippet)")
   p.add_argument("--batch", type=int, default=1, help="copies of the prompt list (default 1)")
   p.add_argument("--max-new-tokens", type=int, default=64)
-  p.add_argument("--k", type=int, default=4, help="drafted tokens per verification")
+  p.add_argument("--k", type=_k_arg, default=4,
+                 help="drafted tokens per verification, or 'auto': the adaptive policy picks "
+                 "a chain k in {0, 1, 2, 4, 6} every cycle (specjax.adaptive)")
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
   p.add_argument("--top-k", type=int, default=0, help="0 = off")
   p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -168,10 +170,28 @@ def _models(args):
   return target, draft, tok
 
 
+def _k_arg(text: str):
+  """--k: an int, or 'auto' (adaptive speculation)."""
+  if text == "auto":
+    return text
+  try:
+    return int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"must be an int >= 1 or 'auto', got {text!r}") from None
+
+
+def _k_max(args) -> int:
+  """The most drafts one cycle may verify: --k, or the adaptive menu's largest chain."""
+  if args.k == "auto":
+    from specjax import adaptive
+    return max(adaptive.DEFAULT_CHAINS)
+  return args.k
+
+
 def _check_args(args) -> None:
   """The flags that need no model, checked before any model is loaded or built."""
   for flag, value, lo in (("--batch", args.batch, 1), ("--repeats", args.repeats, 1),
-                          ("--max-new-tokens", args.max_new_tokens, 1), ("--k", args.k, 1),
+                          ("--max-new-tokens", args.max_new_tokens, 1), ("--k", _k_max(args), 1),
                           ("--seed", args.seed, 0)):
     if value < lo:
       raise ValueError(f"{flag} must be an int >= {lo}, got {value}")
@@ -203,7 +223,7 @@ def _check_context(args, configs, n_prompt_tokens: int, known: bool = True) -> N
   if not configs:
     return
   max_len = min(c.max_len for c in configs)
-  need = n_prompt_tokens + args.max_new_tokens + args.k + 1
+  need = n_prompt_tokens + args.max_new_tokens + _k_max(args) + 1
   if need > max_len:
     hard = [c.max_len for c in configs if c.positions == "learned"]
     opt_in = "" if args.allow_beyond_max_len or (hard and min(hard) < need) else (
@@ -286,6 +306,8 @@ def run(args: argparse.Namespace) -> int:
       "identical_to_plain": plain.tokens == spec.tokens,
       "texts": [tok.decode(t) for t in spec.tokens],
   }
+  if spec.choices is not None:  # --k auto: the shape chosen at each loop iteration
+    report["choices"] = [spec.menu[i] for i in spec.choices]
   if args.json:
     print(json.dumps(report, indent=2))
     return 0

@@ -48,6 +48,22 @@ def add_parser(subparsers) -> None:
                  help="convention for best k and the adaptive policy (all three gains shown)")
   s.add_argument("--plot", metavar="FILE.png", help="gain vs batch, break-even marked")
 
+  s = _sub(sub, "adaptive", "the shape the engine's adaptive policy would choose on this "
+           "machine, per α and batch, from its calibration (or from --c without one)",
+           _adaptive)
+  s.add_argument("--calibration", default=None, metavar="FILE|DIR",
+                 help="a calibration JSON (calibration.LoopCosts) or a directory of them, one "
+                 "per batch (default: this machine's calibration cache, if it holds any)")
+  s.add_argument("--menu", default="0,1,2,4,6", help="chain lengths k (0 = plain step)")
+  s.add_argument("--temperature", type=float, default=0.0,
+                 help="use the calibrations made at this temperature (default %(default)s)")
+  s.add_argument("--alphas", default=_DEFAULT_ALPHAS, help="comma-separated α values")
+  s.add_argument("--batches", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
+  s.add_argument("--c", type=float, default=0.15,
+                 help="without a calibration: a draft pass in target steps")
+  s.add_argument("--v", type=float, default=0.0,
+                 help="without a calibration: one more verified node in target steps")
+
   s = _sub(sub, "long-context", "max batch at a long context and how memory-bound it is",
            _long_context)
   _add_model_args(s, context_default=16384)
@@ -334,6 +350,61 @@ def _optimal_k(args) -> int:
   _print_table(["alpha", "best k", "speedup", "E[tau]"],
                [[f"{r['alpha']:g}", r["k"], r["speedup"], r["expected_tokens"]] for r in rows],
                f"optimal k over 1..{args.k_max} at c = {args.c:g}")
+  return 0
+
+
+def _calibrations(path: str | None, temperature: float) -> dict:
+  """{batch: LoopCosts} from a calibration file or directory (newest file per batch among
+  those made at `temperature`)."""
+  import pathlib
+
+  from specjax import calibration  # lazy: imports JAX
+
+  root = calibration.cache_root() if path is None else pathlib.Path(path)
+  if path is not None and not root.exists():
+    raise ValueError(f"--calibration {path!r} does not exist")
+  files = sorted(root.glob("*.json"), key=lambda f: f.stat().st_mtime) if root.is_dir() else (
+      [root] if root.exists() else [])
+  out = {}
+  for f in files:
+    try:
+      costs = calibration.LoopCosts.from_dict(json.loads(f.read_text()))
+    except (ValueError, KeyError, TypeError, OSError) as e:
+      if path is not None and f == root:
+        raise ValueError(f"--calibration {path!r} is not a calibration: {e}") from None
+      continue
+    if float(costs.meta.get("temperature", temperature)) == temperature:
+      out[int(costs.meta.get("batch", 1))] = costs
+  return out
+
+
+def _adaptive(args) -> int:
+  from specjax import adaptive  # lazy: imports JAX
+
+  alphas = _floats("--alphas", args.alphas)
+  for a in alphas:
+    if not 0 <= a <= 1:
+      raise ValueError(f"--alphas must lie in [0, 1], got {a}")
+  batches = _ints("--batches", args.batches)
+  for b in batches:
+    _check_k("--batches", b)
+  menu = _ints("--menu", args.menu)
+  costs = _calibrations(args.calibration, args.temperature)
+  if costs:
+    policy = adaptive.AdaptivePolicy.from_costs(menu, costs)
+    source = f"calibrated at batch {sorted(costs)}, T = {args.temperature:g}"
+  else:
+    policy = adaptive.AdaptivePolicy.from_model(menu, c=args.c, v=args.v)
+    source = f"uncalibrated: cycle = 1 + {args.v:g}·N + {args.c:g}·D steps"
+  rows = policy.table(alphas, batches)
+  if args.json:
+    return _emit_json({"source": source, "menu": policy.names, "rows": rows})
+  print(f"adaptive policy, menu {policy.names}, costs {source}")
+  for b, c in sorted(costs.items()):
+    print(f"batch {b}: " + c.describe().replace("\n", "; "))
+  _print_table(["alpha", "batch", "choice", "predicted speedup"],
+               [[r["alpha"], r["batch"], r["choice"], r["speedup"]] for r in rows],
+               "what the engine would choose (all rows accepting at α)")
   return 0
 
 

@@ -1,0 +1,298 @@
+"""Adaptive speculation: the engine choosing its shape every cycle vs every fixed shape of its
+menu vs plain decoding, across batch sizes, temperatures and prompt categories.
+
+One point = (batch, temperature, category, policy). `policy` is "adaptive" (the engine's
+`adaptive.AdaptivePolicy` over `menu`, `speculative_generate(policy=...)`), a fixed shape
+"k=K" (a chain of K drafts, `speculative_generate(k=K)`) or "plain". The point decodes the
+same prompts (`category`: "code" or "prose", held-out documents of the embedded corpora,
+`specjax.data.corpus`) with plain `generate` and with the policy, alternated within every
+repeat, decode phase only (each call also timed with max_new_tokens = 1 and the prefill
+subtracted): speedup = policy ÷ plain tokens/s ("plain" is 1 by definition).
+
+Costs (`costs`): "calibrated" (the default) calibrates the compiled loops at the point's
+batch and temperature on the menu's chains plus one tree (so the fit separates t_draft, the
+price of the k = 0 branch's drafter catch-up; `specjax.calibration`, cached per machine);
+"model" prices shapes from the draft's share of the target's matmul weights
+(`decoding.default_policy`; fast, for smoke runs). The adaptive policy's costs are those.
+
+Prediction beside each row (`predicted_speedup`), at the row's measured acceptance α
+(accepted ÷ tried drafts of the first candidate, `tree_summary`'s depth-1 rate or the
+summary's α_trial): a fixed chain: `LoopCosts.predicted_speedup(chain(k), E[τ](α, k))`; the
+adaptive policy: the speedup the policy predicts for the shape it would choose at that α
+and batch (`AdaptivePolicy.predicted_speedup`).
+
+Adaptive rows also carry the shape chosen at each loop iteration (`choices`) and the draft-
+stopping counters (`threshold` > 0: cycles cut, accepted drafts discarded: its effect is
+reported separately). The report compares adaptive with max(best fixed shape, plain) per
+(batch, temperature, category) against the goal adaptive ≥ 0.95 × that, says where
+adaptive first chooses k = 0 (its most frequent choice) and plots the chosen shapes over
+time.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+from typing import Sequence
+
+import numpy as np
+
+from experiments import measure
+from specjax import adaptive, calibration, decoding, sampling, theory, trees
+from specjax.drafters.base import LM
+
+CATEGORIES = ("code", "prose")
+COSTS = ("calibrated", "model")
+GOAL = 0.95  # adaptive >= 0.95 × max(best fixed shape, plain)
+FIT_TREE = trees.branching((2, 2))  # calibrated beside the chains: identifies t_draft
+MAX_BATCH = 4096
+
+
+def _menu(menu) -> tuple:
+  return adaptive.menu(list(menu))
+
+
+def validate(params: dict) -> None:
+  """Types and ranges of one point's parameters (before any model is loaded)."""
+  measure.check_int(params, "batch", 1, 1, MAX_BATCH)
+  measure.check_number(params, "temperature", 0.0, 0)
+  measure.check_choice(params, "category", "code", CATEGORIES)
+  measure.check_int(params, "max_new_tokens", 64, 2, 1 << 16)
+  measure.check_int(params, "prompt_len", 64, 8, 1 << 16)
+  measure.check_int(params, "repeats", 3, 1, 1000)
+  measure.check_int(params, "seed", 0, 0, 2**31 - 1)
+  measure.check_choice(params, "models", "default", measure.MODELS)
+  measure.check_choice(params, "costs", "calibrated", COSTS)
+  measure.check_int(params, "calibration_repeats", 3, 1, 1000)
+  adaptive.check_threshold(params.get("threshold", 0.0))
+  menu = _menu(params.get("menu", adaptive.DEFAULT_CHAINS))
+  names = ["adaptive", "plain"] + [adaptive.entry_name(e) for e in menu if e is not None]
+  measure.check_choice(params, "policy", "adaptive", names)
+
+
+def memory(params: dict) -> int:
+  """Bytes of KV cache a point holds at most: target + draft caches of the plain and the
+  policy's call, with and without the prefill-only call (4 sets), at the largest menu shape."""
+  menu = _menu(params.get("menu", adaptive.DEFAULT_CHAINS))
+  slots = 1 + max([1] + [e.n_nodes for e in menu if e is not None] + [FIT_TREE.n_nodes])
+  n = decoding.cache_len_for(params.get("prompt_len", 64), params.get("max_new_tokens", 64),
+                             slots)
+  return 4 * sum(measure.cache_bytes(params.get("models", "default"), params.get("batch", 1),
+                                     n))
+
+
+@functools.lru_cache(maxsize=4)
+def _texts(models: str, category: str):
+  """Held-out prompt texts of a category (None: the random models' fallback text)."""
+  *_, texts = measure.models(models)
+  if texts is None or category == "code":
+    return tuple(texts) if texts else None
+  from specjax.data.corpus import load_corpus
+  return tuple(d.text for d in load_corpus("prose").validation[:64])
+
+
+def _alpha(gen) -> float:
+  """First-candidate acceptance of a speculative run (depth-1 reach ÷ tries): exact for
+  mixed shapes."""
+  tried = float(np.sum(gen.stats["depth_tried"][:, 0]))
+  return float(np.sum(gen.stats["depth_accepted"][:, 0])) / tried if tried else float("nan")
+
+
+def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
+          policy: str = "adaptive", menu: Sequence = adaptive.DEFAULT_CHAINS,
+          max_new_tokens: int = 64, prompt_len: int = 64, repeats: int = 3, seed: int = 0,
+          models: str = "default", costs: str = "calibrated", calibration_repeats: int = 3,
+          threshold: float = 0.0) -> dict:
+  """Plain vs the policy's tokens/s of the decode phase, α, and the calibrated prediction
+  (module doc)."""
+  params = dict(batch=batch, temperature=temperature, category=category, policy=policy,
+                menu=menu, max_new_tokens=max_new_tokens, prompt_len=prompt_len,
+                repeats=repeats, seed=seed, models=models, costs=costs,
+                calibration_repeats=calibration_repeats, threshold=threshold)
+  validate(params)
+  target, draft, tok, _ = measure.models(models)
+  prompt_ids = measure.prompts(tok, _texts(models, category), batch, prompt_len)
+  entries = _menu(menu)
+  shapes = [e for e in entries if e is not None] or [trees.chain(1)]
+  cache_len = calibration.default_cache_len(target, draft, prompt_ids, shapes + [FIT_TREE],
+                                            max_new_tokens)
+  if costs == "calibrated":
+    loop_costs = calibration.calibrate(target, draft, prompt_ids, shapes + [FIT_TREE],
+                                       max_new_tokens=max_new_tokens,
+                                       repeats=calibration_repeats, temperature=temperature,
+                                       seed=seed, cache_len=cache_len)
+    pol = adaptive.AdaptivePolicy.from_costs(entries, {batch: loop_costs}, threshold=threshold)
+  else:
+    loop_costs = None
+    pol = decoding.default_policy(LM.of(target), decoding.as_drafter(draft), entries,
+                                  threshold=threshold)
+  common = dict(sampler=sampling.make_sampler(temperature), seed=seed, cache_len=cache_len)
+
+  def plain(n):
+    return lambda: decoding.generate(target, prompt_ids, max_new_tokens=n, **common)
+
+  def spec(n):
+    if policy == "adaptive":
+      return lambda: decoding.speculative_generate(target, draft, prompt_ids, policy=pol,
+                                                   max_new_tokens=n, **common)
+    k = int(policy.split("=")[1])
+    return lambda: decoding.speculative_generate(target, draft, prompt_ids, k=k,
+                                                 max_new_tokens=n, **common)
+
+  fns = {"plain": plain(max_new_tokens), "plain_prefill": plain(1)}
+  if policy != "plain":
+    fns.update(spec=spec(max_new_tokens), spec_prefill=spec(1))
+  timed = measure.alternate(fns, repeats)
+  sec = {name: t.fastest for name, t in timed.items()}
+  plain_run = timed["plain"].result
+  decoded = plain_run.emitted - len(plain_run.tokens)
+  plain_tok_s = decoded / max(sec["plain"] - sec["plain_prefill"], 1e-12)
+  out = {"plain_tok_s": plain_tok_s, "cache_len": cache_len,
+         "t_step_ms": None if loop_costs is None else 1e3 * loop_costs.t_step}
+  if policy == "plain":
+    return {**out, "policy_tok_s": plain_tok_s, "speedup": 1.0, "predicted_speedup": 1.0,
+            "alpha": float("nan"), "identical_to_plain": True}
+  run = timed["spec"].result
+  tok_s = (run.emitted - len(run.tokens)) / max(sec["spec"] - sec["spec_prefill"], 1e-12)
+  alpha = _alpha(run)
+  a = min(max(alpha, 0.0), 1.0) if math.isfinite(alpha) else 0.0
+  if policy == "adaptive":
+    choice = pol.choose(a, batch)
+    predicted = pol.predicted_speedup(a, batch, choice)
+    names = [run.menu[i] for i in run.choices]
+    out.update(choices=names, predicted_choice=pol.names[choice],
+               choice_counts=dict(collections.Counter(names)),
+               stopped=int(run.stopping["stopped"].sum()),
+               discarded=int(run.stopping["discarded"].sum()))
+  else:
+    k = int(policy.split("=")[1])
+    tau = float(theory.expected_tokens(a, k))
+    predicted = (loop_costs.predicted_speedup(trees.chain(k), tau) if loop_costs is not None
+                 else pol.predicted_speedup(a, batch, pol.names.index(policy)))
+  return {**out, "policy_tok_s": tok_s, "speedup": tok_s / plain_tok_s,
+          "predicted_speedup": predicted, "alpha": alpha,
+          "identical_to_plain": (run.tokens == plain_run.tokens) if temperature == 0 else None}
+
+
+# ----------------------------------------------------------------------------- analysis
+
+
+def _groups(records: Sequence[dict]) -> dict[tuple, dict[str, dict]]:
+  """{(batch, temperature, category): {policy: metrics}}."""
+  out: dict[tuple, dict[str, dict]] = collections.defaultdict(dict)
+  for r in records:
+    p = r["params"]
+    out[(p["batch"], p.get("temperature", 0.0), p.get("category", "code"))][
+        p.get("policy", "adaptive")] = r["metrics"]
+  return dict(out)
+
+
+def comparison(records: Sequence[dict]) -> list[dict]:
+  """Per (batch, temperature, category): adaptive, the best fixed shape, plain, and whether
+  adaptive ≥ GOAL × max(best fixed, plain) (None when a policy is missing)."""
+  rows = []
+  for (b, t, cat), pols in sorted(_groups(records).items()):
+    fixed = {k: m["speedup"] for k, m in pols.items() if k not in ("adaptive", "plain")}
+    best = max(fixed, key=fixed.get) if fixed else None
+    cands = list(fixed.values()) + ([1.0] if "plain" in pols else [])
+    ref = max(cands) if cands else float("nan")
+    ad = pols.get("adaptive", {})
+    s = ad.get("speedup", float("nan"))
+    counts = ad.get("choice_counts") or {}
+    rows.append({"batch": b, "temperature": t, "category": cat, "adaptive": s,
+                 "best fixed": best, "best fixed speedup": fixed.get(best, float("nan")),
+                 "adaptive ÷ max(best, plain)": s / ref if ref == ref else float("nan"),
+                 f"≥ {GOAL}": (s / ref >= GOAL) if (s == s and ref == ref) else None,
+                 "most chosen": max(counts, key=counts.get) if counts else None,
+                 "predicted": ad.get("predicted_speedup", float("nan"))})
+  return rows
+
+
+def first_plain_batch(records: Sequence[dict]) -> dict[tuple, int | None]:
+  """{(temperature, category): the smallest batch whose adaptive run chose k=0 most often}."""
+  out: dict[tuple, int | None] = {}
+  for (b, t, cat), pols in sorted(_groups(records).items()):
+    counts = pols.get("adaptive", {}).get("choice_counts") or {}
+    key = (t, cat)
+    out.setdefault(key, None)
+    if out[key] is None and counts and max(counts, key=counts.get) == "k=0":
+      out[key] = b
+  return out
+
+
+def break_even_check(records: Sequence[dict]) -> list[dict]:
+  """Per (temperature, category): the measured break-even batch (best fixed shape's speedup
+  falling below 1, `batch_breakeven.break_even`), the first batch where adaptive mostly
+  chose k = 0, and whether they agree within 25% (the issue's goal)."""
+  from experiments import batch_breakeven as bb
+
+  off = first_plain_batch(records)
+  rows = []
+  for (t, cat), first in off.items():
+    best = {}
+    for (b, tt, cc), pols in _groups(records).items():
+      fixed = [m["speedup"] for k, m in pols.items() if k not in ("adaptive", "plain")]
+      if tt == t and cc == cat and fixed:
+        best[b] = max(fixed)
+    be = bb.break_even(best) if best else None
+    ratio = (first / be.batch if be is not None and be.status == "crossed" and first
+             else None)
+    rows.append({"temperature": t, "category": cat,
+                 "measured break-even": be.text() if be is not None else "n/a",
+                 "adaptive first k=0 batch": first,
+                 "within 25%": None if ratio is None else abs(ratio - 1) <= bb.AGREEMENT})
+  return rows
+
+
+def report(records: list[dict], run_dir) -> str:
+  """The comparison table, where adaptive first turns speculation off, draft stopping, and
+  the shapes chosen over time (plot)."""
+  from specjax.sweeps import report as rep
+
+  table = comparison(records)
+  fig, ax = rep.new_figure(figsize=(8.5, 4))
+  menu_names: list[str] = []
+  for r in sorted(records, key=lambda r: (r["params"]["batch"], r["params"].get(
+      "temperature", 0.0))):
+    m = r["metrics"]
+    if r["params"].get("policy", "adaptive") != "adaptive" or not m.get("choices"):
+      continue
+    names = m["choices"]
+    for n in names:
+      if n not in menu_names:
+        menu_names.append(n)
+    ks = [int(n.split("=")[1]) if n.startswith("k=") else -1 for n in names]
+    p = r["params"]
+    ax.step(range(len(ks)), ks, where="post", lw=1.0,
+            label=f"B={p['batch']} T={p.get('temperature', 0.0):g} {p.get('category', 'code')}")
+  ax.set_xlabel("loop iteration")
+  ax.set_ylabel("chosen k (-1 = a tree)")
+  ax.set_title("adaptive: shape chosen at each loop iteration", fontsize=9)
+  ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+  name = rep.save(fig, run_dir / "adaptive_choices.png")
+  off = first_plain_batch(records)
+  be_rows = break_even_check(records)
+  stop_rows = [{"batch": r["params"]["batch"], "temperature": r["params"].get("temperature"),
+                "threshold": r["params"].get("threshold", 0.0),
+                "stopped cycles": r["metrics"].get("stopped"),
+                "discarded drafts": r["metrics"].get("discarded"),
+                "speedup": r["metrics"]["speedup"]}
+               for r in records if r["params"].get("policy", "adaptive") == "adaptive"]
+  lines = [
+      "## Adaptive speculation", "",
+      "Speedup = the policy's ÷ plain tokens/s of the decode phase, measured side by side. "
+      "Predicted = the calibrated cost model at the measured α (for adaptive: the shape the "
+      f"policy picks at that α and batch). Goal: adaptive ≥ {GOAL} × max(best fixed, plain).",
+      "",
+      rep.markdown_table(table, list(table[0])) if table else "", "",
+      "First batch where adaptive chose k = 0 most often: " + ", ".join(
+          f"T={t:g} {cat}: {'none' if b is None else b}" for (t, cat), b in off.items()), "",
+      "Against the measured break-even batch (goal: within 25%):", "",
+      rep.markdown_table(be_rows, list(be_rows[0])) if be_rows else "", "",
+      "Draft stopping (threshold > 0 cuts a chain once its cumulative draft confidence falls "
+      "below it; in a static-shape loop it saves no computation, it only stops emission):", "",
+      rep.markdown_table(stop_rows, list(stop_rows[0])) if stop_rows else "(no adaptive rows)",
+      "", f"![chosen shapes over time]({name})", "",
+  ]
+  return "\n".join(lines)

@@ -1,0 +1,399 @@
+"""The adaptive speculation policy: which shape of a static menu to verify this cycle.
+
+One object (`AdaptivePolicy`), used inside the compiled loop (`loop.adaptive_loop`, pure
+jnp) and on the host (`choose`, `table`: what `specjax theory` prints, what the
+experiments predict). The menu is static (each entry is traced once into the loop and picked
+with `lax.switch`); everything the choice reads is an array, so changing costs, decay,
+prior, threshold or forced schedule reuses the compiled loop.
+
+Menu. Entries are `None` (k = 0: a plain decoding step) or static `trees.TreeSpec`s (a chain
+of k drafts is `trees.chain(k)`): `menu((0, 1, 2, 4, 6))`, optionally with one or two trees.
+
+Acceptance estimate, per row b and sibling rank r: exponentially weighted counts of the
+rank-r candidates tried and accepted (`acc`, `tried`, decay λ per cycle),
+
+    a_r(b) = (acc_r(b) + w·α₀) / (tried_r(b) + w)
+
+(prior α₀ with weight w). a_0 is the per-trial α of a chain; a_r is the acceptance of the
+rank-r sibling once ranks < r were rejected. A speculative cycle observes the result's
+per-rank counts; a k = 0 cycle observes the acceptance probability the drafter's one-token
+catch-up draft would have had (`loop._draft_acceptance`), so a policy that switched itself off keeps
+learning and switches back on.
+
+Expected tokens of an entry (Sequoia's positional model, `theory.tree_expected_tokens`):
+the rank-r child of an accepted node is the accepted one with probability
+p_r = a_r·Π_{j<r}(1 − a_j), a node is on the accepted path with the product of p along its
+root path, and E[τ] = 1 + Σ_nodes P(node). For a chain this is Σ_{i≤k} α^i. k = 0: 1.
+
+Cost: seconds per cycle of each entry at the compiled batch, interpolated (linear in
+log batch, clamped) from a table over calibrated batch sizes (`from_costs`, one
+`calibration.LoopCosts` per batch). A k = 0 cycle costs a plain step plus the drafter's
+catch-up pass (t_step + t_draft of the fit). The loop evaluates cost at the static batch it
+computes: finished rows still flow through the static-shape computation, so they cost the
+same; they only stop counting as tokens.
+
+Choice: argmax over entries of Σ_{active rows} E[τ_b](entry) ÷ cycle seconds(entry) (ties
+to the earlier entry): predicted tokens per second. `forced` (int32 [S], -1 = free) forces
+entry forced[c mod S] at cycle c (tests alternate shapes with it).
+
+Dynamic draft stopping: `threshold` (a float32 array, 0 = off). Within a cycle the chain
+is cut after the deepest accepted node whose cumulative draft confidence (product of the
+draft's max probabilities along the path) is still >= threshold, and one more token is
+emitted (the next accepted draft or the target's token, equal in law); the cut is a
+stopping time of the emitted sequence (it depends on the path's own tokens), so the output
+stays exact (docs/cost_model.md, "Adaptive speculation"). It reads the draft law q, so it
+acts on sampled candidates only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax import trees
+from specjax.trees import TreeSpec
+
+Array = jax.Array
+
+DEFAULT_CHAINS = (0, 1, 2, 4, 6)
+
+
+def menu(entries: Sequence[Any] = DEFAULT_CHAINS) -> tuple[TreeSpec | None, ...]:
+  """A validated menu: ints k >= 0 (0 = plain step, k = trees.chain(k)) and static TreeSpecs.
+
+  Raises ValueError for an empty menu, a negative k, a dynamic tree or anything else."""
+  if isinstance(entries, (str, bytes)) or not isinstance(entries, (Sequence, np.ndarray)):
+    raise ValueError(f"menu must be a sequence of chain lengths k >= 0 and trees.TreeSpec "
+                     f"shapes, got {entries!r}")
+  if len(entries) == 0:
+    raise ValueError("menu must hold at least one shape (e.g. (0, 1, 2, 4, 6)), got an "
+                     "empty menu")
+  out: list[TreeSpec | None] = []
+  for i, e in enumerate(entries):
+    if e is None:
+      out.append(None)
+    elif isinstance(e, (int, np.integer)) and not isinstance(e, bool):
+      if e < 0:
+        raise ValueError(f"menu[{i}] must be a chain length k >= 0 (0 = plain step), got {e}")
+      out.append(None if e == 0 else trees.chain(int(e)))
+    elif isinstance(e, TreeSpec):
+      out.append(e)
+    else:
+      raise ValueError(f"menu[{i}] must be an int k >= 0 or a static trees.TreeSpec (dynamic "
+                       f"trees are not menu shapes), got {e!r}")
+  keys = [entry_name(e) for e in out]
+  if len(set(keys)) != len(keys):
+    raise ValueError(f"menu has duplicate shapes: {keys}")
+  return tuple(out)
+
+
+def entry_name(entry: TreeSpec | None) -> str:
+  """'k=0' (plain), 'k=K' (a chain) or 'tree(N nodes, depth D)': the policy label."""
+  if entry is None:
+    return "k=0"
+  if entry.is_chain:
+    return f"k={entry.size}"
+  return f"tree{entry.parents}"
+
+
+def _float(name: str, value, lo: float, hi: float = math.inf, lo_open: bool = False) -> float:
+  ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
+  if ok:
+    value = float(value)
+    ok = math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi
+  if not ok:
+    rng = f"({lo:g}, {hi:g}]" if lo_open else f"[{lo:g}, {hi:g}]"
+    raise ValueError(f"{name} must be a finite number in {rng}, got {value!r}")
+  return value
+
+
+def check_threshold(threshold) -> float:
+  """The draft-stopping threshold: a finite number in [0, 1] (0 = never stop)."""
+  return _float("threshold", threshold, 0.0, 1.0)
+
+
+def _entry_tables(entries, width: int):
+  """Static tables of each entry: node rank [E, N], ancestor-or-self mask [E, N, N] over the
+  drafted nodes (padded: rank 0, no ancestors, masked out by `valid`), valid [E, N]."""
+  n = max([1] + [e.size for e in entries if e is not None])
+  rank = np.zeros((len(entries), n), np.int32)
+  anc = np.zeros((len(entries), n, n), np.float32)
+  valid = np.zeros((len(entries), n), np.float32)
+  for i, e in enumerate(entries):
+    if e is None:
+      continue
+    s = e.size
+    rank[i, :s] = np.minimum(e.ranks[1:], width - 1)
+    anc[i, :s, :s] = e.ancestors[1:, 1:]
+    valid[i, :s] = 1.0
+  return rank, anc, valid
+
+
+@struct.dataclass
+class AdaptivePolicy:
+  """The per-cycle shape choice (module doc). A pytree: the menu is static, the rest arrays.
+
+  menu: static entries (None = k = 0, else a TreeSpec). batches: float32 [NB] calibrated
+  batch sizes, ascending. seconds: float32 [NB, E] seconds per cycle of each entry there.
+  plain: float32 [NB] seconds of a step of plain decoding there (the reference of
+  `predicted_speedup`; a k = 0 entry costs it plus the drafter's catch-up).
+  decay: λ in [0, 1) per cycle. prior_alpha α₀, prior_weight w. threshold: draft stopping
+  (0 = off). forced: int32 [S] forced entry per cycle (mod S), -1 = free choice.
+  """
+
+  menu: tuple = struct.field(pytree_node=False)
+  batches: Array
+  seconds: Array
+  plain: Array
+  decay: Array
+  prior_alpha: Array
+  prior_weight: Array
+  threshold: Array
+  forced: Array
+
+  # ----------------------------------------------------------------------- construction
+
+  @classmethod
+  def create(cls, entries: Sequence[Any], seconds, batches: Sequence[int] = (1,), *,
+             plain=None, decay: float = 0.9, prior_alpha: float = 0.5,
+             prior_weight: float = 1.0, threshold: float = 0.0,
+             forced: Sequence[int] | None = None) -> "AdaptivePolicy":
+    """From explicit costs: seconds [len(batches), len(menu)] (or [len(menu)] for one batch)
+    seconds per cycle (any positive unit: only ratios matter). plain: [len(batches)] a plain
+    decoding step in the same unit (default: the k = 0 entry's cost, else the cheapest)."""
+    m = menu(entries)
+    b = np.asarray(batches, np.float64)
+    if b.ndim != 1 or b.size == 0 or np.any(~np.isfinite(b)) or np.any(b < 1) or np.any(
+        np.diff(b) <= 0):
+      raise ValueError(f"batches must be increasing batch sizes >= 1, got {batches!r}")
+    s = np.asarray(seconds, np.float64)
+    if s.ndim == 1:
+      s = s[None]
+    if s.shape != (b.size, len(m)) or np.any(~np.isfinite(s)) or np.any(s <= 0):
+      raise ValueError(f"seconds must be finite cycle costs > 0 of shape [{b.size} batches, "
+                       f"{len(m)} menu entries], got {np.asarray(seconds).tolist()!r}")
+    if plain is None:
+      idx = [i for i, e in enumerate(m) if e is None]
+      pl = s[:, idx[0]] if idx else s.min(axis=1)
+    else:
+      pl = np.asarray(plain, np.float64).reshape(-1)
+      if pl.shape != (b.size,) or np.any(~np.isfinite(pl)) or np.any(pl <= 0):
+        raise ValueError(f"plain must be finite step costs > 0, one per batch ({b.size}), got "
+                         f"{plain!r}")
+    _float("decay", decay, 0.0, 1.0)
+    if decay >= 1.0:
+      raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+    _float("prior_alpha", prior_alpha, 0.0, 1.0)
+    _float("prior_weight", prior_weight, 0.0, lo_open=True)
+    check_threshold(threshold)
+    if forced is None:
+      f = np.asarray([-1], np.int32)
+    else:
+      f = np.asarray(forced)
+      if f.ndim != 1 or f.size == 0 or not np.issubdtype(f.dtype, np.integer) or np.any(
+          f < -1) or np.any(f >= len(m)):
+        raise ValueError(f"forced must be a non-empty list of menu indices in [0, {len(m)}) or "
+                         f"-1 (free), got {forced!r}")
+    return cls(menu=m, batches=jnp.asarray(b, jnp.float32), seconds=jnp.asarray(s, jnp.float32),
+               plain=jnp.asarray(pl, jnp.float32),
+               decay=jnp.asarray(decay, jnp.float32),
+               prior_alpha=jnp.asarray(prior_alpha, jnp.float32),
+               prior_weight=jnp.asarray(prior_weight, jnp.float32),
+               threshold=jnp.asarray(threshold, jnp.float32),
+               forced=jnp.asarray(f, jnp.int32))
+
+  @classmethod
+  def from_costs(cls, entries: Sequence[Any], costs: Mapping[int, Any] | Any,
+                 **kwargs) -> "AdaptivePolicy":
+    """From calibrations (`calibration.LoopCosts`): one, or {batch: LoopCosts}. A tree entry
+    costs `costs.cycle_seconds(tree)` (measured or fitted); k = 0 costs t_step plus the
+    drafter's catch-up pass (the fit's t_draft, 0 without a fit)."""
+    m = menu(entries)
+    table = costs if isinstance(costs, Mapping) else {int(costs.meta.get("batch", 1)): costs}
+    if not table:
+      raise ValueError("costs must hold at least one calibration, got none")
+    batches = sorted(table)
+    rows, plain = [], []
+    for b in batches:
+      c = table[b]
+      t_draft = c.fitted.t_draft if c.fitted is not None else 0.0
+      rows.append([c.t_step + t_draft if e is None else c.cycle_seconds(e) for e in m])
+      plain.append(c.t_step)
+    return cls.create(m, rows, batches, plain=plain, **kwargs)
+
+  @classmethod
+  def from_model(cls, entries: Sequence[Any], *, c: float, v: float = 0.0,
+                 fixed: float = 0.0, **kwargs) -> "AdaptivePolicy":
+    """Uncalibrated costs in target steps: cycle(N, D) = 1 + fixed + v·N + c·D, k = 0 costs
+    1 + c (the drafter's catch-up pass). c: a draft pass, v: one more verified node."""
+    _float("c", c, 0.0)
+    _float("v", v, 0.0)
+    _float("fixed", fixed, 0.0)
+    m = menu(entries)
+    row = [1.0 + c if e is None else 1.0 + fixed + v * e.size + c * e.max_depth for e in m]
+    return cls.create(m, row, (1,), plain=[1.0], **kwargs)
+
+  def replace_runtime(self, **kwargs) -> "AdaptivePolicy":
+    """The same menu with other runtime values (threshold, forced, decay...): no recompile
+    as long as shapes stay (`forced` of the same length)."""
+    new = AdaptivePolicy.create(self.menu, np.asarray(self.seconds),
+                                np.asarray(self.batches).astype(int).tolist(),
+                                **{"plain": np.asarray(self.plain).tolist(),
+                                   "decay": float(self.decay),
+                                   "prior_alpha": float(self.prior_alpha),
+                                   "prior_weight": float(self.prior_weight),
+                                   "threshold": float(self.threshold),
+                                   "forced": None if int(self.forced[0]) == -1 and
+                                   self.forced.size == 1 else np.asarray(self.forced).tolist(),
+                                   **kwargs})
+    return new
+
+  # ----------------------------------------------------------------------- static facts
+
+  @property
+  def width(self) -> int:
+    """R: sibling ranks tracked (the widest menu tree, at least 1)."""
+    return max([1] + [e.max_width for e in self.menu if e is not None])
+
+  @property
+  def max_nodes(self) -> int:
+    """The largest drafted-node count of the menu (0 for a plain-only menu)."""
+    return max([0] + [e.size for e in self.menu if e is not None])
+
+  @property
+  def max_depth(self) -> int:
+    return max([0] + [e.max_depth for e in self.menu if e is not None])
+
+  @property
+  def max_verify(self) -> int:
+    """Verified nodes with the root of the largest entry (1 for k = 0)."""
+    return 1 + self.max_nodes
+
+  @property
+  def names(self) -> list[str]:
+    return [entry_name(e) for e in self.menu]
+
+  # ----------------------------------------------------------------------- the estimate
+
+  def init_state(self, batch: int) -> tuple[Array, Array]:
+    """(acc [B, R], tried [B, R]): no observations yet (the prior alone)."""
+    z = jnp.zeros((batch, self.width), jnp.float32)
+    return z, z
+
+  def rates(self, acc_BR: Array, tried_BR: Array) -> Array:
+    """a_r per row [B, R] (module doc)."""
+    w = self.prior_weight
+    return (acc_BR + w * self.prior_alpha) / (tried_BR + w)
+
+  def observe(self, acc_BR, tried_BR, accepted_BR, trials_BR, active_B):
+    """One cycle's per-rank counts (active rows only), exponentially weighted."""
+    a = active_B[:, None]
+    lam = self.decay
+    acc = jnp.where(a, lam * acc_BR + accepted_BR, acc_BR)
+    tried = jnp.where(a, lam * tried_BR + trials_BR, tried_BR)
+    return acc, tried
+
+  def pad_ranks(self, x_BW: Array) -> Array:
+    """Per-rank counts [B, W] of one entry padded to [B, R]."""
+    w = x_BW.shape[1]
+    return jnp.pad(x_BW.astype(jnp.float32), ((0, 0), (0, self.width - w)))
+
+  # ----------------------------------------------------------------------- the choice
+
+  def expected_tokens(self, rates_BR, xp=jnp):
+    """E[τ] per row and entry [B, E] from per-rank rates (module doc). xp: jnp (in the
+    loop) or np (on the host): one formula for both."""
+    rank, anc, valid = _entry_tables(self.menu, self.width)
+    rates_BR = xp.clip(xp.asarray(rates_BR, xp.float32), 0.0, 1.0)
+    survive = xp.cumprod(1.0 - rates_BR, axis=1)
+    before = xp.concatenate([xp.ones_like(survive[:, :1]), survive[:, :-1]], axis=1)
+    p_BR = rates_BR * before  # P(rank r is the accepted sibling | parent accepted)
+    edge_BEN = xp.take(p_BR, xp.asarray(rank), axis=1)  # [B, E, N]
+    log_edge = xp.log(xp.maximum(edge_BEN, 1e-30))
+    node_BEN = xp.exp(xp.einsum("ben,emn->bem", log_edge, xp.asarray(anc)))
+    return 1.0 + xp.sum(node_BEN * xp.asarray(valid)[None], axis=-1)
+
+  def cycle_seconds(self, batch, xp=jnp):
+    """Seconds per cycle of each entry [E] at `batch` rows (linear in log batch, clamped);
+    `batch` may be an array [Q] (then [Q, E])."""
+    x = xp.log(xp.asarray(batch, xp.float32))
+    xs = xp.log(xp.asarray(self.batches))
+    secs = xp.asarray(self.seconds)
+    cols = [xp.interp(x, xs, secs[:, e]) for e in range(secs.shape[1])]
+    return xp.stack(cols, axis=-1)
+
+  def scores(self, rates_BR, active_B, batch, xp=jnp):
+    """Predicted tokens per second of each entry [E] (or [Q, E] for batches [Q]):
+    Σ_active E[τ] ÷ cycle seconds."""
+    tau_BE = self.expected_tokens(rates_BR, xp)
+    tokens = xp.sum(tau_BE * xp.asarray(active_B)[:, None].astype(xp.float32), axis=0)
+    return tokens / self.cycle_seconds(batch, xp)
+
+  def pick(self, rates_BR: Array, active_B: Array, batch, cycle: Array) -> Array:
+    """The entry index (int32) this cycle: forced[cycle mod S] if >= 0, else the argmax of
+    `scores` (first entry among ties). Pure jnp: the loop's choice."""
+    best = jnp.argmax(self.scores(rates_BR, active_B, batch)).astype(jnp.int32)
+    f = self.forced[jnp.mod(cycle, self.forced.shape[0])]
+    return jnp.where(f >= 0, f, best)
+
+  # ----------------------------------------------------------------------- host answers
+
+  def _host_rates(self, alpha, rank_rates=None) -> np.ndarray:
+    if rank_rates is None:
+      return np.full((1, self.width), _float("alpha", alpha, 0.0, 1.0), np.float32)
+    rr = np.asarray(rank_rates, np.float32).ravel()
+    if rr.size == 0 or np.any(~np.isfinite(rr)) or np.any(rr < 0) or np.any(rr > 1):
+      raise ValueError(f"rank_rates must be probabilities in [0, 1], got {rank_rates!r}")
+    rates = np.full(self.width, rr[-1], np.float32)
+    rates[:min(rr.size, self.width)] = rr[:self.width]
+    return rates[None]
+
+  def choose_batches(self, alpha, batches, rank_rates=None) -> np.ndarray:
+    """Host (numpy, the loop's formula): the entry index the loop would pick at each batch
+    size in `batches` for rows that all accept at α (or at per-rank rates), no forcing."""
+    b = np.asarray(batches)
+    if b.ndim != 1 or b.size == 0 or not np.issubdtype(b.dtype, np.integer) or np.any(b < 1):
+      raise ValueError(f"batches must be ints >= 1, got {batches!r}")
+    s = self.scores(self._host_rates(alpha, rank_rates), np.ones(1, bool), b, np)
+    return np.argmax(s, axis=-1)
+
+  def choose(self, alpha, batch: int, rank_rates: Sequence[float] | None = None) -> int:
+    """Host: the entry the loop would pick for `batch` rows that all accept at α (or at
+    per-rank rates `rank_rates`), with no forced schedule."""
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+      raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+    return int(self.choose_batches(alpha, [int(batch)], rank_rates)[0])
+
+  def predicted_speedup(self, alpha: float, batch: int, entry: int) -> float:
+    """Predicted speedup of `entry` over plain decoding at `batch` (`plain_seconds`)."""
+    tau = float(self.expected_tokens(self._host_rates(alpha), np)[0, entry])
+    sec = self.cycle_seconds(batch, np)
+    return tau / float(sec[entry]) * self.plain_seconds(batch)
+
+  def plain_seconds(self, batch: int) -> float:
+    """Seconds of a plain decoding step at `batch` (linear in log batch, clamped)."""
+    return float(np.interp(np.log(batch), np.log(np.asarray(self.batches)),
+                           np.asarray(self.plain)))
+
+  def table(self, alphas: Sequence[float], batches: Sequence[int]) -> list[dict]:
+    """[{alpha, batch, choice, speedup}]: what the engine would choose."""
+    out = []
+    for a in alphas:
+      for b, i in zip(batches, self.choose_batches(a, list(batches))):
+        out.append({"alpha": float(a), "batch": int(b), "choice": self.names[int(i)],
+                    "speedup": self.predicted_speedup(float(a), int(b), int(i))})
+    return out
+
+  def breakpoints(self, alpha: float, max_batch: int) -> list[tuple[int, str]]:
+    """[(first batch, choice)] where the choice at α changes over batches 1..max_batch."""
+    out: list[tuple[int, str]] = []
+    for b, i in enumerate(self.choose_batches(alpha, np.arange(1, int(max_batch) + 1)), 1):
+      name = self.names[int(i)]
+      if not out or out[-1][1] != name:
+        out.append((b, name))
+    return out

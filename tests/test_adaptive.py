@@ -1,0 +1,238 @@
+"""Adaptive speculation: the policy (analytic choice on synthetic costs, bad input) and the
+adaptive loop (greedy identity and the χ² joint law with shapes alternating every cycle, k = 0
+equal to plain decoding, the drafter's state across switches, no recompilation).
+
+Statistical tests use a false-alarm rate of 1e-3 (p-value threshold), fixed seeds, and a
+planted-bug negative control. Loop tests share one compiled loop (one menu, one drafter kind,
+one batch shape) to keep compile time down.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import test_decoding as td
+from specjax import acceptance, adaptive, decoding, loop, sampling, theory, trees
+from specjax.drafters.base import LM
+from specjax.drafters.model import ModelDrafter
+from specjax_testing import TINY, model, perturbed
+
+FALSE_ALARM = 1e-3
+RAGGED = td.RAGGED
+TREE = trees.branching((2, 1))
+MENU = (0, 1, 3, TREE)
+BUDGET = 20
+ALTERNATE = [1, 0, 3, 2]  # every cycle another shape, k = 0 in between speculative cycles
+
+
+def _policy(forced=ALTERNATE, threshold=0.0, seconds=(1.0, 1.2, 1.5, 1.6)):
+  return adaptive.AdaptivePolicy.create(MENU, list(seconds), forced=forced, threshold=threshold)
+
+
+@pytest.fixture(scope="module")
+def pair():
+  target = model(TINY["llama"], seed=0, logit_scale=4.0)
+  return target, perturbed(target, seed=1, noise=0.25)
+
+
+def _run(target, draft_model, policy, **kw):
+  """The shared compiled loop: a drafter reading target features (test_decoding's probe,
+  deterministic top-k candidates), the ragged batch, budget BUDGET."""
+  drafter = td._FeatureProbe(lm=LM.of(draft_model), deterministic=True)
+  return decoding.speculative_generate(target, drafter, RAGGED, policy=policy,
+                                       max_new_tokens=BUDGET, **kw)
+
+
+# ----------------------------------------------------------------------------- the policy
+
+
+def test_policy_picks_the_analytically_best_chain_on_synthetic_costs():
+  ks = (0, 1, 2, 4, 6)
+  for alpha, c in [(0.9, 0.05), (0.6, 0.1), (0.3, 0.3), (0.95, 0.0), (0.1, 0.5)]:
+    pol = adaptive.AdaptivePolicy.from_model(ks, c=c)
+    score = [1.0 / (1 + c) if k == 0 else theory.expected_tokens(alpha, k) / (1 + c * k)
+             for k in ks]
+    assert pol.names[pol.choose(alpha, 1)] == f"k={ks[int(np.argmax(score))]}", (alpha, c)
+
+
+def test_policy_tree_expected_tokens_match_theory_and_batch_cost_moves_the_choice():
+  pol = adaptive.AdaptivePolicy.create((0, 2, TREE), [[1.0, 1.3, 1.4], [1.0, 2.5, 2.9]],
+                                       batches=(1, 64))
+  a = 0.7
+  rank_probs = [a, (1 - a) * a]  # rank r accepted after r rejections, each at rate a
+  tau = np.asarray(pol.expected_tokens(jnp.full((1, pol.width), a)))[0]
+  assert tau[0] == pytest.approx(1.0)
+  assert tau[1] == pytest.approx(theory.expected_tokens(a, 2), rel=1e-5)
+  assert tau[2] == pytest.approx(theory.tree_expected_tokens(TREE.draft_parents, rank_probs),
+                                 rel=1e-5)
+  best1 = int(np.argmax(tau / np.asarray([1.0, 1.3, 1.4])))
+  assert pol.choose(a, 1) == best1 != 0
+  assert pol.choose(a, 64) == 0  # at batch 64 speculation costs more than it brings
+  # between calibrated batches: linear in log batch
+  mid = np.asarray(pol.cycle_seconds(8))
+  np.testing.assert_allclose(mid[1], 1.3 + (2.5 - 1.3) * np.log(8) / np.log(64), rtol=1e-5)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: adaptive.menu([]), "empty menu"),
+    (lambda: adaptive.menu([1, -2]), "menu\\[1\\]"),
+    (lambda: adaptive.menu([trees.DynamicTree(width=2, depth=2, budget=3)]), "dynamic"),
+    (lambda: adaptive.menu([2, trees.chain(2)]), "duplicate"),
+    (lambda: _policy(threshold=float("nan")), "threshold"),
+    (lambda: _policy(threshold=-0.1), "threshold"),
+    (lambda: _policy(forced=[4]), "forced"),
+    (lambda: _policy(seconds=(1.0, 0.0, 1.0, 1.0)), "seconds"),
+    (lambda: adaptive.AdaptivePolicy.create((0, 1), [1.0, 1.1], decay=1.0), "decay"),
+    (lambda: adaptive.AdaptivePolicy.from_model((0, 1), c=-1.0), "c must"),
+])
+def test_policy_bad_input(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+def test_generate_bad_input_before_work(pair):
+  target, draft = pair
+  before = loop.TRACE_COUNTS.copy()
+  big = adaptive.AdaptivePolicy.create((0, 100), [1.0, 2.0])  # 101 slots: over max_len 128
+  cases = [
+      (dict(policy=big), "exceeds"),
+      (dict(k="auto", tree=TREE), "neither"),
+      (dict(k=3, policy=_policy()), "neither"),
+      (dict(k="fast"), "'auto'"),
+      (dict(policy="adaptive"), "AdaptivePolicy"),
+      (dict(policy=_policy().replace(menu=())), "empty menu"),  # built around `create`
+      (dict(policy=_policy().replace(threshold=jnp.asarray(float("nan")))), "threshold"),
+  ]
+  for kw, match in cases:
+    with pytest.raises(ValueError, match=match):
+      decoding.speculative_generate(target, draft, RAGGED, max_new_tokens=BUDGET, **kw)
+  assert loop.TRACE_COUNTS == before
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def test_greedy_identity_with_shapes_alternating_every_cycle(pair):
+  """Ragged batch, the policy forced through k=1, k=0, tree, k=3 in turn: the tokens are
+  plain greedy decoding's; the drafter's copy of the target's features (passed by every
+  branch, k = 0 included) matches a cache-free forward."""
+  target, draft = pair
+  plain = decoding.generate(target, RAGGED, max_new_tokens=BUDGET)
+  run = _run(target, draft, _policy())
+  assert run.tokens == plain.tokens
+  n = len(run.choices)
+  assert list(run.choices) == [ALTERNATE[i % 4] for i in range(n)]
+  assert 0 < run.summary().alpha < 1
+  assert np.all(run.plain_steps > 0)
+
+
+def test_drafter_state_survives_plain_steps_and_nothing_recompiles(pair):
+  """Self-drafting at T = 0 accepts every draft only if the draft's cache is right after
+  each plain step (the k = 0 branch's catch-up). Changing the forced schedule, the threshold
+  or the costs reuses the compiled loop."""
+  target, draft = pair
+  _run(target, draft, _policy())  # compiled (shared with the test above)
+  before = loop.TRACE_COUNTS["adaptive"]
+  run = _run(target, target, _policy(forced=[1, 0, 2, 0], threshold=0.5))  # k=1, 0, 3, 0
+  assert run.summary().alpha == 1.0
+  assert set(run.choices.tolist()) == {0, 1, 2}
+  free = _run(target, draft, _policy(forced=[-1, -1, -1, -1], seconds=(1.0, 1.1, 1.2, 1.3)))
+  assert free.tokens == decoding.generate(target, RAGGED, max_new_tokens=BUDGET).tokens
+  assert loop.TRACE_COUNTS["adaptive"] == before, "a runtime policy value recompiled"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_forced_plain_equals_plain_decoding_token_for_token(pair, temperature):
+  target, draft = pair
+  sampler = sampling.make_sampler(temperature)
+  plain = decoding.generate(target, RAGGED, max_new_tokens=BUDGET, sampler=sampler, seed=5)
+  run = _run(target, draft, _policy(forced=[0, 0, 0, 0]), sampler=sampler, seed=5)
+  assert run.tokens == plain.tokens
+  assert int(run.stats["cycles"].sum()) == 0
+
+
+# ----------------------------------------------------------------------------- the joint law
+
+
+def _adaptive_first_three(target, draft, sampler, seed, run=None, threshold=0.0):
+  prompt = [1, 5, 2]
+  batch = decoding.prepare_batch([prompt] * td.JOINT_ROWS, vocab_size=td.VOCAB, max_len=32,
+                                 max_new_tokens=3, slots=3)
+  # cycle 0: k = 1, cycle 1: plain, cycle 2: k = 2 (rows that got 1 token in cycle 0 take
+  # their third token from it)
+  policy = adaptive.AdaptivePolicy.create((0, 1, 2), [1.0, 1.1, 1.2], forced=[1, 0, 2],
+                                          threshold=threshold)
+  run = run or loop.adaptive_jit
+  state = run(LM.of(target), ModelDrafter.of(draft), policy, batch.prompt_BP, batch.prompt_len_B,
+              batch.budget_B, jnp.asarray(-1), sampler, jax.random.key(seed),
+              cache_len=batch.cache_len)
+  _adaptive_first_three.stopped = int(np.sum(state.adapt.stopped))
+  return np.asarray(state.tokens)[:, 3:6], prompt
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.6], ids=["no-stopping", "draft-stopping"])
+def test_joint_distribution_of_first_three_tokens_with_alternating_shapes(threshold):
+  """χ² goodness of fit of 40,000 rows against the enumerated target joint over 8³ outcomes
+  (sparse cells pooled), shapes alternating k=1, plain, k=2; false-alarm rate 1e-3 each.
+  With a draft-stopping threshold (same compiled loop) the cut emission stays exact."""
+  target, draft = _joint_models()
+  sampler = sampling.make_sampler(1.0)
+  tokens, prompt = _adaptive_first_three(target, draft, sampler, seed=11, threshold=threshold)
+  assert td._joint_pvalue(tokens, td._exact_joint(target, prompt, sampler)) > FALSE_ALARM
+  if threshold > 0:
+    assert _adaptive_first_three.stopped > 1000, "the threshold should cut many cycles"
+
+
+def test_joint_distribution_test_catches_a_planted_bug(monkeypatch):
+  """Negative control: the same χ² test rejects an 'always accept' acceptance rule."""
+  target, draft = _joint_models()
+
+  def always_accept(key, drafts_BK, p_BKV1, q_BKV=None):
+    b, k = drafts_BK.shape
+    nxt = sampling.sample(key, p_BKV1[:, k])
+    return acceptance.ChainResult(n_accepted=jnp.full((b,), k, jnp.int32), next_token=nxt,
+                                  accepted=jnp.ones((b, k), bool))
+
+  monkeypatch.setattr(acceptance, "accept_chain", always_accept)
+  fresh = jax.jit(lambda *a, **kw: loop.adaptive_loop(*a, **kw), static_argnames=("cache_len",))
+  sampler = sampling.make_sampler(1.0)
+  tokens, prompt = _adaptive_first_three(target, draft, sampler, seed=11, run=fresh)
+  assert td._joint_pvalue(tokens, td._exact_joint(target, prompt, sampler)) < FALSE_ALARM
+
+
+def _joint_models():
+  cfg = td.ModelConfig.llama(vocab_size=td.VOCAB, d_model=16, n_layers=2, n_heads=2,
+                             n_kv_heads=1, d_ff=32, max_len=32)
+  target = model(cfg, seed=2, logit_scale=6.0)
+  return target, perturbed(target, seed=4, noise=0.7)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def test_cli_theory_adaptive_from_a_calibration_file_and_bad_k(capsys, tmp_path):
+  """`specjax theory adaptive` answers from a calibration file with the policy's host path;
+  `specjax generate --k` takes an int or 'auto' only."""
+  import json
+
+  from specjax import calibration
+  from specjax.cli import main
+
+  costs = calibration.LoopCosts.from_timings(
+      1.0, [(trees.chain(1), 1.3), (trees.chain(2), 1.5), (trees.chain(4), 1.9),
+            (TREE, 1.8)], meta={"batch": 1, "temperature": 0.0})
+  path = tmp_path / "cal.json"
+  path.write_text(json.dumps(costs.to_dict()))
+  assert main(["theory", "adaptive", "--calibration", str(path), "--menu", "0,1,2,4",
+               "--alphas", "0.2,0.9", "--batches", "1", "--json"]) == 0
+  doc = json.loads(capsys.readouterr().out)
+  pol = adaptive.AdaptivePolicy.from_costs((0, 1, 2, 4), costs)
+  assert [r["choice"] for r in doc["rows"]] == [pol.names[pol.choose(a, 1)] for a in (0.2, 0.9)]
+  assert doc["rows"][0]["choice"] == "k=0" and doc["rows"][1]["choice"] == "k=4"
+  with pytest.raises(SystemExit) as exc:  # argparse refuses it
+    main(["generate", "--k", "fast", "--repeats", "1"])
+  assert exc.value.code == 2
+  assert "'auto'" in capsys.readouterr().err

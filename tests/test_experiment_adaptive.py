@@ -1,0 +1,76 @@
+"""The adaptive experiment: a reduced run through the runner (random models, uncalibrated
+costs, a two-shape menu), its rows and report; the analysis on synthetic records;
+validation without models."""
+
+import math
+
+import pytest
+
+from experiments import adaptive as ex
+from specjax.sweeps import launch, runner
+
+CONFIG = "configs/adaptive.gin"
+TINY = [
+    'sweeps.Sweep.axes = {"batch": [2], "temperature": [0.0], "category": ["code"], '
+    '"policy": ["adaptive", "k=2", "plain"]}',
+    'sweeps.Sweep.fixed = {"menu": (0, 2), "max_new_tokens": 24, "prompt_len": 16, '
+    '"repeats": 1, "models": "random", "costs": "model"}',
+]
+
+
+def test_reduced_run_rows_and_report(tmp_path):
+  summary = launch.run(CONFIG, TINY, out=str(tmp_path / "run"), progress=False)
+  assert (summary.total, summary.ok, summary.failed) == (3, 3, 0)
+  records = list(runner.read_results(tmp_path / "run" / runner.RESULTS).values())
+  by = {r["params"]["policy"]: r for r in records}
+  assert set(by) == {"adaptive", "k=2", "plain"}
+  for pol, r in by.items():
+    assert r["params"]["batch"] == 2 and r["params"]["temperature"] == 0.0
+    m = r["metrics"]
+    assert math.isfinite(m["speedup"]) and m["speedup"] > 0
+    assert math.isfinite(m["predicted_speedup"]) and m["predicted_speedup"] > 0
+    assert m["identical_to_plain"] is True
+  assert by["plain"]["metrics"]["speedup"] == 1.0
+  ad = by["adaptive"]["metrics"]
+  assert ad["choices"] and set(ad["choices"]) <= {"k=0", "k=2"}
+  assert sum(ad["choice_counts"].values()) == len(ad["choices"])
+  report = (tmp_path / "run" / "report.md").read_text()
+  assert "## Adaptive speculation" in report
+  assert "![chosen shapes over time](adaptive_choices.png)" in report
+  assert (tmp_path / "run" / "adaptive_choices.png").stat().st_size > 3000
+
+
+def _rec(batch, policy, speedup, counts=None):
+  m = {"speedup": speedup, "predicted_speedup": 1.0}
+  if counts:
+    m["choice_counts"] = counts
+  return {"params": {"batch": batch, "temperature": 0.0, "category": "code", "policy": policy},
+          "metrics": m}
+
+
+def test_comparison_and_first_plain_batch_on_synthetic_records():
+  recs = [_rec(1, "adaptive", 1.5, {"k=4": 9, "k=0": 1}), _rec(1, "k=4", 1.55),
+          _rec(1, "k=1", 1.2), _rec(1, "plain", 1.0),
+          _rec(8, "adaptive", 0.9, {"k=0": 7, "k=1": 2}), _rec(8, "k=4", 0.8),
+          _rec(8, "plain", 1.0), _rec(16, "adaptive", 0.97, {"k=0": 9})]
+  rows = {r["batch"]: r for r in ex.comparison(recs)}
+  assert rows[1]["best fixed"] == "k=4" and rows[1]["≥ 0.95"] is True
+  assert rows[1]["adaptive ÷ max(best, plain)"] == pytest.approx(1.5 / 1.55)
+  assert rows[8]["adaptive ÷ max(best, plain)"] == pytest.approx(0.9) and not rows[8]["≥ 0.95"]
+  assert rows[16]["best fixed"] is None and rows[16]["≥ 0.95"] is None
+  assert ex.first_plain_batch(recs) == {(0.0, "code"): 8}
+  (be,) = ex.break_even_check(recs)  # best fixed: 1.55 at batch 1, 0.8 at 8: crossing ≈ 4.6
+  assert be["adaptive first k=0 batch"] == 8 and be["within 25%"] is False
+  assert be["measured break-even"].startswith("B ≈ 4.")
+
+
+@pytest.mark.parametrize("params, match", [
+    ({"policy": "k=3"}, "policy"),
+    ({"category": "poetry"}, "category"),
+    ({"menu": ()}, "empty menu"),
+    ({"threshold": -1.0}, "threshold"),
+    ({"costs": "guess"}, "costs"),
+])
+def test_validation_before_models(params, match):
+  with pytest.raises(ValueError, match=match):
+    ex.validate(params)
