@@ -106,10 +106,13 @@ def _head_drafter(args, target, kind: str, where: str):
       head = load_head(where, target=(target.config, nnx.state(target, nnx.Param)), kind=kind)
     except ValueError as e:
       raise ValueError(f"--draft {args.draft}: {e}") from None
+  drafter = MedusaDrafter.of(target, head.params)
+  if args.k == "auto":  # the policy's menu (chains deeper than the heads are refused)
+    return drafter, {"k": "auto"}
   depth = head.kind.heads
   tree = (head.acceptance.tree(args.k, max_depth=depth) if head.acceptance is not None
           else trees.chain(min(args.k, depth)))
-  return MedusaDrafter.of(target, head.params), {"tree": tree}
+  return drafter, {"tree": tree}
 
 
 def _drafter(args, target, draft):
@@ -233,32 +236,6 @@ def _check_context(args, configs, n_prompt_tokens: int, known: bool = True) -> N
         f"{'the longest prompt (' if known else 'a prompt (at least '}{n_prompt_tokens} "
         f"tokens) + --max-new-tokens {args.max_new_tokens} + --k {args.k} + 1 = {need} positions exceeds the models' "
         f"max_len {max_len}: shorten the prompt or lower --max-new-tokens or --k{opt_in}")
-
-
-def _drafter(args, target, draft):
-  """(drafter, the k= or tree= of speculative_generate) for --draft."""
-  from specjax.drafters.model import ModelDrafter
-  if draft is not None:
-    return ModelDrafter.of(draft, deterministic=args.deterministic_draft), {"k": args.k}
-  from flax import nnx
-
-  from specjax import trees
-  from specjax.drafters.medusa import MedusaDrafter
-  where = args.draft.partition(":")[2]
-  if where == "default":
-    from specjax.training.defaults import load_default_heads
-    head = load_default_heads("medusa")
-  else:
-    from specjax.training.heads import load_head
-    try:
-      head = load_head(where, target=(target.config, nnx.state(target, nnx.Param)),
-                       kind="medusa")
-    except ValueError as e:
-      raise ValueError(f"--draft {args.draft}: {e}") from None
-  k = head.kind.heads
-  tree = (head.acceptance.tree(args.k, max_depth=k) if head.acceptance is not None
-          else trees.chain(min(args.k, k)))
-  return MedusaDrafter.of(target, head.params), {"tree": tree}
 
 
 DEFAULT_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
