@@ -37,6 +37,9 @@ use the point-mass rule (q = None). Either way the output law is exactly the tar
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
@@ -138,6 +141,18 @@ def init_head(target: ModelConfig, layers: tuple[int, ...], seed: int = 0) -> Ea
   return EagleHead(target, len(layers), rngs=nnx.Rngs(seed))
 
 
+@functools.lru_cache(maxsize=16)
+def _head_graphdef(target: ModelConfig, n_features: int):
+  return nnx.split(nnx.eval_shape(lambda: EagleHead(target, n_features, rngs=nnx.Rngs(0))))[0]
+
+
+def head_from_params(target: ModelConfig, params) -> EagleHead:
+  """The head module holding `params` (an nnx.State of an `EagleHead` for this target)."""
+  kernel = params["fuse"]["kernel"]
+  n_features = jnp.shape(kernel)[0] // target.d_model
+  return nnx.merge(_head_graphdef(target.replace(dtype="float32"), n_features), params)
+
+
 def embed(target_module, tokens: Array) -> Array:
   """The target's token embedding (shared weights), float32."""
   return jnp.take(target_module.embed[...], tokens, axis=0).astype(jnp.float32)
@@ -182,15 +197,18 @@ class EagleDrafter(LevelDrafter):
                           if layers is None else layers)
     if head is None:
       head = init_head(target.config, layers, seed)
+    elif not isinstance(head, (EagleHead, LM)):  # trained params (an nnx.State)
+      head = head_from_params(target.config, head)
     head = LM.of(head)
-    want = head_config(target.config)
-    if head.config != want:
-      diff = [f"{k}: head {v!r}, target's {want.to_dict()[k]!r}"
-              for k, v in head.config.to_dict().items() if want.to_dict()[k] != v]
+    want = head_config(target.config).to_dict()
+    have = head.config.to_dict()
+    diff = [f"{k}: head {have[k]!r}, target's {want[k]!r}" for k in want
+            if k != "dtype" and have[k] != want[k]]
+    if diff:
       raise ValueError("the EAGLE head does not fit this target: " + "; ".join(diff))
     fuse_in = head.module().fuse.kernel[...].shape[0]
-    if fuse_in != len(layers) * want.d_model:
-      raise ValueError(f"the head fuses {fuse_in // want.d_model} target layers but layers "
+    if fuse_in != len(layers) * want["d_model"]:
+      raise ValueError(f"the head fuses {fuse_in // want['d_model']} target layers but layers "
                        f"has {len(layers)}: {layers!r}")
     return cls(head=head, target=target, layers=layers, deterministic=bool(deterministic))
 
@@ -254,3 +272,98 @@ class EagleDrafter(LevelDrafter):
     pending = jnp.where(moved[:, None, None, None], feats, state.pending)
     return state.replace(cache=kv.set_lengths(state.cache, start), pending=pending, start=start,
                          length=ctx.length)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleHeads:
+  """The EAGLE head kind for `specjax.training.heads`: one head, trained with
+  training-time test over `steps` unrolled drafting steps.
+
+  loss = Σ_j decay^j · mean_t KL(p_target(· | x_≤t+1) ‖ q^j_t),  j = 0 .. steps-1,
+
+  q^j_t the head's law at position t on drafting step j + 1 (`EagleHead.unroll`: step 1
+  reads the target's fused features, step j + 1 the head's own h of step j one position
+  earlier, attending as it will at run time), p_target the target's softmax for the same
+  token t + 2 (the frozen pass's logits at t + 1). Tokens are the text's (teacher forcing);
+  only the features are the head's own. KL to the target, like the Medusa kind, because
+  verification compares with the target. layers: the captured target layers (None: a low,
+  a middle and a high one, `default_layers`).
+  """
+
+  steps: int = 3
+  decay: float = 0.8
+  layers: tuple[int, ...] | None = None
+  name = "eagle"
+
+  def __post_init__(self):
+    if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
+      raise ValueError(f"steps must be an int >= 1 (unrolled drafting steps), got "
+                       f"{self.steps!r}")
+    if not (isinstance(self.decay, (int, float)) and 0.0 < self.decay <= 1.0):
+      raise ValueError(f"decay must be in (0, 1], got {self.decay!r}")
+    if self.layers is not None:
+      if not isinstance(self.layers, (tuple, list)) or not self.layers or not all(
+          isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers):
+        raise ValueError(f"layers must be a non-empty sequence of layer indices >= 0, got "
+                         f"{self.layers!r}")
+      object.__setattr__(self, "layers", tuple(self.layers))
+
+  @property
+  def positions(self) -> int:
+    return self.steps
+
+  def spec(self) -> dict:
+    return {"steps": self.steps, "decay": float(self.decay),
+            "layers": None if self.layers is None else list(self.layers)}
+
+  @classmethod
+  def from_spec(cls, spec: dict) -> "EagleHeads":
+    layers = spec.get("layers")
+    return cls(steps=int(spec["steps"]), decay=float(spec["decay"]),
+               layers=None if layers is None else tuple(int(i) for i in layers))
+
+  def feature_layers(self, target: ModelConfig) -> tuple[int, ...]:
+    return check_layers(target, default_layers(target.n_layers) if self.layers is None
+                        else self.layers)
+
+  def init(self, target: ModelConfig, key: Array):
+    layers = self.feature_layers(target)
+    head = EagleHead(target.replace(dtype="float32"), len(layers), rngs=nnx.Rngs(key))
+    return nnx.state(head, nnx.Param)
+
+  def _step_logits(self, params, tp) -> list[Array]:
+    """Logits [B, T-1, V] of every unrolled step at positions t = 0..T-2."""
+    target = tp.lm.module()
+    head = head_from_params(tp.lm.config, params)
+    t = tp.tokens.shape[1]
+    pos = jnp.broadcast_to(jnp.arange(t - 1, dtype=jnp.int32), tp.tokens[:, 1:].shape)
+    hs = head.unroll(tp.features[:, :-1], embed(target, tp.tokens[:, 1:]), pos, self.steps)
+    return [head_logits(head, target, h) for h in hs]
+
+  def loss(self, params, tp) -> tuple[Array, dict]:
+    """Σ_j decay^j · KL (class doc), step j averaged over its valid positions t >= j;
+    metrics: per-step KL and top-1 agreement with the target's argmax."""
+    p = tp.logits[:, 1:]
+    logp = jax.nn.log_softmax(p, -1)
+    kls, agree = [], []
+    for j, q in enumerate(self._step_logits(params, tp)):
+      logq = jax.nn.log_softmax(q[:, j:], -1)
+      lp = logp[:, j:]
+      kls.append(jnp.mean(jnp.sum(jnp.exp(lp) * (lp - logq), -1)))
+      agree.append(jnp.mean(jnp.argmax(q[:, j:], -1) == jnp.argmax(p[:, j:], -1)))
+    kl = jnp.stack(kls)
+    weights = jnp.asarray([self.decay ** j for j in range(self.steps)], jnp.float32)
+    return jnp.sum(weights * kl) / jnp.sum(weights), {"kl": kl, "agree": jnp.stack(agree)}
+
+  def guesses(self, params, tp, ranks: int) -> Array:
+    """int32 [B, T, J, R]: for the chain rooted at token t + 1, step j + 1's top-R guesses
+    for token t + 2 + j (computed at position t + j; rows past the window are padding)."""
+    b, t = tp.tokens.shape
+    out = []
+    for j, q in enumerate(self._step_logits(params, tp)):
+      top = jax.lax.top_k(q[:, j:], ranks)[1].astype(jnp.int32)  # [B, T-1-j, R]
+      out.append(jnp.concatenate([top, jnp.zeros((b, j + 1, ranks), jnp.int32)], axis=1))
+    return jnp.stack(out, axis=2)
