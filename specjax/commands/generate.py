@@ -17,8 +17,12 @@ def add_parser(subparsers) -> None:
   p.add_argument("--target", default=None, metavar="default|DIR",
                  help="'default' (embedded trained tiny target; trained on first use), a "
                  "Hugging Face model directory or a specjax checkpoint directory")
-  p.add_argument("--draft", default=None, metavar="default|self|DIR",
-                 help="'default' (the embedded distilled draft), 'self', or a directory")
+  p.add_argument("--draft", default=None, metavar="default|self|DIR|medusa:DIR",
+                 help="'default' (the embedded distilled draft), 'self', a directory, or "
+                 "'medusa:DIR' / 'medusa:default' (Medusa heads trained for the target by "
+                 "`specjax train medusa`; the default target's are built on first use): "
+                 "--k is then the node budget of the static tree built from the heads' "
+                 "measured acceptance")
   p.add_argument("--target-config", default="tiny-gpt2",
                  help="preset name, NAME:field=value,..., a JSON object or JSON file "
                  "(default: %(default)s)")
@@ -91,6 +95,8 @@ def _models(args):
   draft_spec = args.draft or ("self" if args.draft_config == "self" else None)
   if draft_spec == "self":
     draft = target
+  elif draft_spec is not None and draft_spec.startswith("medusa:"):
+    draft = None  # heads on the target, no draft model: see _drafter
   elif draft_spec == "default":
     draft = pair.draft_module()
   elif draft_spec is not None:
@@ -137,6 +143,35 @@ def _check_context(args, configs, n_prompt_tokens: int, known: bool = True) -> N
         f"max_len {max_len}: shorten the prompt or lower --max-new-tokens or --k{opt_in}")
 
 
+def _drafter(args, target, draft):
+  """(drafter, the k= or tree= of speculative_generate) for --draft."""
+  from specjax.drafters.model import ModelDrafter
+  if draft is not None:
+    return ModelDrafter.of(draft, deterministic=args.deterministic_draft), {"k": args.k}
+  from flax import nnx
+
+  from specjax import trees
+  from specjax.drafters.medusa import MedusaDrafter
+  where = args.draft.partition(":")[2]
+  if where == "default":
+    if args.target != "default":
+      raise ValueError("--draft medusa:default holds heads for the default target: pass "
+                       "--target default, or medusa:DIR with heads trained for --target")
+    from specjax.training.defaults import load_default_heads
+    head = load_default_heads("medusa")
+  else:
+    from specjax.training.heads import load_head
+    try:
+      head = load_head(where, target=(target.config, nnx.state(target, nnx.Param)),
+                       kind="medusa")
+    except ValueError as e:
+      raise ValueError(f"--draft {args.draft}: {e}") from None
+  k = head.kind.heads
+  tree = (head.acceptance.tree(args.k, max_depth=k) if head.acceptance is not None
+          else trees.chain(min(args.k, k)))
+  return MedusaDrafter.of(target, head.params), {"tree": tree}
+
+
 DEFAULT_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
 
@@ -145,7 +180,6 @@ def run(args: argparse.Namespace) -> int:
   import numpy as np
 
   from specjax import decoding, sampling
-  from specjax.drafters.model import ModelDrafter
 
   _check_args(args)
   sampler = sampling.make_sampler(args.temperature, args.top_k, args.top_p)
@@ -153,8 +187,9 @@ def run(args: argparse.Namespace) -> int:
   target_cfg = target.config
   texts = (args.prompt or [DEFAULT_PROMPT]) * args.batch
   prompts = [tok.encode(t, bos=True) for t in texts]
-  _check_context(args, [target.config, draft.config], max(len(p) for p in prompts))
-  drafter = ModelDrafter.of(draft, deterministic=args.deterministic_draft)
+  _check_context(args, [target.config] + ([] if draft is None else [draft.config]),
+                 max(len(p) for p in prompts))
+  drafter, shape = _drafter(args, target, draft)
   common = dict(max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed,
                 eos_id=tok.eos_id, allow_beyond_max_len=args.allow_beyond_max_len)
 
@@ -165,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
 
   plain, plain_s = timed(lambda: decoding.generate(target, prompts, **common))
   spec, spec_s = timed(lambda: decoding.speculative_generate(target, drafter, prompts,
-                                                             k=args.k, **common))
+                                                             **shape, **common))
   summary = spec.summary()
   report = {
       "backend": jax.default_backend(),

@@ -4,6 +4,8 @@
   specjax train draft    --preset tiny --corpus code --out CKPT [--teacher CKPT] [--plain]
   specjax train defaults --preset tiny --corpus code [--rebuild]   (the cached default pair)
   specjax train measure  --target CKPT --draft CKPT --corpus code [--k 4]
+  specjax train medusa   --target CKPT|default --heads 4 --steps 60 --out DIR
+                         (draft heads on a frozen target; `specjax generate --draft medusa:DIR`)
 
 A run that is interrupted (Ctrl-C, SIGTERM) saves a checkpoint; rerunning the same command
 resumes from the newest checkpoint in --out with the same data order.
@@ -12,6 +14,7 @@ resumes from the newest checkpoint in --out with the same data order.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import sys
@@ -91,6 +94,54 @@ def add_parser(subparsers) -> None:
   p.add_argument("--windows", type=int, default=256, help="validation windows for bits/byte")
   p.add_argument("--json", action="store_true", help="print one JSON object")
   p.set_defaults(func=run_measure)
+
+  for name, (help_text, add_kind_args, _) in HEAD_KINDS.items():
+    p = sub.add_parser(name, help=help_text)
+    _head_args(p)
+    add_kind_args(p)
+    p.set_defaults(func=functools.partial(run_head, kind=name))
+
+
+# ----------------------------------------------------------------------------- draft heads
+#
+# One entry per head kind: (help, its own flags, args -> the kind). Everything else (target,
+# data, schedule, checkpoints, resume, progress) is shared: `specjax.training.heads`.
+
+
+def _medusa_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--heads", type=int, default=4, help="K: heads (draft depth), default 4")
+  p.add_argument("--decay", type=float, default=0.8,
+                 help="loss weight of head j is decay^j (default 0.8)")
+
+
+def _medusa_kind(args):
+  from specjax.drafters.medusa import MedusaHeads
+  return MedusaHeads(heads=args.heads, decay=args.decay)
+
+
+HEAD_KINDS = {
+    "medusa": ("train Medusa heads on a frozen target", _medusa_args, _medusa_kind),
+}
+
+
+def _head_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--target", required=True, metavar="CKPT|default",
+                 help="the frozen target: a checkpoint directory (trainer, specjax or Hugging "
+                      "Face) or 'default' (the cached default target of --preset/--corpus)")
+  _common(p)
+  p.add_argument("--out", required=True, help="checkpoint directory (resumed if it exists)")
+  p.add_argument("--steps", type=int, help="optimizer steps (default: the default heads')")
+  p.add_argument("--batch-size", type=int, help="windows per step")
+  p.add_argument("--seq-len", type=int, help="tokens per window")
+  p.add_argument("--grad-accum", type=int, help="micro-batches per step")
+  p.add_argument("--lr", type=float, help="peak learning rate")
+  p.add_argument("--seed", type=int, help="initialisation and data-order seed")
+  p.add_argument("--eval-every", type=int, help="acceptance every N steps (0: at the end)")
+  p.add_argument("--ckpt-every", type=int, help="checkpoint every N steps (0: at the end)")
+  p.add_argument("--tree-budget", type=int, default=16,
+                 help="print the best static tree of this many nodes for the measured "
+                      "acceptance (default 16)")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -223,6 +274,48 @@ def run_defaults(args) -> int:
     print(f"  {role}: d_model={cfg.d_model} n_layers={cfg.n_layers} d_ff={cfg.d_ff}, "
           f"validation {val.get('bpb', float('nan')):.3f} bits/byte")
   print(f"  built in {manifest['build_seconds']} s with Python {manifest['python']}")
+  return 0
+
+
+def _head_target(args):
+  """(config, params, tokenizer) of --target."""
+  if args.target == "default":
+    from specjax.training.defaults import load_default_pair
+    if args.corpus not in ("code", "prose"):
+      raise ValueError("--target default needs --corpus code or prose (the cached default "
+                       "targets)")
+    pair = load_default_pair(_preset_name(args), args.corpus, progress=not args.no_progress)
+    return pair.target_config, pair.target_params, pair.tokenizer
+  from flax import nnx
+
+  from specjax.checkpoints import load_model
+  try:
+    model, tokenizer = load_model(args.target)
+  except ValueError as e:
+    raise ValueError(f"--target {args.target}: {e}") from None
+  return model.config, nnx.state(model, nnx.Param), tokenizer
+
+
+def run_head(args, kind: str) -> int:
+  from specjax.training.defaults import DEFAULT_HEADS
+  from specjax.training.heads import HeadTrainer
+  if args.tree_budget < 1:
+    raise ValueError(f"--tree-budget must be an int >= 1, got {args.tree_budget}")
+  head_kind = HEAD_KINDS[kind][2](args)  # validates the kind's own flags first
+  out = _out_dir(args.out)
+  config, params, tokenizer = _head_target(args)
+  tc = _train_config(DEFAULT_HEADS[kind][1], args, "lm")
+  _, data = _load_data(args, tokenizer)
+  trainer = HeadTrainer(head_kind, config, params, tc, data, tokenizer, out_dir=out,
+                        progress=not args.no_progress)
+  try:
+    result = trainer.run()
+  except KeyboardInterrupt:
+    return _interrupted(out)
+  print(result.summary())
+  if result.acceptance is not None:
+    tree = result.acceptance.tree(args.tree_budget)
+    print(f"best static tree of <= {args.tree_budget} nodes for this acceptance: {tree}")
   return 0
 
 

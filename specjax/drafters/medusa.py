@@ -54,8 +54,9 @@ Array = jax.Array
 def head_states(params: dict, hidden_XD: Array) -> Array:
   """[..., K, D] residual head states h + SiLU(W_j h + b_j) for every head j."""
   h = hidden_XD.astype(jnp.float32)
-  z = jnp.einsum("...d,kde->...ke", h, params["w"]) + params["b"]
-  return h[..., None, :] + jax.nn.silu(z)
+  z = jnp.einsum("...d,kde->...ke", h, params["w"])
+  b = params["b"].reshape((1,) * (z.ndim - 2) + params["b"].shape)  # [..., K, D]
+  return jnp.expand_dims(h, -2) + jax.nn.silu(z + b)
 
 
 def head_logits(params: dict, target: LM, hidden_XD: Array) -> Array:

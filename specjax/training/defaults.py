@@ -40,6 +40,7 @@ from specjax.data.corpus import EMBEDDED, load_corpus
 from specjax.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
 from specjax.checkpoints.trained import load_trained
 from specjax.models.transformer import ModelConfig, Transformer, from_params
+from specjax.training.config import TrainConfig
 from specjax.training.presets import DEFAULT_PRESET, get_preset
 from specjax.training.trainer import Teacher, params_fingerprint, train
 
@@ -221,3 +222,107 @@ def load_default_pair(preset: str = DEFAULT_PRESET, corpus: str = "code", *, pro
     os.replace(partial, entry)  # atomic: the entry appears complete or not at all
     _log(f"default models ready in {entry} ({body['build_seconds']:.0f} s)")
     return pair
+
+
+# ----------------------------------------------------------------------------- default heads
+#
+# Draft heads (Medusa, EAGLE, ...) for the default target, built on first use (not by the
+# quickstart) and cached beside the pair with the same lock / partial / manifest / digest
+# scheme. One line per kind: (the kind's spec, its training schedule). Sized to train in
+# about a minute on a 2-core CPU (BUILD_NOTES.md has the measured seconds and acceptance).
+
+HEADS_FORMAT = 1
+DEFAULT_HEADS: dict[str, tuple[dict, TrainConfig]] = {
+    "medusa": ({"heads": 4, "decay": 0.8},
+               TrainConfig(steps=60, batch_size=8, seq_len=128, lr=3e-3, warmup_steps=6,
+                           eval_every=0, ckpt_every=20, eval_windows=32)),
+}
+
+
+def _heads_recipe(kind: str, preset: str, corpus: str, target_fingerprint: str) -> dict:
+  spec, tc = DEFAULT_HEADS[kind]
+  return {"format": HEADS_FORMAT, "kind": kind, "spec": spec, "train": dataclasses.asdict(tc),
+          "pair": entry_dir(preset, corpus).name, "target_fingerprint": target_fingerprint}
+
+
+def heads_entry_dir(kind: str, preset: str, corpus: str, target_fingerprint: str) -> pathlib.Path:
+  recipe = _heads_recipe(kind, preset, corpus, target_fingerprint)
+  key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+  return cache_dir() / "heads" / f"{preset}-{corpus}-{kind}-{key}"
+
+
+def _verify_and_load_heads(entry: pathlib.Path, recipe: dict, pair: DefaultPair):
+  from specjax.training.heads import load_head
+  manifest_path = entry / MANIFEST
+  if not manifest_path.is_file():
+    raise CacheError("no manifest (partial entry)")
+  try:
+    manifest = json.loads(manifest_path.read_text())
+  except (OSError, json.JSONDecodeError) as e:
+    raise CacheError(f"unreadable manifest: {e}") from e
+  if manifest.get("recipe") != recipe:
+    raise CacheError("manifest recipe differs from the current default heads")
+  digests = _file_digests(entry)
+  if digests != manifest.get("files"):
+    expected = manifest.get("files") or {}
+    bad = sorted(k for k in set(digests) | set(expected) if digests.get(k) != expected.get(k))
+    raise CacheError(f"{len(bad)} file(s) differ from the manifest checksums, e.g. {bad[:3]}")
+  try:
+    head = load_head(entry / "head", target=(pair.target_config, pair.target_params),
+                     kind=recipe["kind"])
+  except Exception as e:  # noqa: BLE001 (any failure to restore means a bad entry)
+    raise CacheError(f"head checkpoint does not restore: {e}") from e
+  if params_fingerprint(head.params) != manifest["fingerprint"]:
+    raise CacheError("head parameter fingerprint differs from the manifest")
+  return head
+
+
+def load_default_heads(kind: str = "medusa", preset: str = DEFAULT_PRESET, corpus: str = "code",
+                       *, progress: bool = True, rebuild: bool = False):
+  """The trained `kind` heads of the default target (a `heads.TrainedHead`).
+
+  First use trains them into the cache (after the default pair, if that is not built yet);
+  later uses load and verify them (manifest recipe, file digests, the binding to the
+  target, the parameter fingerprint). rebuild=True discards a cached entry first.
+  """
+  from specjax.training.heads import HeadTrainer, TargetBinding, kind_from_spec
+  table = DEFAULT_HEADS
+  if kind not in table:
+    raise ValueError(f"kind must be one of {sorted(table)} (the default heads), got {kind!r}")
+  pair = load_default_pair(preset, corpus, progress=progress)
+  recipe = _heads_recipe(kind, preset, corpus, TargetBinding.of(pair.target_config,
+                                                                  pair.target_params).fingerprint)
+  entry = heads_entry_dir(kind, preset, corpus, recipe["target_fingerprint"])
+  with _lock(entry.parent / f".{entry.name}.lock"):
+    if entry.exists() and not rebuild:
+      try:
+        return _verify_and_load_heads(entry, recipe, pair)
+      except CacheError as e:
+        _log(f"cached {kind} heads at {entry} are unusable ({e}); rebuilding them")
+    if entry.exists():
+      bad = entry.with_name(f".{entry.name}.bad-{os.getpid()}-{int(time.time())}")
+      entry.rename(bad)
+      shutil.rmtree(bad, ignore_errors=True)
+    partial = entry.with_name(entry.name + ".partial")
+    if partial.exists():
+      _log(f"resuming an interrupted {kind} head build in {partial}")
+    _log(f"training the default {kind} heads for the {preset!r} target into {entry} "
+         "(first use only)")
+    t0 = time.perf_counter()
+    spec, tc = table[kind]
+    data = TokenData.from_corpus(load_corpus(corpus), pair.tokenizer)
+    result = HeadTrainer(kind_from_spec(kind, spec), pair.target_config, pair.target_params,
+                         tc, data, pair.tokenizer, out_dir=partial / "head",
+                         progress=progress).run()
+    body = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "build_seconds": round(time.perf_counter() - t0, 1),
+            "python": platform.python_version(),
+            "fingerprint": params_fingerprint(result.params),
+            "acceptance": result.acceptance.to_dict()}
+    manifest = {"recipe": recipe, **body, "files": _file_digests(partial)}
+    (partial / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    head = _verify_and_load_heads(partial, recipe, pair)
+    os.replace(partial, entry)
+    _log(f"default {kind} heads ready in {entry} ({body['build_seconds']:.0f} s; "
+         f"{result.acceptance})")
+    return head

@@ -181,10 +181,10 @@ def _as_binding(target) -> TargetBinding:
     return target
   if isinstance(target, tuple) and len(target) == 2:
     return TargetBinding.of(*target)
-  lm = LM.of(target)
+  if isinstance(target, LM):
+    return TargetBinding.of(target.config, target.params)
   from flax import nnx
-  return TargetBinding.of(lm.config, nnx.State(lm.params).filter(nnx.Param)
-                          if hasattr(lm.params, "filter") else lm.params)
+  return TargetBinding.of(target.config, nnx.state(target, nnx.Param))
 
 
 # ----------------------------------------------------------------------------- steps
@@ -256,8 +256,8 @@ def validation_loss(kind: HeadKind, params, target: LM, windows_NT: np.ndarray,
                     batch: int = 16) -> float:
   """The kind's loss averaged over held-out windows (whole chunks of `batch` windows)."""
   loss_fn = _loss_for(kind)
-  n = max(batch, len(windows_NT) - len(windows_NT) % batch) if len(windows_NT) >= batch else 0
-  chunks = [windows_NT[i:i + batch] for i in range(0, n, batch)] or [windows_NT]
+  chunks = [windows_NT[i:i + batch] for i in range(0, len(windows_NT) - batch + 1, batch)]
+  chunks = chunks or [windows_NT]
   return float(np.mean([float(loss_fn(params, target, jnp.asarray(c))) for c in chunks]))
 
 
