@@ -255,3 +255,25 @@ def test_bad_input_is_refused_before_any_work(byte_target):
                         (dict(layers=()), "layers must be a non-empty")]:
     with pytest.raises(ValueError, match=match):
       EagleHeads(**kwargs)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_cli_trains_an_eagle_head_and_generates_with_it(byte_target, tmp_path, capsys):
+  import json
+
+  from specjax import cli
+  from specjax.checkpoints import save_model
+  save_model(tmp_path / "target", byte_target[0])
+  argv = ["train", "eagle", "--target", str(tmp_path / "target"), "--ttt-steps", "2",
+          "--max-bytes", "60000", "--steps", "3", "--batch-size", "8", "--seq-len", "32",
+          "--ckpt-every", "0", "--out", str(tmp_path / "head"), "--no-progress"]
+  assert cli.main(argv) == 0
+  assert "eagle head" in capsys.readouterr().out
+  assert cli.main(["generate", "--target", str(tmp_path / "target"), "--draft",
+                   f"eagle:{tmp_path / 'head'}", "--k", "3", "--max-new-tokens", "6",
+                   "--repeats", "1", "--json"]) == 0
+  assert json.loads(capsys.readouterr().out)["identical_to_plain"]
+  assert cli.main(argv[:4] + ["--layers", "0,9"] + argv[4:]) == 2
+  assert "layers must be" in capsys.readouterr().err

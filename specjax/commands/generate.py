@@ -17,12 +17,13 @@ def add_parser(subparsers) -> None:
   p.add_argument("--target", default=None, metavar="default|DIR",
                  help="'default' (embedded trained tiny target; trained on first use), a "
                  "Hugging Face model directory or a specjax checkpoint directory")
-  p.add_argument("--draft", default=None, metavar="default|self|DIR|medusa:DIR",
+  p.add_argument("--draft", default=None, metavar="default|self|DIR|medusa:DIR|eagle:DIR",
                  help="'default' (the embedded distilled draft), 'self', a directory, or "
                  "'medusa:DIR' / 'medusa:default' (Medusa heads trained for the target by "
                  "`specjax train medusa`; the default target's are built on first use): "
                  "--k is then the node budget of the static tree built from the heads' "
-                 "measured acceptance")
+                 "measured acceptance; 'eagle:DIR' / 'eagle:default' (an EAGLE head, "
+                 "`specjax train eagle`): a chain of --k")
   p.add_argument("--target-config", default="tiny-gpt2",
                  help="preset name, NAME:field=value,..., a JSON object or JSON file "
                  "(default: %(default)s)")
@@ -95,7 +96,7 @@ def _models(args):
   draft_spec = args.draft or ("self" if args.draft_config == "self" else None)
   if draft_spec == "self":
     draft = target
-  elif draft_spec is not None and draft_spec.startswith("medusa:"):
+  elif draft_spec is not None and draft_spec.startswith(("medusa:", "eagle:")):
     draft = None  # heads on the target, no draft model: see _drafter
   elif draft_spec == "default":
     draft = pair.draft_module()
@@ -152,20 +153,25 @@ def _drafter(args, target, draft):
 
   from specjax import trees
   from specjax.drafters.medusa import MedusaDrafter
-  where = args.draft.partition(":")[2]
+  kind, _, where = args.draft.partition(":")
   if where == "default":
     if args.target != "default":
-      raise ValueError("--draft medusa:default holds heads for the default target: pass "
-                       "--target default, or medusa:DIR with heads trained for --target")
+      raise ValueError(f"--draft {kind}:default holds heads for the default target: pass "
+                       f"--target default, or {kind}:DIR with heads trained for --target")
     from specjax.training.defaults import load_default_heads
-    head = load_default_heads("medusa")
+    head = load_default_heads(kind)
   else:
     from specjax.training.heads import load_head
     try:
       head = load_head(where, target=(target.config, nnx.state(target, nnx.Param)),
-                       kind="medusa")
+                       kind=kind)
     except ValueError as e:
       raise ValueError(f"--draft {args.draft}: {e}") from None
+  if kind == "eagle":
+    from specjax.drafters.eagle import EagleDrafter
+    layers = head.kind.feature_layers(target.config)
+    return (EagleDrafter.of(target, head.params, layers,
+                            deterministic=args.deterministic_draft), {"k": args.k})
   k = head.kind.heads
   tree = (head.acceptance.tree(args.k, max_depth=k) if head.acceptance is not None
           else trees.chain(min(args.k, k)))

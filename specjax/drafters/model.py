@@ -29,6 +29,12 @@ summed along the path, q the draft's softmax at temperature 1: a confidence, ind
 the sampler) and scores their top-`width` children. The `budget` best candidates overall are
 verified, ancestors first (a child's score never exceeds its parent's, ties go to the older
 node), numbered in creation order (topological).
+
+Sharing. The level-by-level drafting (static and dynamic trees) lives in `LevelDrafter`,
+written against two hooks: `_root` (open the cycle, score the root's children) and `_step`
+(score one level from its node tokens and each parent's carried state). `ModelDrafter`
+carries nothing; the EAGLE head (`drafters/eagle.py`) carries its hidden state and sits its
+root one slot earlier (`root_offset`).
 """
 
 from __future__ import annotations
