@@ -135,6 +135,35 @@ def test_greedy_identity_with_plain_decoding_on_a_ragged_batch(byte_target, draf
   assert 0.0 < full.summary().alpha < 1.0
 
 
+def test_reduced_vocabulary_greedy_identity_and_drafts_inside_it(byte_target, drafter):
+  """FR-Spec: only the most frequent tokens are drafted; the output stays plain greedy's."""
+  from specjax.drafters.eagle import frequent_vocab
+  target = byte_target[0]
+  vocab = frequent_vocab(np.concatenate(RAGGED + [list(range(40, 120))]), 48)
+  small = EagleDrafter.of(target, drafter.head, drafter.layers, deterministic=True,
+                          vocab=vocab)
+  plain = decoding.generate(target, RAGGED, max_new_tokens=16)
+  for tree in TREES:
+    assert decoding.speculative_generate(target, small, RAGGED, tree=tree,
+                                         max_new_tokens=16).tokens == plain.tokens
+  tree = TREES[2]
+  batch = decoding.prepare_batch(RAGGED, vocab_size=TCFG.vocab_size, max_len=128,
+                                 max_new_tokens=6, slots=small.slots_needed(tree))
+  state = loop.speculative_jit(LM.of(target), small, batch.prompt_BP, batch.prompt_len_B,
+                               batch.budget_B, jnp.asarray(-1), sampling.make_sampler(0.0),
+                               jax.random.key(0), tree=tree, cache_len=batch.cache_len)
+  proposal, _ = jax.jit(lambda s, c: small.propose(s, c, tree, sampling.make_sampler(0.0),
+                                                   jax.random.key(1)))(state.draft,
+                                                                       state.context())
+  assert np.isin(np.asarray(proposal.tokens), vocab).all()
+  with pytest.raises(ValueError, match="distinct token ids"):
+    EagleDrafter.of(target, drafter.head, drafter.layers, vocab=[1, 1])
+  with pytest.raises(ValueError, match="only 2 tokens"):
+    decoding.speculative_generate(target, EagleDrafter.of(target, drafter.head,
+                                                          drafter.layers, vocab=[1, 2]),
+                                  RAGGED[:1], tree=trees.branching((3,)), max_new_tokens=4)
+
+
 # ----------------------------------------------------------------------------- the joint law
 
 
@@ -165,15 +194,18 @@ def _first_three(target, drafter, tree, sampler, seed):
   return np.asarray(state.tokens)[:, 3:6], prompt
 
 
-@pytest.mark.parametrize("tree, sampler_args", [
-    (trees.chain(2), (1.0, 0, 1.0)), (trees.chain(2), (0.8, 5, 0.9)),
-    (trees.branching((2, 1)), (0.8, 5, 0.9))], ids=["chain-T1", "chain-T0.8-topk5-topp0.9",
-                                                    "tree-T0.8-topk5-topp0.9"])
-def test_joint_law_of_first_three_tokens_matches_target(joint_target, tree, sampler_args):
+@pytest.mark.parametrize("tree, sampler_args, vocab", [
+    (trees.chain(2), (1.0, 0, 1.0), None), (trees.chain(2), (0.8, 5, 0.9), None),
+    (trees.branching((2, 1)), (0.8, 5, 0.9), None), (trees.chain(2), (1.0, 0, 1.0), (0, 2, 3, 6))],
+    ids=["chain-T1", "chain-T0.8-topk5-topp0.9", "tree-T0.8-topk5-topp0.9",
+         "chain-T1-reduced-vocab"])
+def test_joint_law_of_first_three_tokens_matches_target(joint_target, tree, sampler_args,
+                                                        vocab):
   """χ² of 40,000 rows against the enumerated target joint over 8³ outcomes (sparse cells
   pooled); false-alarm rate 1e-3. Sampled candidates from the head's warped law (q
-  reported), an untrained head: exactness does not depend on the head's quality."""
-  drafter = EagleDrafter.of(joint_target, seed=3)
+  reported), an untrained head: exactness does not depend on the head's quality; with a
+  reduced draft vocabulary (FR-Spec) half the tokens are never drafted."""
+  drafter = EagleDrafter.of(joint_target, seed=3, vocab=vocab)
   sampler = sampling.make_sampler(*sampler_args)
   tokens, prompt = _first_three(joint_target, drafter, tree, sampler, seed=11)
   assert _joint_pvalue(tokens, _exact_joint(joint_target, prompt, sampler)) > FALSE_ALARM

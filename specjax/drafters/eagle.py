@@ -33,6 +33,12 @@ Sampling. At T > 0 sampled candidates (a chain, or a static tree with `determini
 are i.i.d. draws of the head's warped law q (the stochastic rule); top-k candidates
 (`deterministic=True`, and every dynamic tree: top-k by cumulative confidence, `model.py`)
 use the point-mass rule (q = None). Either way the output law is exactly the target's.
+
+Reduced vocabulary (FR-Spec, optional): with `vocab` (token ids, e.g. the corpus's most
+frequent, `frequent_vocab`) the head computes only those rows of the LM head; every other
+token gets draft probability 0. Verification is unchanged, so the output law stays exact;
+what changes is the head's cost (a Vr x D product instead of V x D) and its acceptance
+(a target token outside the subset can never be drafted).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from specjax.drafters.base import LM, Context
@@ -158,9 +165,32 @@ def embed(target_module, tokens: Array) -> Array:
   return jnp.take(target_module.embed[...], tokens, axis=0).astype(jnp.float32)
 
 
-def head_logits(head: EagleHead, target_module, h: Array) -> Array:
-  """Logits [..., V] of carried states h: the head's norm, then the target's LM head."""
-  return target_module.logits(head.norm(h))
+def head_logits(head: EagleHead, target_module, h: Array, vocab: Array | None = None) -> Array:
+  """Logits [B, T, V] of carried states h [B, T, D]: the head's norm, then the target's LM
+  head. vocab (int32 [Vr], optional): only those rows of the LM head are computed (FR-Spec);
+  every other token gets -inf, i.e. draft probability 0."""
+  x = head.norm(h)
+  if vocab is None:
+    return target_module.logits(x)
+  if target_module.lm_head is not None:
+    w_DR = jnp.take(target_module.lm_head.kernel[...], vocab, axis=1)
+  else:
+    w_DR = jnp.take(target_module.embed[...], vocab, axis=0).T
+  sub = jnp.einsum("btd,dr->btr", x.astype(w_DR.dtype), w_DR,
+                   preferred_element_type=jnp.float32)
+  full = jnp.full(sub.shape[:-1] + (target_module.config.vocab_size,), -jnp.inf, jnp.float32)
+  return full.at[..., vocab].set(sub)
+
+
+def frequent_vocab(tokens, size: int) -> "np.ndarray":
+  """FR-Spec's reduced draft vocabulary: the `size` most frequent ids of a token stream
+  (ties to the lower id), sorted."""
+  tokens = np.asarray(tokens).ravel()
+  if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+    raise ValueError(f"size must be an int >= 1, got {size!r}")
+  counts = np.bincount(tokens, minlength=size)
+  order = np.lexsort((np.arange(len(counts)), -counts))
+  return np.sort(order[:size]).astype(np.int32)
 
 
 @struct.dataclass
@@ -185,13 +215,16 @@ class EagleDrafter(LevelDrafter):
   target: LM
   layers: tuple[int, ...] = struct.field(pytree_node=False)
   deterministic: bool = struct.field(pytree_node=False, default=False)
+  vocab: Array | None = None  # int32 [Vr]: a reduced draft vocabulary (FR-Spec), or None
 
   root_offset = -1  # head position t reads token t + 1: the root x_L is read at L - 1
 
   @classmethod
   def of(cls, target, head: EagleHead | LM | None = None, layers=None, *,
-         deterministic: bool = False, seed: int = 0) -> "EagleDrafter":
-    """A drafter for `target` (a Transformer or LM). head None: an untrained head."""
+         deterministic: bool = False, seed: int = 0, vocab=None) -> "EagleDrafter":
+    """A drafter for `target` (a Transformer or LM). head: an `EagleHead`, an LM of one, or
+    trained params (`EagleHeads` kind); None: an untrained head. vocab: token ids the head
+    may draft (FR-Spec, e.g. `frequent_vocab`); None: the whole vocabulary."""
     target = LM.of(target)
     layers = check_layers(target.config, default_layers(target.config.n_layers)
                           if layers is None else layers)
@@ -210,7 +243,23 @@ class EagleDrafter(LevelDrafter):
     if fuse_in != len(layers) * want["d_model"]:
       raise ValueError(f"the head fuses {fuse_in // want['d_model']} target layers but layers "
                        f"has {len(layers)}: {layers!r}")
-    return cls(head=head, target=target, layers=layers, deterministic=bool(deterministic))
+    if vocab is not None:
+      v = np.asarray(vocab)
+      n = target.config.vocab_size
+      if (v.ndim != 1 or v.size == 0 or not np.issubdtype(v.dtype, np.integer)
+          or v.min() < 0 or v.max() >= n or len(np.unique(v)) != v.size):
+        raise ValueError(f"vocab must be a non-empty 1-D array of distinct token ids in "
+                         f"[0, {n}), got {vocab!r}")
+      vocab = jnp.asarray(v, jnp.int32)
+    return cls(head=head, target=target, layers=layers, deterministic=bool(deterministic),
+               vocab=vocab)
+
+  def validate(self, tree, batch: int) -> None:
+    """A reduced vocabulary must hold the tree's widest node's candidates."""
+    del batch
+    if self.vocab is not None and tree.max_width > self.vocab.shape[0]:
+      raise ValueError(f"tree has a node with {tree.max_width} candidates but the reduced "
+                       f"draft vocabulary has only {self.vocab.shape[0]} tokens")
 
   @property
   def feature_layers(self) -> tuple[int, ...]:
@@ -254,12 +303,12 @@ class EagleDrafter(LevelDrafter):
     h_BJD, cache = head(head.fused(state.pending), embed(tgt, toks), pos, cache)
     last = jnp.clip(ctx.length - state.start - 1, 0, rows - 1)
     root_h = jnp.take_along_axis(h_BJD, last[:, None, None], axis=1)[:, 0]
-    return head_logits(head, tgt, root_h[:, None])[:, 0], root_h, cache
+    return head_logits(head, tgt, root_h[:, None], self.vocab)[:, 0], root_h, cache
 
   def _step(self, tokens_BW, parent_h_BWH, positions_BW, cache, mask):
     head, tgt = self.head.module(), self.target.module()
     h, cache = head(parent_h_BWH, embed(tgt, tokens_BW), positions_BW, cache, mask)
-    return head_logits(head, tgt, h), h, cache
+    return head_logits(head, tgt, h, self.vocab), h, cache
 
   def commit(self, state: EagleState, ctx: Context, tree, path_BP, n_accepted_B,
              features=None) -> EagleState:
