@@ -7,7 +7,8 @@ target's token embedding and lm_head the target's LM head (both shared, no copy)
 `norm` the head's own final norm:
 
     u_t   = fuse(concat_C f_t)                      (C·D -> D, one linear layer: EAGLE-3's fc)
-    x_t   = combine(concat[u_t, e(x_{t+1})])        (2D -> D, EAGLE's [feature, embedding])
+    x_t   = combine(concat[n1(u_t), n2(e(x_{t+1}))])  (2D -> D, EAGLE's [feature, embedding];
+                                                     n1, n2 the head's norms, as in EAGLE-3)
     h_t   = Block(x_{≤t})                           (one pre-norm decoder layer, own KV cache)
     q_t   = softmax(lm_head(norm(h_t)))             (the target's LM head, the head's norm)
 
@@ -83,7 +84,8 @@ def check_layers(target: ModelConfig, layers) -> tuple[int, ...]:
 
 
 class EagleHead(nnx.Module):
-  """fuse (C·D -> D), combine (2D -> D), one decoder `Block`, its own final norm."""
+  """fuse (C·D -> D), two input norms, combine (2D -> D), one decoder `Block`, its own
+  final norm."""
 
   def __init__(self, target: ModelConfig, n_features: int, *, rngs: nnx.Rngs):
     c = head_config(target)
@@ -91,9 +93,12 @@ class EagleHead(nnx.Module):
     d, dt = c.d_model, c.jnp_dtype
     self.fuse = Dense(n_features * d, d, bias=False, dtype=dt, rngs=rngs)
     self.combine = Dense(2 * d, d, bias=False, dtype=dt, rngs=rngs)
+    norm = dict(kind=c.norm, bias=c.norm == "layernorm" and c.use_bias, eps=c.norm_eps,
+                dtype=dt)
+    self.feature_norm = Norm(d, **norm)
+    self.embed_norm = Norm(d, **norm)
     self.block = Block(c, rngs=rngs)
-    self.norm = Norm(d, kind=c.norm, bias=c.norm == "layernorm" and c.use_bias, eps=c.norm_eps,
-                     dtype=dt)
+    self.norm = Norm(d, **norm)
 
   def fused(self, features_BTCD: Array) -> Array:
     """u = fuse(concat of the C captured layers): [B, T, C, D] -> [B, T, D] float32."""
@@ -103,8 +108,13 @@ class EagleHead(nnx.Module):
   def __call__(self, u_BTD, emb_BTD, positions_BT, cache=None, block_mask=None):
     """h_BTD (the carried state, pre-norm) and the cache: one decoder layer over
     combine([u, e]) (u a fused target feature or a previous step's h)."""
-    x = self.combine(jnp.concatenate([u_BTD, emb_BTD.astype(jnp.float32)], axis=-1))
-    return self.block(x, positions_BT, cache, 0, block_mask)
+    return self.block(self._input(u_BTD, emb_BTD), positions_BT, cache, 0, block_mask)
+
+  def _input(self, u_BTD, emb_BTD):
+    """combine([feature_norm(u), embed_norm(e)]): both normalised first (as EAGLE-3 does),
+    so a fused target feature and the head's own h enter at the same scale."""
+    return self.combine(jnp.concatenate([self.feature_norm(u_BTD), self.embed_norm(emb_BTD)],
+                                        axis=-1))
 
   def unroll(self, features_BTCD, emb_next_BTD, positions_BT, steps: int) -> list[Array]:
     """Training-time test, cache-free: the head's h at drafting steps 1..steps for every
@@ -123,7 +133,7 @@ class EagleHead(nnx.Module):
     cols = jnp.arange(t, dtype=jnp.int32)[None, :]
     keys, values, outs, g = [], [], [], u
     for j in range(steps):
-      x = self.combine(jnp.concatenate([g, emb_next_BTD.astype(jnp.float32)], axis=-1))
+      x = self._input(g, emb_next_BTD)
       xn = blk.attn_norm(x)
       q = attn.q(xn).reshape(b, t, c.n_heads, c.head_dim)
       k = attn.k(xn).reshape(b, t, c.n_kv_heads, c.head_dim)
