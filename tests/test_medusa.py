@@ -79,10 +79,13 @@ def test_drafter_keeps_the_final_hidden_state_at_L_minus_1(target, drafter):
   state = loop.speculative_jit(LM.of(target), drafter, batch.prompt_BP, batch.prompt_len_B,
                                batch.budget_B, jnp.asarray(-1), sampling.make_sampler(0.0),
                                jax.random.key(0), tree=tree, cache_len=batch.cache_len)
-  for b in range(4):
-    n = int(state.length[b])
-    _, hidden, _ = target(state.tokens[b:b + 1, :n], jnp.arange(n, dtype=jnp.int32)[None])
-    np.testing.assert_allclose(state.draft.hidden[b], hidden[0, n - 1], rtol=1e-4, atol=1e-4)
+  # one causal, cache-free forward of every row: position L - 1 sees only tokens [0, L)
+  width = int(state.length.max())
+  tokens = state.tokens[:, :width]
+  _, hidden, _ = jax.jit(lambda lm, t: lm(t, jnp.broadcast_to(
+      jnp.arange(width, dtype=jnp.int32), t.shape)))(LM.of(target), tokens)
+  expected = np.asarray(hidden)[np.arange(4), np.asarray(state.length) - 1]
+  np.testing.assert_allclose(state.draft.hidden, expected, rtol=1e-4, atol=1e-4)
   proposal, _ = drafter.propose(state.draft, state.context(), tree, None, None)
   top = np.argsort(-np.asarray(head_logits(drafter.params, drafter.target,
                                            state.draft.hidden)), axis=-1)

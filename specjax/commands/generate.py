@@ -115,6 +115,10 @@ def _check_args(args) -> None:
                           ("--seed", args.seed, 0)):
     if value < lo:
       raise ValueError(f"{flag} must be an int >= {lo}, got {value}")
+  if args.draft in ("medusa:default", "eagle:default") and args.target != "default":
+    kind = args.draft.partition(":")[0]
+    raise ValueError(f"--draft {kind}:default holds heads for the default target: pass "
+                     f"--target default, or {kind}:DIR with heads trained for --target")
   for i, text in enumerate(args.prompt or []):
     try:
       text.encode("utf-8")
@@ -155,9 +159,6 @@ def _drafter(args, target, draft):
   from specjax.drafters.medusa import MedusaDrafter
   kind, _, where = args.draft.partition(":")
   if where == "default":
-    if args.target != "default":
-      raise ValueError(f"--draft {kind}:default holds heads for the default target: pass "
-                       f"--target default, or {kind}:DIR with heads trained for --target")
     from specjax.training.defaults import load_default_heads
     head = load_default_heads(kind)
   else:

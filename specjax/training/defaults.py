@@ -16,6 +16,11 @@ and is renamed into place atomically. The entry's manifest.json records the conf
 corpus fingerprint, the figures measured at build time and a sha256 of every file; a load
 re-checks all of it (plus the parameter fingerprints), and an entry that fails is reported,
 moved aside and rebuilt, never used.
+
+Default draft heads (`load_default_heads("medusa")`, one `DEFAULT_HEADS` entry per kind) are
+trained for the default target on first use (never by the quickstart) and cached the same
+way under <cache>/heads/<preset>-<corpus>-<kind>-<key>, the key hashing the kind's spec, its
+schedule, the pair entry and the target's parameter fingerprint.
 """
 
 from __future__ import annotations
@@ -234,8 +239,8 @@ def load_default_pair(preset: str = DEFAULT_PRESET, corpus: str = "code", *, pro
 HEADS_FORMAT = 1
 DEFAULT_HEADS: dict[str, tuple[dict, TrainConfig]] = {
     "medusa": ({"heads": 4, "decay": 0.8},
-               TrainConfig(steps=60, batch_size=8, seq_len=128, lr=3e-3, warmup_steps=6,
-                           eval_every=0, ckpt_every=20, eval_windows=32)),
+               TrainConfig(steps=60, batch_size=8, seq_len=128, lr=5e-3, warmup_steps=6,
+                           eval_every=0, ckpt_every=30, eval_windows=32)),
     "eagle": ({"steps": 3, "decay": 0.8, "layers": None},
               TrainConfig(steps=120, batch_size=8, seq_len=128, lr=3e-3, warmup_steps=10,
                           eval_every=0, ckpt_every=40, eval_windows=32)),
