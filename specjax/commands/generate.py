@@ -23,15 +23,15 @@ def add_parser(subparsers) -> None:
                  help="'default' (embedded trained tiny target; trained on first use), a "
                  "Hugging Face model directory or a specjax checkpoint directory")
   p.add_argument("--draft", default=None,
-                 metavar="default|self|lookup|layer-skip:M|medusa:DIR|DIR",
+                 metavar="default|self|lookup|layer-skip:M|medusa:DIR|eagle:DIR|DIR",
                  help="'default' (the embedded distilled draft), 'self', 'lookup' (prompt "
                  "lookup: the continuation of the context's longest earlier suffix match, "
                  "sizes from --ngram-max/--ngram-min), 'layer-skip:M' (the target's first M "
                  "layers, final norm and head, sharing its weights), 'medusa:DIR' / "
                  "'medusa:default' (Medusa heads trained for the target by `specjax train "
                  "medusa`; the default target's are built on first use; --k is then the node "
-                 "budget of the static tree built from the heads' measured acceptance), or a "
-                 "directory (write ./lookup for a directory of that name)")
+                 "budget of the static tree built from the heads' measured acceptance), 'eagle:DIR' / 'eagle:default' (an EAGLE head, "
+                 "`specjax train eagle`: a chain of --k), or a directory (write ./lookup for a directory of that name)")
   p.add_argument("--ngram-max", type=int, default=3,
                  help="--draft lookup: longest suffix tried (default %(default)s)")
   p.add_argument("--ngram-min", type=int, default=1,
@@ -67,7 +67,7 @@ def add_parser(subparsers) -> None:
   p.set_defaults(func=run)
 
 
-HEAD_DRAFTS = ("medusa",)  # draft heads trained on the target: KIND:DIR or KIND:default
+HEAD_DRAFTS = ("medusa", "eagle")  # draft heads trained on the target: KIND:DIR or KIND:default
 
 
 def _draft_kind(args) -> tuple[str, int | str | None]:
@@ -91,8 +91,8 @@ def _draft_kind(args) -> tuple[str, int | str | None]:
 
 
 def _head_drafter(args, target, kind: str, where: str):
-  """(drafter, shape) of trained draft heads: --k is the node budget of the best tree for
-  their measured acceptance."""
+  """(drafter, shape) of trained draft heads: an EAGLE head drafts a chain of --k; for
+  Medusa heads --k is the node budget of the best tree for their measured acceptance."""
   from flax import nnx
 
   from specjax import trees
@@ -106,6 +106,11 @@ def _head_drafter(args, target, kind: str, where: str):
       head = load_head(where, target=(target.config, nnx.state(target, nnx.Param)), kind=kind)
     except ValueError as e:
       raise ValueError(f"--draft {args.draft}: {e}") from None
+  if kind == "eagle":  # a chain of --k (or the adaptive menu)
+    from specjax.drafters.eagle import EagleDrafter
+    layers = head.kind.feature_layers(target.config)
+    return (EagleDrafter.of(target, head.params, layers,
+                            deterministic=args.deterministic_draft), {"k": args.k})
   drafter = MedusaDrafter.of(target, head.params)
   if args.k == "auto":  # the policy's menu (chains deeper than the heads are refused)
     return drafter, {"k": "auto"}
