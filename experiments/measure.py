@@ -101,8 +101,13 @@ def check_choice(params: Mapping, name: str, default, choices: Sequence):
 
 
 @functools.lru_cache(maxsize=2)
-def models(which: str):
-  """(target, draft, tokenizer, prompt texts)."""
+def models(which: str, target_dtype: str = "float32"):
+  """(target, draft, tokenizer, prompt texts); the target's weights served in
+  `target_dtype` (float32 as trained, or bfloat16: `transformer.with_dtype`)."""
+  if target_dtype != "float32":
+    from specjax.models.transformer import with_dtype
+    target, draft, tok, texts = models(which)
+    return with_dtype(target, target_dtype), draft, tok, texts
   if which == "default":
     from specjax.data.corpus import load_corpus
     from specjax.training.defaults import load_default_pair

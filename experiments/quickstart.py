@@ -22,6 +22,12 @@ acceptance:
              has emitted its budget (`calibration.tokens_per_iteration`; ≈ E[τ] at batch 1)
     predicted speedup = τ_loop ÷ cycle_steps(shape),  efficiency = measured ÷ predicted.
 
+`target_dtype` serves the target's weights in float32 (as trained) or bfloat16 (products
+with float32 accumulation, `transformer.with_dtype`); plain and speculative decoding always
+run the same weights. The main job serves bf16, as deployments do: on XLA:CPU a multi-row
+fp32 product costs ~1.5-2x a one-row one, a bf16 one about the same as fp32's one row, so
+the verify pass costs about one plain step (docs/xla_notes.md, trap 7).
+
 Temperature is a runtime value: T = 0 and T = 1 share every compiled loop. Each point
 prints a verdict line; the report adds measured vs predicted speedup, acceptance by draft
 position, the accepted run lengths against αⁿ(1 − α), and a sample decoded plain and
@@ -49,6 +55,7 @@ def validate(params: dict) -> None:
                    ("prompt_len", 8), ("calibration_repeats", 1)):
     measure.check_int(params, name, lo, lo)
   measure.check_choice(params, "models", "default", measure.MODELS)
+  measure.check_choice(params, "target_dtype", "float32", ("float32", "bfloat16"))
   measure.check_number(params, "temperature", 0.0, 0)
   measure.check_choice(params, "recalibrate", False, (False, True))
   measure.check_choice(params, "statistic", "median", ("median", "fastest"))
@@ -101,8 +108,9 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
           max_new_tokens: int = 64, prompt_len: int = 64, temperature: float = 0.0,
           repeats: int = 3, models: str = "default", seed: int = 0,
           calibration_k: tuple = (1, 2), calibration_repeats: int = 3,
-          recalibrate: bool = False, statistic: str = "median") -> dict:
-  target, draft, tok, texts = measure.models(models)
+          recalibrate: bool = False, statistic: str = "median",
+          target_dtype: str = "float32") -> dict:
+  target, draft, tok, texts = measure.models(models, target_dtype)
   tree = _tree(mode, k, tree_widths)
   prompt_ids = measure.prompts(tok, texts, batch, prompt_len)
   shapes = _shapes(k, tree_widths, calibration_k)

@@ -79,3 +79,22 @@ def test_host_api_runs_both_loops_under_the_requested_policy(monkeypatch):
   decoding.generate(target, [[1, 2]], max_new_tokens=2, precision="default")
   decoding.speculative_generate(target, target, [[1, 2]], k=2, max_new_tokens=2)
   assert seen == ["default", "highest"]
+
+
+def test_with_dtype_serves_the_same_model_in_bf16_with_greedy_identity():
+  from specjax.models.transformer import with_dtype
+  target = model(TINY["llama"], seed=0, logit_scale=4.0)
+  served = with_dtype(target, "bfloat16")
+  assert served.config.dtype == "bfloat16" and served.embed[...].dtype == jnp.bfloat16
+  assert with_dtype(served, "bfloat16") is served
+  toks, pos = jnp.asarray([[1, 2, 3, 4]]), jnp.arange(4)[None]
+  np.testing.assert_allclose(served(toks, pos)[0], target(toks, pos)[0], atol=0.05)
+  draft = perturbed(target, seed=1, noise=0.25)
+  prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
+  kw = dict(max_new_tokens=10, sampler=sampling.make_sampler(0.0))
+  plain = decoding.generate(served, prompts, **kw).tokens
+  for tree in (trees.chain(3), trees.branching((2, 1))):
+    spec = decoding.speculative_generate(served, draft, prompts, tree=tree, **kw).tokens
+    np.testing.assert_array_equal(spec, plain)
+  with pytest.raises(ValueError, match="dtype must be one of"):
+    with_dtype(target, "float16")

@@ -211,6 +211,19 @@ def cast_floats(tree, dtype):
                       tree)
 
 
+def with_dtype(model: "Transformer", dtype: str) -> "Transformer":
+  """The same model with its weights stored in `dtype` ("float32" or "bfloat16"): products
+  then take `dtype` inputs with float32 accumulation (serving a float32-trained model in
+  bf16 halves its weight traffic; on XLA:CPU it also makes a multi-row verify pass cost about
+  one one-row step, docs/xla_notes.md, trap 7)."""
+  if dtype not in _DTYPES:
+    raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
+  if model.config.dtype == dtype:
+    return model
+  params = nnx.state(model, nnx.Param)
+  return from_params(model.config.replace(dtype=dtype), cast_floats(params, _DTYPES[dtype]))
+
+
 def param_count(config: ModelConfig) -> int:
   """Number of parameters, from the config alone (no allocation)."""
   return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_model(config)[1]))
