@@ -23,15 +23,16 @@ def add_parser(subparsers) -> None:
                  help="'default' (embedded trained tiny target; trained on first use), a "
                  "Hugging Face model directory or a specjax checkpoint directory")
   p.add_argument("--draft", default=None,
-                 metavar="default|self|lookup|layer-skip:M|medusa:DIR|DIR",
+                 metavar="default|self|lookup|layer-skip:M|medusa:DIR|eagle:DIR|DIR",
                  help="'default' (the embedded distilled draft), 'self', 'lookup' (prompt "
                  "lookup: the continuation of the context's longest earlier suffix match, "
                  "sizes from --ngram-max/--ngram-min), 'layer-skip:M' (the target's first M "
                  "layers, final norm and head, sharing its weights), 'medusa:DIR' / "
                  "'medusa:default' (Medusa heads trained for the target by `specjax train "
                  "medusa`; the default target's are built on first use; --k is then the node "
-                 "budget of the static tree built from the heads' measured acceptance), or a "
-                 "directory (write ./lookup for a directory of that name)")
+                 "budget of the static tree built from the heads' measured acceptance), "
+                 "'eagle:DIR' / 'eagle:default' (an EAGLE head, `specjax train eagle`: a chain "
+                 "of --k), or a directory (write ./lookup for a directory of that name)")
   p.add_argument("--ngram-max", type=int, default=3,
                  help="--draft lookup: longest suffix tried (default %(default)s)")
   p.add_argument("--ngram-min", type=int, default=1,
@@ -65,7 +66,7 @@ def add_parser(subparsers) -> None:
   p.set_defaults(func=run)
 
 
-HEAD_DRAFTS = ("medusa",)  # draft heads trained on the target: KIND:DIR or KIND:default
+HEAD_DRAFTS = ("medusa", "eagle")  # draft heads trained on the target: KIND:DIR or KIND:default
 
 
 def _draft_kind(args) -> tuple[str, int | str | None]:
@@ -104,6 +105,11 @@ def _head_drafter(args, target, kind: str, where: str):
       head = load_head(where, target=(target.config, nnx.state(target, nnx.Param)), kind=kind)
     except ValueError as e:
       raise ValueError(f"--draft {args.draft}: {e}") from None
+  if kind == "eagle":
+    from specjax.drafters.eagle import EagleDrafter
+    layers = head.kind.feature_layers(target.config)
+    return (EagleDrafter.of(target, head.params, layers,
+                            deterministic=args.deterministic_draft), {"k": args.k})
   depth = head.kind.heads
   tree = (head.acceptance.tree(args.k, max_depth=depth) if head.acceptance is not None
           else trees.chain(min(args.k, depth)))
@@ -213,32 +219,6 @@ def _check_context(args, configs, n_prompt_tokens: int, known: bool = True) -> N
         f"{'the longest prompt (' if known else 'a prompt (at least '}{n_prompt_tokens} "
         f"tokens) + --max-new-tokens {args.max_new_tokens} + --k {args.k} + 1 = {need} positions exceeds the models' "
         f"max_len {max_len}: shorten the prompt or lower --max-new-tokens or --k{opt_in}")
-
-
-def _drafter(args, target, draft):
-  """(drafter, the k= or tree= of speculative_generate) for --draft."""
-  from specjax.drafters.model import ModelDrafter
-  if draft is not None:
-    return ModelDrafter.of(draft, deterministic=args.deterministic_draft), {"k": args.k}
-  from flax import nnx
-
-  from specjax import trees
-  from specjax.drafters.medusa import MedusaDrafter
-  where = args.draft.partition(":")[2]
-  if where == "default":
-    from specjax.training.defaults import load_default_heads
-    head = load_default_heads("medusa")
-  else:
-    from specjax.training.heads import load_head
-    try:
-      head = load_head(where, target=(target.config, nnx.state(target, nnx.Param)),
-                       kind="medusa")
-    except ValueError as e:
-      raise ValueError(f"--draft {args.draft}: {e}") from None
-  k = head.kind.heads
-  tree = (head.acceptance.tree(args.k, max_depth=k) if head.acceptance is not None
-          else trees.chain(min(args.k, k)))
-  return MedusaDrafter.of(target, head.params), {"tree": tree}
 
 
 DEFAULT_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"

@@ -6,6 +6,8 @@
   specjax train measure  --target CKPT --draft CKPT --corpus code [--k 4]
   specjax train medusa   --target CKPT|default --heads 4 --steps 60 --out DIR
                          (draft heads on a frozen target; `specjax generate --draft medusa:DIR`)
+  specjax train eagle    --target CKPT|default --ttt-steps 3 --steps 120 --out DIR
+                         (an EAGLE head; `specjax generate --draft eagle:DIR`)
 
 A run that is interrupted (Ctrl-C, SIGTERM) saves a checkpoint; rerunning the same command
 resumes from the newest checkpoint in --out with the same data order.
@@ -119,8 +121,31 @@ def _medusa_kind(args):
   return MedusaHeads(heads=args.heads, decay=args.decay)
 
 
+def _eagle_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--ttt-steps", type=int, default=3,
+                 help="drafting steps unrolled in training (training-time test), default 3")
+  p.add_argument("--decay", type=float, default=0.8,
+                 help="loss weight of unrolled step j is decay^j (default 0.8)")
+  p.add_argument("--layers", default=None, metavar="I,J,K",
+                 help="target layers the head reads (default: first block, middle block, "
+                      "final norm)")
+
+
+def _eagle_kind(args):
+  from specjax.drafters.eagle import EagleHeads
+  layers = None
+  if args.layers is not None:
+    try:
+      layers = tuple(int(x) for x in args.layers.split(","))
+    except ValueError:
+      raise ValueError(f"--layers must be comma-separated layer indices, got "
+                       f"{args.layers!r}") from None
+  return EagleHeads(steps=args.ttt_steps, decay=args.decay, layers=layers)
+
+
 HEAD_KINDS = {
     "medusa": ("train Medusa heads on a frozen target", _medusa_args, _medusa_kind),
+    "eagle": ("train an EAGLE head on a frozen target", _eagle_args, _eagle_kind),
 }
 
 

@@ -29,6 +29,12 @@ summed along the path, q the draft's softmax at temperature 1: a confidence, ind
 the sampler) and scores their top-`width` children. The `budget` best candidates overall are
 verified, ancestors first (a child's score never exceeds its parent's, ties go to the older
 node), numbered in creation order (topological).
+
+Sharing. The level-by-level drafting (static and dynamic trees) lives in `LevelDrafter`,
+written against two hooks: `_root` (open the cycle, score the root's children) and `_step`
+(score one level from its node tokens and each parent's carried state). `ModelDrafter`
+carries nothing; the EAGLE head (`drafters/eagle.py`) carries its hidden state and sits its
+root one slot earlier (`root_offset`).
 """
 
 from __future__ import annotations
@@ -84,7 +90,7 @@ class _StaticPlan:
     del batch  # static shapes: a node's slot is bfs_pos, a constant
     return None
 
-  def propose(self, drafter: "ModelDrafter", state, ctx, sampler, key):
+  def propose(self, drafter: "LevelDrafter", state, ctx, sampler, key):
     return drafter._propose_static(state, ctx, self.tree, sampler, key)
 
   def compact(self, state: ModelDraftState, path_BP: Array) -> kv.KVCache:
@@ -108,7 +114,7 @@ class _DynamicPlan:
   def node_slots(self, batch: int) -> Array:
     return jnp.zeros((batch, self.tree.n_nodes), jnp.int32)
 
-  def propose(self, drafter: "ModelDrafter", state, ctx, sampler, key):
+  def propose(self, drafter: "LevelDrafter", state, ctx, sampler, key):
     del sampler  # deterministic top-k candidates
     return drafter._propose_dynamic(state, ctx, self.tree, key)
 
@@ -183,8 +189,174 @@ def _gather_rows(x_BRX: Array, rows: np.ndarray) -> Array:
   return jnp.take(x_BRX, jnp.asarray(rows), axis=1)
 
 
+class LevelDrafter(Drafter):
+  """Drafting chains, static trees and dynamic trees level by level (module doc), from a
+  one-step function that subclasses supply. Shared by the separate draft model
+  (`ModelDrafter`) and the EAGLE head (`drafters.eagle.EagleDrafter`).
+
+  The root's row sits at draft-cache slot and position L + `root_offset` (static: 0 for a
+  draft model, which feeds the root token itself; -1 for a head that feeds position t with
+  the next token t + 1); level d's nodes sit at positions L + root_offset + d and, in
+  breadth-first order, at slots from L + root_offset + start_d. A subclass provides
+
+      _root(state, ctx) -> (root_logits_BV, root_h_BH, cache)
+      _step(tokens_BW, parent_h_BWH, positions_BW, cache, mask) -> (logits_BWV, h_BWH, cache)
+
+  `_step` scores one level: node tokens, the carried state `h` of each node's parent (H = 0
+  for a plain model: nothing is carried) and returns each node's own `h`. The state must
+  have `cache` and `node_slots` fields; `deterministic` (a static field of the subclass)
+  chooses top-k candidates (q = None) over sampled ones.
+  """
+
+  root_offset = 0
+
+  def draft_law(self, logits: Array, sampler) -> Array:
+    """The law q [..., V] the children of a node are sampled from (stochastic drafting)."""
+    return sampling.warp(logits, sampler)
+
+  def _children(self, logits_BRV, q_BRV, parent_row, rank, width: int, key) -> Array:
+    """Tokens [B, M] of one generation: child j of block row parent_row[j], rank rank[j]."""
+    if self.deterministic:
+      if width == 1:
+        top = jnp.argmax(logits_BRV, axis=-1)[..., None]  # [B, R, 1]
+      else:
+        top = jax.lax.top_k(logits_BRV, width)[1]  # [B, R, W] distinct, best first
+      return top[:, parent_row, rank].astype(jnp.int32)
+    return sampling.sample(key, q_BRV[:, parent_row]).astype(jnp.int32)
+
+  def propose(self, state, ctx: Context, tree, sampler, key):
+    return _plan(tree).propose(self, state, ctx, sampler, key)
+
+  def _propose_static(self, state, ctx, tree: TreeSpec, sampler, key):
+    plan = _static_plan(tree)
+    D, W = plan.depth, plan.width
+    length = ctx.length
+    base = length + self.root_offset  # the root's slot and position
+    keys = jax.random.split(key, D)
+    root_logits_BV, root_h_BH, cache = self._root(state, ctx)
+    warp = (lambda x: None) if self.deterministic else (lambda x: self.draft_law(x, sampler))
+    root_q_BV = warp(root_logits_BV)
+    gen0 = self._children(root_logits_BV[:, None], None if root_q_BV is None else
+                          root_q_BV[:, None], plan.gen_parent_row[0], plan.gen_rank[0],
+                          plan.child_width, keys[0])  # level 1: [B, M]
+    gens, q_rows = [gen0[None]], [None if root_q_BV is None else root_q_BV[:, None]]
+    if D > 1:
+      masks = None if plan.masks is None else jnp.asarray(plan.masks)
+      h0_BWH = jnp.broadcast_to(root_h_BH[:, None], (root_h_BH.shape[0], W) + root_h_BH.shape[1:])
+
+      def level(carry, xs):
+        cache, feed_BW, h_BWH = carry  # h: the previous level's fed rows (level 0: the root)
+        t, step_key = xs  # level d = t + 1
+        start = jnp.asarray(plan.starts)[t + 1].astype(jnp.int32)
+        cache = kv.set_lengths(cache, base + start)
+        pos = jnp.broadcast_to((base + t + 1)[:, None], feed_BW.shape)
+        mask = None if masks is None else masks[t]
+        parent_h = jnp.take(h_BWH, jnp.asarray(plan.gen_parent_row)[t, :W], axis=1)
+        logits_BWV, h_BWH, cache = self._step(feed_BW, parent_h, pos, cache, mask)
+        q_BWV = warp(logits_BWV)
+        parent_row = jnp.asarray(plan.gen_parent_row)[t + 1]
+        rank = jnp.asarray(plan.gen_rank)[t + 1]
+        kids_BM = self._children(logits_BWV, q_BWV, parent_row, rank, plan.child_width,
+                                 step_key)
+        return (cache, kids_BM[:, :W], h_BWH), (kids_BM, q_BWV)
+
+      xs = (jnp.arange(D - 1, dtype=jnp.int32), keys[1:])
+      (cache, _, _), (kids_GBM, q_GBWV) = jax.lax.scan(level, (cache, gen0[:, :W], h0_BWH), xs)
+      gens.append(kids_GBM)
+      if q_GBWV is not None:
+        q_rows.append(q_GBWV.transpose(1, 0, 2, 3).reshape(q_GBWV.shape[1], -1,
+                                                           q_GBWV.shape[-1]))
+    gens_GBM = jnp.concatenate(gens, axis=0)
+    tokens_BN = gens_GBM[jnp.asarray(plan.node_gen), :, jnp.asarray(plan.node_slot)].T
+    q = None
+    if root_q_BV is not None:
+      q = _gather_rows(jnp.concatenate(q_rows, axis=1), plan.q_row)  # [B, T, V]
+    cache = kv.set_lengths(cache, length)
+    return Proposal(tokens=tokens_BN, q=q), state.replace(cache=cache)
+
+  def _propose_dynamic(self, state, ctx, tree: DynamicTree, key):
+    del key  # deterministic candidates
+    K, D, N = tree.width, tree.depth, tree.budget
+    P = 1 + tree.pool_size
+    R = tree.region
+    lookback = 1 + (D - 2) * K if D > 1 else 0
+    length = ctx.length
+    base = length + self.root_offset  # the root's slot and position
+    b = length.shape[0]
+    rows = jnp.arange(b)[:, None]
+    root_logits_BV, root_h_BH, cache = self._root(state, ctx)
+    logp, tok = jax.lax.top_k(jax.nn.log_softmax(root_logits_BV, axis=-1), K)  # [B, K]
+    neg = jnp.full((b, P), -jnp.inf, jnp.float32)
+    pool_tok = jnp.zeros((b, P), jnp.int32).at[:, 1:1 + K].set(tok.astype(jnp.int32))
+    pool_score = neg.at[:, 0].set(0.0).at[:, 1:1 + K].set(logp)
+    pool_parent = jnp.zeros((b, P), jnp.int32)
+    pool_depth = jnp.zeros((b, P), jnp.int32).at[:, 1:1 + K].set(1)
+    pool_slot = jnp.full((b, P), -1, jnp.int32).at[:, 0].set(0)
+    if D > 1:
+      reg_anc = jnp.zeros((b, R, R), bool).at[:, 0, 0].set(True)
+      reg_h = jnp.zeros((b, R) + root_h_BH.shape[1:], root_h_BH.dtype).at[:, 0].set(root_h_BH)
+      cand_idx = jnp.zeros((b, K * K), jnp.int32).at[:, :K].set(1 + jnp.arange(K))
+      cand_score = jnp.full((b, K * K), -jnp.inf).at[:, :K].set(logp)
+
+      def level(carry, t):  # expand the best K candidates of level d = t + 1
+        cache, pool, reg_anc, reg_h, cand_idx, cand_score = carry
+        pool_tok, pool_score, pool_parent, pool_depth, pool_slot = pool
+        _, best = jax.lax.top_k(cand_score, K)
+        f_idx = jnp.take_along_axis(cand_idx, best, axis=1)  # [B, K] pool indices
+        slots = 1 + t * K + jnp.arange(K, dtype=jnp.int32)  # region slots of the frontier
+        pool_slot = pool_slot.at[rows, f_idx].set(jnp.broadcast_to(slots, (b, K)))
+        parent_slot = jnp.take_along_axis(
+            pool_slot, jnp.take_along_axis(pool_parent, f_idx, axis=1), axis=1)
+        own = jax.nn.one_hot(slots, R, dtype=jnp.bool_)[None]  # [1, K, R]
+        anc = jnp.take_along_axis(reg_anc, parent_slot[:, :, None], axis=1) | own  # [B, K, R]
+        reg_anc = reg_anc.at[rows, jnp.broadcast_to(slots, (b, K))].set(anc)
+        start = 1 + t * K
+        ri = jnp.arange(lookback + K, dtype=jnp.int32) - lookback + start  # window columns
+        mask = (ri < 0)[None, None] | jnp.take(anc, jnp.clip(ri, 0, R - 1), axis=2)
+        cache = kv.set_lengths(cache, base + start)
+        feed = jnp.take_along_axis(pool_tok, f_idx, axis=1)
+        pos = jnp.broadcast_to((base + t + 1)[:, None], (b, K))
+        parent_h = jnp.take_along_axis(
+            reg_h, parent_slot.reshape((b, K) + (1,) * (reg_h.ndim - 2)), axis=1)
+        logits_BKV, h_BKH, cache = self._step(feed, parent_h, pos, cache, mask)
+        reg_h = reg_h.at[rows, jnp.broadcast_to(slots, (b, K))].set(h_BKH)
+        logp, kid_tok = jax.lax.top_k(jax.nn.log_softmax(logits_BKV, axis=-1), K)  # [B, K, K]
+        score = (jnp.take_along_axis(pool_score, f_idx, axis=1)[:, :, None] + logp)
+        score = score.reshape(b, K * K)
+        base_idx = 1 + K + t * K * K
+        new_idx = base_idx + jnp.arange(K * K, dtype=jnp.int32)
+        upd = lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, base_idx, axis=1)
+        pool = (upd(pool_tok, kid_tok.reshape(b, K * K).astype(jnp.int32)),
+                upd(pool_score, score),
+                upd(pool_parent, jnp.repeat(f_idx, K, axis=1)),
+                upd(pool_depth, jnp.full((b, K * K), t + 2, jnp.int32)),
+                pool_slot)
+        return (cache, pool, reg_anc, reg_h, jnp.broadcast_to(new_idx, (b, K * K)),
+                score), None
+
+      pool = (pool_tok, pool_score, pool_parent, pool_depth, pool_slot)
+      carry = (cache, pool, reg_anc, reg_h, cand_idx, cand_score)
+      (cache, pool, *_), _ = jax.lax.scan(level, carry, jnp.arange(D - 1, dtype=jnp.int32))
+      pool_tok, pool_score, pool_parent, pool_depth, pool_slot = pool
+    # The N best candidates (ties: lower pool index, i.e. ancestors first), in pool order.
+    _, sel = jax.lax.top_k(pool_score[:, 1:], N)
+    sel = jnp.sort(sel + 1, axis=1)  # [B, N] pool indices, topological
+    node_of_pool = jnp.zeros((b, P), jnp.int32).at[rows, sel].set(
+        jnp.broadcast_to(jnp.arange(1, N + 1, dtype=jnp.int32), (b, N)))
+    parent_pool = jnp.take_along_axis(pool_parent, sel, axis=1)
+    parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32),
+                               jnp.take_along_axis(node_of_pool, parent_pool, axis=1)], axis=1)
+    depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
+                             jnp.take_along_axis(pool_depth, sel, axis=1)], axis=1)
+    node_slots = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
+                                  jnp.take_along_axis(pool_slot, sel, axis=1)], axis=1)
+    proposal = Proposal(tokens=jnp.take_along_axis(pool_tok, sel, axis=1), q=None,
+                        parents=parents, depth=depth)
+    return proposal, state.replace(cache=kv.set_lengths(cache, length), node_slots=node_slots)
+
+
 @struct.dataclass
-class ModelDrafter(Drafter):
+class ModelDrafter(LevelDrafter):
   """Proposes chains and trees from its own model.
 
   deterministic=False: children are i.i.d. samples of the warped draft law q, returned as
@@ -222,142 +394,12 @@ class ModelDrafter(Drafter):
     cache = kv.set_lengths(state.cache, length - 1)
     pos = (length - 1)[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
     logits, _, cache = self.lm(jnp.concatenate([prev, cur], axis=1), pos, cache)
-    return logits[:, -1], kv.set_lengths(cache, length)  # the root is at slot L
+    nothing = jnp.zeros((length.shape[0], 0), jnp.float32)  # a separate model carries no state
+    return logits[:, -1], nothing, kv.set_lengths(cache, length)  # the root is at slot L
 
-  def draft_law(self, logits: Array, sampler) -> Array:
-    """The law q [..., V] the children of a node are sampled from (stochastic drafting)."""
-    return sampling.warp(logits, sampler)
-
-  def _children(self, logits_BRV, q_BRV, parent_row, rank, width: int, key) -> Array:
-    """Tokens [B, M] of one generation: child j of block row parent_row[j], rank rank[j]."""
-    if self.deterministic:
-      if width == 1:
-        top = jnp.argmax(logits_BRV, axis=-1)[..., None]  # [B, R, 1]
-      else:
-        top = jax.lax.top_k(logits_BRV, width)[1]  # [B, R, W] distinct, best first
-      return top[:, parent_row, rank].astype(jnp.int32)
-    return sampling.sample(key, q_BRV[:, parent_row]).astype(jnp.int32)
-
-  def propose(self, state: ModelDraftState, ctx: Context, tree, sampler, key):
-    return _plan(tree).propose(self, state, ctx, sampler, key)
-
-  def _propose_static(self, state, ctx, tree: TreeSpec, sampler, key):
-    plan = _static_plan(tree)
-    D, W = plan.depth, plan.width
-    length = ctx.length
-    keys = jax.random.split(key, D)
-    root_logits_BV, cache = self._root(state, ctx)
-    warp = (lambda x: None) if self.deterministic else (lambda x: self.draft_law(x, sampler))
-    root_q_BV = warp(root_logits_BV)
-    gen0 = self._children(root_logits_BV[:, None], None if root_q_BV is None else
-                          root_q_BV[:, None], plan.gen_parent_row[0], plan.gen_rank[0],
-                          plan.child_width, keys[0])  # level 1: [B, M]
-    gens, q_rows = [gen0[None]], [None if root_q_BV is None else root_q_BV[:, None]]
-    if D > 1:
-      masks = None if plan.masks is None else jnp.asarray(plan.masks)
-
-      def level(carry, xs):
-        cache, feed_BW = carry
-        t, step_key = xs  # level d = t + 1
-        start = jnp.asarray(plan.starts)[t + 1].astype(jnp.int32)
-        cache = kv.set_lengths(cache, length + start)
-        pos = jnp.broadcast_to((length + t + 1)[:, None], feed_BW.shape)
-        mask = None if masks is None else masks[t]
-        logits_BWV, _, cache = self.lm(feed_BW, pos, cache, mask)
-        q_BWV = warp(logits_BWV)
-        parent_row = jnp.asarray(plan.gen_parent_row)[t + 1]
-        rank = jnp.asarray(plan.gen_rank)[t + 1]
-        kids_BM = self._children(logits_BWV, q_BWV, parent_row, rank, plan.child_width,
-                                 step_key)
-        return (cache, kids_BM[:, :W]), (kids_BM, q_BWV)
-
-      xs = (jnp.arange(D - 1, dtype=jnp.int32), keys[1:])
-      (cache, _), (kids_GBM, q_GBWV) = jax.lax.scan(level, (cache, gen0[:, :W]), xs)
-      gens.append(kids_GBM)
-      if q_GBWV is not None:
-        q_rows.append(q_GBWV.transpose(1, 0, 2, 3).reshape(q_GBWV.shape[1], -1,
-                                                           q_GBWV.shape[-1]))
-    gens_GBM = jnp.concatenate(gens, axis=0)
-    tokens_BN = gens_GBM[jnp.asarray(plan.node_gen), :, jnp.asarray(plan.node_slot)].T
-    q = None
-    if root_q_BV is not None:
-      q = _gather_rows(jnp.concatenate(q_rows, axis=1), plan.q_row)  # [B, T, V]
-    cache = kv.set_lengths(cache, length)
-    return Proposal(tokens=tokens_BN, q=q), state.replace(cache=cache)
-
-  def _propose_dynamic(self, state, ctx, tree: DynamicTree, key):
-    del key  # deterministic candidates
-    K, D, N = tree.width, tree.depth, tree.budget
-    P = 1 + tree.pool_size
-    R = tree.region
-    lookback = 1 + (D - 2) * K if D > 1 else 0
-    length = ctx.length
-    b = length.shape[0]
-    rows = jnp.arange(b)[:, None]
-    root_logits_BV, cache = self._root(state, ctx)
-    logp, tok = jax.lax.top_k(jax.nn.log_softmax(root_logits_BV, axis=-1), K)  # [B, K]
-    neg = jnp.full((b, P), -jnp.inf, jnp.float32)
-    pool_tok = jnp.zeros((b, P), jnp.int32).at[:, 1:1 + K].set(tok.astype(jnp.int32))
-    pool_score = neg.at[:, 0].set(0.0).at[:, 1:1 + K].set(logp)
-    pool_parent = jnp.zeros((b, P), jnp.int32)
-    pool_depth = jnp.zeros((b, P), jnp.int32).at[:, 1:1 + K].set(1)
-    pool_slot = jnp.full((b, P), -1, jnp.int32).at[:, 0].set(0)
-    if D > 1:
-      reg_anc = jnp.zeros((b, R, R), bool).at[:, 0, 0].set(True)
-      cand_idx = jnp.zeros((b, K * K), jnp.int32).at[:, :K].set(1 + jnp.arange(K))
-      cand_score = jnp.full((b, K * K), -jnp.inf).at[:, :K].set(logp)
-
-      def level(carry, t):  # expand the best K candidates of level d = t + 1
-        cache, pool, reg_anc, cand_idx, cand_score = carry
-        pool_tok, pool_score, pool_parent, pool_depth, pool_slot = pool
-        _, best = jax.lax.top_k(cand_score, K)
-        f_idx = jnp.take_along_axis(cand_idx, best, axis=1)  # [B, K] pool indices
-        slots = 1 + t * K + jnp.arange(K, dtype=jnp.int32)  # region slots of the frontier
-        pool_slot = pool_slot.at[rows, f_idx].set(jnp.broadcast_to(slots, (b, K)))
-        parent_slot = jnp.take_along_axis(
-            pool_slot, jnp.take_along_axis(pool_parent, f_idx, axis=1), axis=1)
-        own = jax.nn.one_hot(slots, R, dtype=jnp.bool_)[None]  # [1, K, R]
-        anc = jnp.take_along_axis(reg_anc, parent_slot[:, :, None], axis=1) | own  # [B, K, R]
-        reg_anc = reg_anc.at[rows, jnp.broadcast_to(slots, (b, K))].set(anc)
-        start = 1 + t * K
-        ri = jnp.arange(lookback + K, dtype=jnp.int32) - lookback + start  # window columns
-        mask = (ri < 0)[None, None] | jnp.take(anc, jnp.clip(ri, 0, R - 1), axis=2)
-        cache = kv.set_lengths(cache, length + start)
-        feed = jnp.take_along_axis(pool_tok, f_idx, axis=1)
-        pos = jnp.broadcast_to((length + t + 1)[:, None], (b, K))
-        logits_BKV, _, cache = self.lm(feed, pos, cache, mask)
-        logp, kid_tok = jax.lax.top_k(jax.nn.log_softmax(logits_BKV, axis=-1), K)  # [B, K, K]
-        score = (jnp.take_along_axis(pool_score, f_idx, axis=1)[:, :, None] + logp)
-        score = score.reshape(b, K * K)
-        base = 1 + K + t * K * K
-        new_idx = base + jnp.arange(K * K, dtype=jnp.int32)
-        upd = lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, base, axis=1)
-        pool = (upd(pool_tok, kid_tok.reshape(b, K * K).astype(jnp.int32)),
-                upd(pool_score, score),
-                upd(pool_parent, jnp.repeat(f_idx, K, axis=1)),
-                upd(pool_depth, jnp.full((b, K * K), t + 2, jnp.int32)),
-                pool_slot)
-        return (cache, pool, reg_anc, jnp.broadcast_to(new_idx, (b, K * K)), score), None
-
-      pool = (pool_tok, pool_score, pool_parent, pool_depth, pool_slot)
-      carry = (cache, pool, reg_anc, cand_idx, cand_score)
-      (cache, pool, _, _, _), _ = jax.lax.scan(level, carry, jnp.arange(D - 1, dtype=jnp.int32))
-      pool_tok, pool_score, pool_parent, pool_depth, pool_slot = pool
-    # The N best candidates (ties: lower pool index, i.e. ancestors first), in pool order.
-    _, sel = jax.lax.top_k(pool_score[:, 1:], N)
-    sel = jnp.sort(sel + 1, axis=1)  # [B, N] pool indices, topological
-    node_of_pool = jnp.zeros((b, P), jnp.int32).at[rows, sel].set(
-        jnp.broadcast_to(jnp.arange(1, N + 1, dtype=jnp.int32), (b, N)))
-    parent_pool = jnp.take_along_axis(pool_parent, sel, axis=1)
-    parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32),
-                               jnp.take_along_axis(node_of_pool, parent_pool, axis=1)], axis=1)
-    depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
-                             jnp.take_along_axis(pool_depth, sel, axis=1)], axis=1)
-    node_slots = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
-                                  jnp.take_along_axis(pool_slot, sel, axis=1)], axis=1)
-    proposal = Proposal(tokens=jnp.take_along_axis(pool_tok, sel, axis=1), q=None,
-                        parents=parents, depth=depth)
-    return proposal, state.replace(cache=kv.set_lengths(cache, length), node_slots=node_slots)
+  def _step(self, tokens_BW, parent_h_BWH, positions_BW, cache, mask):
+    logits_BWV, _, cache = self.lm(tokens_BW, positions_BW, cache, mask)
+    return logits_BWV, parent_h_BWH, cache
 
   def commit(self, state: ModelDraftState, ctx: Context, tree, path_BP, n_accepted_B
              ) -> ModelDraftState:

@@ -241,6 +241,9 @@ DEFAULT_HEADS: dict[str, tuple[dict, TrainConfig]] = {
     "medusa": ({"heads": 4, "decay": 0.8},
                TrainConfig(steps=60, batch_size=8, seq_len=128, lr=5e-3, warmup_steps=6,
                            eval_every=0, ckpt_every=30, eval_windows=32)),
+    "eagle": ({"steps": 3, "decay": 0.8, "layers": None},
+              TrainConfig(steps=120, batch_size=8, seq_len=128, lr=3e-3, warmup_steps=10,
+                          eval_every=0, ckpt_every=40, eval_windows=32)),
 }
 
 

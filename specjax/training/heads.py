@@ -87,6 +87,7 @@ HEAD_KIND = "specjax-head"  # metadata "kind" of a head checkpoint
 # drafters, which import nothing from training).
 KINDS: dict[str, str] = {
     "medusa": "specjax.drafters.medusa:MedusaHeads",
+    "eagle": "specjax.drafters.eagle:EagleHeads",
 }
 
 

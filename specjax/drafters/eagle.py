@@ -1,0 +1,428 @@
+"""The EAGLE head (EAGLE-3 style): one decoder layer on the target's own features, drafting
+chains, static trees and EAGLE-2 dynamic trees with the level machinery of `model.py`.
+
+The head. With f_t = the target's residual streams at a low, a middle and a high layer at
+position t (`feature_layers`, captured in the passes the target makes anyway), e(x) the
+target's token embedding and lm_head the target's LM head (both shared, no copy), and
+`norm` the head's own final norm:
+
+    u_t   = fuse(concat_C f_t)                      (C·D -> D, one linear layer: EAGLE-3's fc)
+    x_t   = combine(concat[n1(u_t), n2(e(x_{t+1}))])  (2D -> D, EAGLE's [feature, embedding];
+                                                     n1, n2 the head's norms, as in EAGLE-3)
+    h_t   = Block(x_{≤t})                           (one pre-norm decoder layer, own KV cache)
+    q_t   = softmax(lm_head(norm(h_t)))             (the target's LM head, the head's norm)
+
+so head position t reads (feature of t, token t + 1) and predicts token t + 2. At drafting
+step 2 and later the head's own output h replaces the fused target feature u:
+x_{t+1} = combine(concat[h_t, e(x̂_{t+2})]). Training unrolls exactly this ("training-time
+test", `EagleHead.unroll`), so step 2+ sees at training what it sees at run time.
+
+Bookkeeping per row (L = the pending token's index, as everywhere). The head's cache holds
+true entries (built from target features) for positions [0, start); the features of
+positions [start, L) arrived with the last commit and wait in `pending` (at most D + 1 of
+them, D = the tree depth). Every proposal opens with one causal block over those positions
+(`_root`: inputs (f_t, e(x_{t+1})), t = start..L-1, padded to D + 1 rows); the output at
+t = L - 1 predicts the root's children and its h is the root's carried state. Tree levels
+then follow as in `model.py` with the root at slot and position L - 1 (`root_offset = -1`):
+level d's nodes at position L - 1 + d, fed (h of the parent, e(node)). Entries written
+while drafting use h in place of target features, so `commit` never keeps them: it only
+records the verified path's features (path nodes 0..m-1 are positions L..L'-1) and rolls
+the committed length back to L; the next proposal re-feeds those positions with the
+target's features. No cache compaction is needed.
+
+Sampling. At T > 0 sampled candidates (a chain, or a static tree with `deterministic=False`)
+are i.i.d. draws of the head's warped law q (the stochastic rule); top-k candidates
+(`deterministic=True`, and every dynamic tree: top-k by cumulative confidence, `model.py`)
+use the point-mass rule (q = None). Either way the output law is exactly the target's.
+
+Reduced vocabulary (FR-Spec, optional): with `vocab` (token ids, e.g. the corpus's most
+frequent, `frequent_vocab`) the head computes only those rows of the LM head; every other
+token gets draft probability 0. Verification is unchanged, so the output law stays exact;
+what changes is the head's cost (a Vr x D product instead of V x D) and its acceptance
+(a target token outside the subset can never be drafted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from specjax.drafters.base import LM, Context
+from specjax.drafters.model import LevelDrafter, _plan
+from specjax.models import cache as kv
+from specjax.models.transformer import Block, Dense, ModelConfig, Norm, rope
+
+Array = jax.Array
+
+
+def head_config(target: ModelConfig) -> ModelConfig:
+  """The head's decoder-layer shape: the target's (width, heads, MLP, norm, positions,
+  dtype) with one layer."""
+  return target.replace(n_layers=1)
+
+
+def default_layers(n_layers: int) -> tuple[int, ...]:
+  """A low, a middle and a high target layer: the first block's output, the middle block's,
+  and the final norm's output (index n_layers, what the target's LM head reads); duplicates
+  dropped for very shallow targets."""
+  return tuple(sorted({0, n_layers // 2, n_layers}))
+
+
+def check_layers(target: ModelConfig, layers) -> tuple[int, ...]:
+  if (not isinstance(layers, (tuple, list)) or not layers or not all(
+      isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= target.n_layers
+      for i in layers)):
+    raise ValueError(f"layers must be a non-empty sequence of target layer indices in "
+                     f"[0, {target.n_layers}] ({target.n_layers} = the final norm's output), "
+                     f"got {layers!r}")
+  return tuple(int(i) for i in layers)
+
+
+class EagleHead(nnx.Module):
+  """fuse (C·D -> D), two input norms, combine (2D -> D), one decoder `Block`, its own
+  final norm."""
+
+  def __init__(self, target: ModelConfig, n_features: int, *, rngs: nnx.Rngs):
+    c = head_config(target)
+    self.config = c
+    d, dt = c.d_model, c.jnp_dtype
+    self.fuse = Dense(n_features * d, d, bias=False, dtype=dt, rngs=rngs)
+    self.combine = Dense(2 * d, d, bias=False, dtype=dt, rngs=rngs)
+    norm = dict(kind=c.norm, bias=c.norm == "layernorm" and c.use_bias, eps=c.norm_eps,
+                dtype=dt)
+    self.feature_norm = Norm(d, **norm)
+    self.embed_norm = Norm(d, **norm)
+    self.block = Block(c, rngs=rngs)
+    self.norm = Norm(d, **norm)
+
+  def fused(self, features_BTCD: Array) -> Array:
+    """u = fuse(concat of the C captured layers): [B, T, C, D] -> [B, T, D] float32."""
+    b, t, c, d = features_BTCD.shape
+    return self.fuse(features_BTCD.reshape(b, t, c * d))
+
+  def __call__(self, u_BTD, emb_BTD, positions_BT, cache=None, block_mask=None):
+    """h_BTD (the carried state, pre-norm) and the cache: one decoder layer over
+    combine([u, e]) (u a fused target feature or a previous step's h)."""
+    return self.block(self._input(u_BTD, emb_BTD), positions_BT, cache, 0, block_mask)
+
+  def _input(self, u_BTD, emb_BTD):
+    """combine([feature_norm(u), embed_norm(e)]): both normalised first (as EAGLE-3 does),
+    so a fused target feature and the head's own h enter at the same scale."""
+    return self.combine(jnp.concatenate([self.feature_norm(u_BTD), self.embed_norm(emb_BTD)],
+                                        axis=-1))
+
+  def unroll(self, features_BTCD, emb_next_BTD, positions_BT, steps: int) -> list[Array]:
+    """Training-time test, cache-free: the head's h at drafting steps 1..steps for every
+    start position (list of [B, T, D]).
+
+    Step 1 at position t reads (u_t, e(x_{t+1})). Step j > 1 at position t is the (j)-th
+    step of a chain rooted at p = t - j + 1: it reads (h^{j-1}_{t-1}, e(x_{t+1})) and, as at
+    run time, attends to the true (step-1) entries at positions <= p and to the chain's own
+    entries of steps 2..j (step i at position p + i - 1). Valid for t >= j - 1 (earlier rows
+    compute padding)."""
+    blk = self.block
+    attn, c = blk.attn, self.config
+    b, t, _ = emb_next_BTD.shape
+    u = self.fused(features_BTCD)
+    rows = jnp.arange(t, dtype=jnp.int32)[:, None]
+    cols = jnp.arange(t, dtype=jnp.int32)[None, :]
+    keys, values, outs, g = [], [], [], u
+    for j in range(steps):
+      x = self._input(g, emb_next_BTD)
+      xn = blk.attn_norm(x)
+      q = attn.q(xn).reshape(b, t, c.n_heads, c.head_dim)
+      k = attn.k(xn).reshape(b, t, c.n_kv_heads, c.head_dim)
+      v = attn.v(xn).reshape(b, t, c.n_kv_heads, c.head_dim)
+      if c.positions == "rope":
+        q = rope(q, positions_BT, c.rope_theta)
+        k = rope(k, positions_BT, c.rope_theta)
+      keys.append(k)
+      values.append(v)
+      masks = [cols <= rows - j] + [cols == rows - j + i for i in range(1, j + 1)]
+      out = kv.causal_attention(q, jnp.concatenate(keys, axis=1),
+                                jnp.concatenate(values, axis=1),
+                                jnp.concatenate(masks, axis=1))
+      x = x + attn.o(out.reshape(b, t, c.n_heads * c.head_dim))
+      h = x + blk.mlp(blk.mlp_norm(x))
+      outs.append(h)
+      g = jnp.concatenate([jnp.zeros_like(h[:, :1]), h[:, :-1]], axis=1)  # h^{j}_{t-1}
+    return outs
+
+
+def init_head(target: ModelConfig, layers: tuple[int, ...], seed: int = 0) -> EagleHead:
+  return EagleHead(target, len(layers), rngs=nnx.Rngs(seed))
+
+
+@functools.lru_cache(maxsize=16)
+def _head_graphdef(target: ModelConfig, n_features: int):
+  return nnx.split(nnx.eval_shape(lambda: EagleHead(target, n_features, rngs=nnx.Rngs(0))))[0]
+
+
+def head_from_params(target: ModelConfig, params) -> EagleHead:
+  """The head module holding `params` (an nnx.State of an `EagleHead` for this target)."""
+  kernel = params["fuse"]["kernel"]
+  n_features = jnp.shape(kernel)[0] // target.d_model
+  return nnx.merge(_head_graphdef(target.replace(dtype="float32"), n_features), params)
+
+
+def embed(target_module, tokens: Array) -> Array:
+  """The target's token embedding (shared weights), float32."""
+  return jnp.take(target_module.embed[...], tokens, axis=0).astype(jnp.float32)
+
+
+def head_logits(head: EagleHead, target_module, h: Array, vocab: Array | None = None) -> Array:
+  """Logits [B, T, V] of carried states h [B, T, D]: the head's norm, then the target's LM
+  head. vocab (int32 [Vr], optional): only those rows of the LM head are computed (FR-Spec);
+  every other token gets -inf, i.e. draft probability 0."""
+  x = head.norm(h)
+  if vocab is None:
+    return target_module.logits(x)
+  if target_module.lm_head is not None:
+    w_DR = jnp.take(target_module.lm_head.kernel[...], vocab, axis=1)
+  else:
+    w_DR = jnp.take(target_module.embed[...], vocab, axis=0).T
+  sub = jnp.einsum("btd,dr->btr", x.astype(w_DR.dtype), w_DR,
+                   preferred_element_type=jnp.float32)
+  full = jnp.full(sub.shape[:-1] + (target_module.config.vocab_size,), -jnp.inf, jnp.float32)
+  return full.at[..., vocab].set(sub)
+
+
+def frequent_vocab(tokens, size: int) -> "np.ndarray":
+  """FR-Spec's reduced draft vocabulary: the `size` most frequent ids of a token stream
+  (ties to the lower id), sorted."""
+  tokens = np.asarray(tokens).ravel()
+  if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+    raise ValueError(f"size must be an int >= 1, got {size!r}")
+  counts = np.bincount(tokens, minlength=size)
+  order = np.lexsort((np.arange(len(counts)), -counts))
+  return np.sort(order[:size]).astype(np.int32)
+
+
+@struct.dataclass
+class EagleState:
+  cache: kv.KVCache  # the head's own (one layer); true entries for positions [0, start)
+  node_slots: Array | None  # unused (no compaction); the level machinery's field
+  pending: Array  # float32 [B, D+1, C, Dm] target features of positions [start, L)
+  start: Array  # int32 [B]
+  length: Array  # int32 [B] L at the last commit (to count what a cycle emitted)
+
+
+@struct.dataclass
+class EagleDrafter(LevelDrafter):
+  """Drafts from an EAGLE head on the target's features (module doc).
+
+  head: the head as an `LM` (graph static, weights leaves); target: the target it reads
+  (its embedding and LM head are used, shared); layers: the captured target layers.
+  Build with `EagleDrafter.of(target, head, layers)`.
+  """
+
+  head: LM
+  target: LM
+  layers: tuple[int, ...] = struct.field(pytree_node=False)
+  deterministic: bool = struct.field(pytree_node=False, default=False)
+  vocab: Array | None = None  # int32 [Vr]: a reduced draft vocabulary (FR-Spec), or None
+
+  root_offset = -1  # head position t reads token t + 1: the root x_L is read at L - 1
+
+  @classmethod
+  def of(cls, target, head: EagleHead | LM | None = None, layers=None, *,
+         deterministic: bool = False, seed: int = 0, vocab=None) -> "EagleDrafter":
+    """A drafter for `target` (a Transformer or LM). head: an `EagleHead`, an LM of one, or
+    trained params (`EagleHeads` kind); None: an untrained head. vocab: token ids the head
+    may draft (FR-Spec, e.g. `frequent_vocab`); None: the whole vocabulary."""
+    target = LM.of(target)
+    layers = check_layers(target.config, default_layers(target.config.n_layers)
+                          if layers is None else layers)
+    if head is None:
+      head = init_head(target.config, layers, seed)
+    elif not isinstance(head, (EagleHead, LM)):  # trained params (an nnx.State)
+      head = head_from_params(target.config, head)
+    head = LM.of(head)
+    want = head_config(target.config).to_dict()
+    have = head.config.to_dict()
+    diff = [f"{k}: head {have[k]!r}, target's {want[k]!r}" for k in want
+            if k != "dtype" and have[k] != want[k]]
+    if diff:
+      raise ValueError("the EAGLE head does not fit this target: " + "; ".join(diff))
+    fuse_in = head.module().fuse.kernel[...].shape[0]
+    if fuse_in != len(layers) * want["d_model"]:
+      raise ValueError(f"the head fuses {fuse_in // want['d_model']} target layers but layers "
+                       f"has {len(layers)}: {layers!r}")
+    if vocab is not None:
+      v = np.asarray(vocab)
+      n = target.config.vocab_size
+      if (v.ndim != 1 or v.size == 0 or not np.issubdtype(v.dtype, np.integer)
+          or v.min() < 0 or v.max() >= n or len(np.unique(v)) != v.size):
+        raise ValueError(f"vocab must be a non-empty 1-D array of distinct token ids in "
+                         f"[0, {n}), got {vocab!r}")
+      vocab = jnp.asarray(v, jnp.int32)
+    return cls(head=head, target=target, layers=layers, deterministic=bool(deterministic),
+               vocab=vocab)
+
+  def validate(self, tree, batch: int) -> None:
+    """A reduced vocabulary must hold the tree's widest node's candidates."""
+    del batch
+    if self.vocab is not None and tree.max_width > self.vocab.shape[0]:
+      raise ValueError(f"tree has a node with {tree.max_width} candidates but the reduced "
+                       f"draft vocabulary has only {self.vocab.shape[0]} tokens")
+
+  @property
+  def feature_layers(self) -> tuple[int, ...]:
+    return self.layers
+
+  @property
+  def config(self) -> ModelConfig:
+    return self.head.config
+
+  def slots_needed(self, tree) -> int:
+    """Slots written from L in a cycle: the tree levels (from slot L - 1) and the opening
+    block (D + 1 rows from start >= L - D - 1, so up to slot L + D - 1)."""
+    return max(tree.n_nodes, _plan(tree).extent, tree.max_depth + 1)
+
+  # -- the protocol
+  def init(self, prompt_BP, prompt_len_B, cache_len: int, tree=None, features=None):
+    b, p = prompt_BP.shape
+    depth = 1 if tree is None else tree.max_depth
+    head = self.head.module()
+    cache = kv.init(self.head.config, b, cache_len)
+    nxt = jnp.concatenate([prompt_BP[:, 1:], jnp.zeros((b, 1), prompt_BP.dtype)], axis=1)
+    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    _, cache = head(head.fused(features), embed(self.target.module(), nxt), pos, cache)
+    start = (prompt_len_B - 1).astype(jnp.int32)
+    first = jnp.take_along_axis(features, start[:, None, None, None], axis=1)  # [B, 1, C, D]
+    pending = jnp.zeros((b, depth + 1) + features.shape[2:], jnp.float32).at[:, :1].set(first)
+    slots = None if tree is None else _plan(tree).node_slots(b)
+    return EagleState(cache=kv.set_lengths(cache, start), node_slots=slots, pending=pending,
+                      start=start, length=prompt_len_B.astype(jnp.int32))
+
+  def _root(self, state: EagleState, ctx: Context):
+    """One causal block over positions start..start+D (real up to L - 1): the head's cache
+    catches up on the verified positions and the row at L - 1 scores the root's children."""
+    head, tgt = self.head.module(), self.target.module()
+    rows = state.pending.shape[1]
+    j = jnp.arange(rows, dtype=jnp.int32)[None]
+    pos = state.start[:, None] + j
+    idx = jnp.minimum(pos + 1, ctx.tokens.shape[1] - 1)
+    toks = jnp.take_along_axis(ctx.tokens, idx, axis=1)
+    cache = kv.set_lengths(state.cache, state.start)
+    h_BJD, cache = head(head.fused(state.pending), embed(tgt, toks), pos, cache)
+    last = jnp.clip(ctx.length - state.start - 1, 0, rows - 1)
+    root_h = jnp.take_along_axis(h_BJD, last[:, None, None], axis=1)[:, 0]
+    return head_logits(head, tgt, root_h[:, None], self.vocab)[:, 0], root_h, cache
+
+  def _step(self, tokens_BW, parent_h_BWH, positions_BW, cache, mask):
+    head, tgt = self.head.module(), self.target.module()
+    h, cache = head(parent_h_BWH, embed(tgt, tokens_BW), positions_BW, cache, mask)
+    return head_logits(head, tgt, h, self.vocab), h, cache
+
+  def commit(self, state: EagleState, ctx: Context, tree, path_BP, n_accepted_B,
+             features=None) -> EagleState:
+    """Keeps the verified path's features (positions L..L'-1 = path nodes 0..m-1) for the
+    next proposal and rolls the head's cache back to L (drafted entries are discarded)."""
+    del tree, n_accepted_B
+    moved = ctx.length > state.length  # m = L' - L > 0 (0 for a finished row)
+    feats = jnp.take_along_axis(features, path_BP[:, :, None, None], axis=1)  # [B, D+1, C, D]
+    start = jnp.where(moved, state.length, state.start)
+    pending = jnp.where(moved[:, None, None, None], feats, state.pending)
+    return state.replace(cache=kv.set_lengths(state.cache, start), pending=pending, start=start,
+                         length=ctx.length)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleHeads:
+  """The EAGLE head kind for `specjax.training.heads`: one head, trained with
+  training-time test over `steps` unrolled drafting steps.
+
+  loss = Σ_j decay^j · mean_t KL(p_target(· | x_≤t+1) ‖ q^j_t),  j = 0 .. steps-1,
+
+  q^j_t the head's law at position t on drafting step j + 1 (`EagleHead.unroll`: step 1
+  reads the target's fused features, step j + 1 the head's own h of step j one position
+  earlier, attending as it will at run time), p_target the target's softmax for the same
+  token t + 2 (the frozen pass's logits at t + 1). Tokens are the text's (teacher forcing);
+  only the features are the head's own. KL to the target, like the Medusa kind, because
+  verification compares with the target. layers: the captured target layers (None: a low,
+  a middle and a high one, `default_layers`).
+  """
+
+  steps: int = 3
+  decay: float = 0.8
+  layers: tuple[int, ...] | None = None
+  name = "eagle"
+
+  def __post_init__(self):
+    if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
+      raise ValueError(f"steps must be an int >= 1 (unrolled drafting steps), got "
+                       f"{self.steps!r}")
+    if not (isinstance(self.decay, (int, float)) and 0.0 < self.decay <= 1.0):
+      raise ValueError(f"decay must be in (0, 1], got {self.decay!r}")
+    if self.layers is not None:
+      if not isinstance(self.layers, (tuple, list)) or not self.layers or not all(
+          isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers):
+        raise ValueError(f"layers must be a non-empty sequence of layer indices >= 0, got "
+                         f"{self.layers!r}")
+      object.__setattr__(self, "layers", tuple(self.layers))
+
+  @property
+  def positions(self) -> int:
+    return self.steps
+
+  def spec(self) -> dict:
+    return {"steps": self.steps, "decay": float(self.decay),
+            "layers": None if self.layers is None else list(self.layers)}
+
+  @classmethod
+  def from_spec(cls, spec: dict) -> "EagleHeads":
+    layers = spec.get("layers")
+    return cls(steps=int(spec["steps"]), decay=float(spec["decay"]),
+               layers=None if layers is None else tuple(int(i) for i in layers))
+
+  def feature_layers(self, target: ModelConfig) -> tuple[int, ...]:
+    return check_layers(target, default_layers(target.n_layers) if self.layers is None
+                        else self.layers)
+
+  def init(self, target: ModelConfig, key: Array):
+    layers = self.feature_layers(target)
+    head = EagleHead(target.replace(dtype="float32"), len(layers), rngs=nnx.Rngs(key))
+    return nnx.state(head, nnx.Param)
+
+  def _step_logits(self, params, tp) -> list[Array]:
+    """Logits [B, T-1, V] of every unrolled step at positions t = 0..T-2."""
+    target = tp.lm.module()
+    head = head_from_params(tp.lm.config, params)
+    t = tp.tokens.shape[1]
+    pos = jnp.broadcast_to(jnp.arange(t - 1, dtype=jnp.int32), tp.tokens[:, 1:].shape)
+    hs = head.unroll(tp.features[:, :-1], embed(target, tp.tokens[:, 1:]), pos, self.steps)
+    return [head_logits(head, target, h) for h in hs]
+
+  def loss(self, params, tp) -> tuple[Array, dict]:
+    """Σ_j decay^j · KL (class doc), step j averaged over its valid positions t >= j;
+    metrics: per-step KL and top-1 agreement with the target's argmax."""
+    p = tp.logits[:, 1:]
+    logp = jax.nn.log_softmax(p, -1)
+    kls, agree = [], []
+    for j, q in enumerate(self._step_logits(params, tp)):
+      logq = jax.nn.log_softmax(q[:, j:], -1)
+      lp = logp[:, j:]
+      kls.append(jnp.mean(jnp.sum(jnp.exp(lp) * (lp - logq), -1)))
+      agree.append(jnp.mean(jnp.argmax(q[:, j:], -1) == jnp.argmax(p[:, j:], -1)))
+    kl = jnp.stack(kls)
+    weights = jnp.asarray([self.decay ** j for j in range(self.steps)], jnp.float32)
+    return jnp.sum(weights * kl) / jnp.sum(weights), {"kl": kl, "agree": jnp.stack(agree)}
+
+  def guesses(self, params, tp, ranks: int) -> Array:
+    """int32 [B, T, J, R]: for the chain rooted at token t + 1, step j + 1's top-R guesses
+    for token t + 2 + j (computed at position t + j; rows past the window are padding)."""
+    b, t = tp.tokens.shape
+    out = []
+    for j, q in enumerate(self._step_logits(params, tp)):
+      top = jax.lax.top_k(q[:, j:], ranks)[1].astype(jnp.int32)  # [B, T-1-j, R]
+      out.append(jnp.concatenate([top, jnp.zeros((b, j + 1, ranks), jnp.int32)], axis=1))
+    return jnp.stack(out, axis=2)
