@@ -91,11 +91,13 @@ def parse_variant(variant) -> tuple[str, str]:
   return drafter, shape
 
 
-def _check_ints(params: dict, name: str, default) -> tuple[int, ...]:
+def _check_ints(params: dict, name: str, default, empty: bool = False) -> tuple[int, ...]:
   v = params.get(name, default)
-  if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)) or not v or not all(
-      isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v):
-    raise ValueError(f"{name} must be a non-empty list of ints >= 1, got {v!r}")
+  if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)) or not (
+      v or empty) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1
+                             for x in v):
+    raise ValueError(f"{name} must be a {'' if empty else 'non-empty '}list of ints >= 1, "
+                     f"got {v!r}")
   return tuple(v)
 
 
@@ -113,7 +115,7 @@ def validate(params: dict) -> None:
   measure.check_number(params, "oracle_alpha", 0.8, 0, 1)
   measure.check_choice(params, "recalibrate", False, (False, True))
   measure.check_choice(params, "statistic", "median", ("median", "fastest"))
-  _check_ints(params, "calibration_k", (1,))
+  _check_ints(params, "calibration_k", (1,), empty=True)  # () = the drafter's shapes only
   widths = _check_ints(params, "tree_widths", (2, 1, 1, 1))
   from specjax.drafters.layer_skip import check_layers
   from specjax.drafters.lookup import check_ngram
