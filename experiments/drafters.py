@@ -37,11 +37,12 @@ fixed snippets.
 Measured (`measure.compare`, as in the quickstart): plain and speculative runs alternated
 `repeats` times, decode phase only (each also timed with max_new_tokens = 1 and the prefill
 subtracted), medians (or the fastest calls). Predicted (`specjax.calibration`): the
-compiled loop with this very drafter is timed on the drafter's shapes (chains of
-`calibration_k` and k, its static tree, its dynamic tree), cached on disk and shared by the
-drafter's points of one (category, temperature); the cycle of the point's shape in plain
-target steps, with each row's measured reach P(n ≥ d) = depth_accepted ÷ cycles giving the
-tokens a loop iteration emits (`calibration.tokens_per_iteration`):
+compiled loop with this very drafter is timed on the drafter's shapes (its chain, its
+static tree, its dynamic tree, and the chains of `calibration_k` shorter than its own, for
+the fit), cached on disk and shared by the drafter's points of one (category, temperature).
+That gives the cycle of the point's shape in plain target steps; each row's measured reach
+P(n ≥ d) = depth_accepted ÷ cycles gives the tokens a loop iteration emits
+(`calibration.tokens_per_iteration`):
 
     predicted speedup = τ_loop ÷ cycle_steps(shape),  efficiency = measured ÷ predicted.
 
@@ -311,7 +312,7 @@ def point(variant: str, category: str = "code", temperature: float = 0.0, batch:
     d, t = build(s)
     by_key[calibration.shape_key(t)] = (d, t)
   chain_k = {t.size for d, t in by_key.values() if isinstance(t, trees.TreeSpec) and t.is_chain}
-  for c in sorted(set(calibration_k) - chain_k):
+  for c in sorted(c for c in set(calibration_k) - chain_k if c < max(chain_k)):
     by_key[calibration.shape_key(trees.chain(c))] = (build("chain")[0], trees.chain(c))
   shapes = [t for _, t in by_key.values()]
   cache_len = max(calibration.default_cache_len(target, d, prompt_ids, [t], max_new_tokens)
