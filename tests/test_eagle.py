@@ -308,3 +308,26 @@ def test_cli_trains_an_eagle_head_and_generates_with_it(byte_target, tmp_path, c
   assert json.loads(capsys.readouterr().out)["identical_to_plain"]
   assert cli.main(argv[:4] + ["--layers", "0,9"] + argv[4:]) == 2
   assert "layers must be" in capsys.readouterr().err
+
+
+def test_default_eagle_head_is_built_on_first_use_then_cached(monkeypatch, tmp_path, capfd,
+                                                             byte_target):
+  """`load_default_heads("eagle")` trains once into the cache, then loads; the head drafts
+  for the target it was built for (a stand-in default pair: the tiny byte target)."""
+  from specjax.training import defaults
+  pair = defaults.DefaultPair(TCFG, byte_target[1], TCFG, byte_target[1], TOK)
+  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+  monkeypatch.setattr(defaults, "load_default_pair", lambda *a, **kw: pair)
+  monkeypatch.setattr(defaults, "load_corpus", lambda spec: load_corpus(spec, max_bytes=60_000))
+  monkeypatch.setitem(defaults.DEFAULT_HEADS, "eagle",
+                      (KIND.spec(), TC.replace(steps=2, ckpt_every=1)))
+  head = defaults.load_default_heads("eagle", progress=False)
+  assert "training the default eagle heads" in capfd.readouterr().err
+  again = defaults.load_default_heads("eagle", progress=False)
+  assert "training" not in capfd.readouterr().err
+  for x, y in zip(jax.tree.leaves(again.params), jax.tree.leaves(head.params)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  target = byte_target[0]
+  d = EagleDrafter.of(target, again.params, again.kind.feature_layers(TCFG))
+  assert decoding.speculative_generate(target, d, [[5, 6, 7]], k=2, max_new_tokens=6).tokens \
+      == decoding.generate(target, [[5, 6, 7]], max_new_tokens=6).tokens
