@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import calibration, decoding, roofline, sampling, trees
-from specjax.drafters.base import LM
+from specjax.drafters.base import LM, Drafter
 from specjax.drafters.model import ModelDrafter
 from specjax.models import cache as kv
 
@@ -182,11 +182,18 @@ def prompts(tok, texts, batch: int, prompt_len: int) -> list[list[int]]:
   return [ids[i * stride:i * stride + prompt_len] for i in range(batch)]
 
 
+def drafter_of(draft, deterministic: bool = False) -> Drafter:
+  """A `Drafter` object as is; a draft model as a `ModelDrafter` (top-k candidates when
+  `deterministic`)."""
+  return draft if isinstance(draft, Drafter) else ModelDrafter.of(draft,
+                                                                  deterministic=deterministic)
+
+
 def cycle_slots(tree, draft) -> int:
   """Cache slots one speculative cycle of `tree` writes from the pending token with a draft
-  model (the engine's rule: the verified nodes, or the drafter's extent if larger); with
-  `decoding.cache_len_for` it gives the cache length the engine allocates."""
-  return max(tree.n_nodes, ModelDrafter.of(draft).slots_needed(tree))
+  model or a `Drafter` (the engine's rule: the verified nodes, or the drafter's extent if
+  larger); with `decoding.cache_len_for` it gives the cache length the engine allocates."""
+  return max(tree.n_nodes, drafter_of(draft).slots_needed(tree))
 
 
 @functools.lru_cache(maxsize=1)
@@ -389,7 +396,9 @@ def compare(target, draft, prompt_ids: Sequence[Sequence[int]], *, tree, max_new
             forward_repeats: int | None = None, statistic: str = "median",
             decode_only: bool = False, loop_costs=None) -> Comparison:
   """Plain `decoding.generate` and `decoding.speculative_generate` of `tree` (a chain is
-  `trees.chain(k)`) with the draft model `draft`, on the same prompts, alternated `repeats`
+  `trees.chain(k)`) with the draft model `draft` (or any `Drafter` object, used as is:
+  `deterministic` is then ignored; pass `loop_costs`, the standalone step costs time a
+  draft model), on the same prompts, alternated `repeats`
   times (`alternate`); then the step costs at the mean decoding context (the longest prompt
   + max_new_tokens // 2), medians of `forward_repeats` (default `repeats`) samples.
 
@@ -406,7 +415,7 @@ def compare(target, draft, prompt_ids: Sequence[Sequence[int]], *, tree, max_new
   prompt_len = max(len(p) for p in prompt_ids)
   if cache_len is None:
     cache_len = decoding.cache_len_for(prompt_len, max_new_tokens, cycle_slots(tree, draft))
-  drafter = ModelDrafter.of(draft, deterministic=deterministic)
+  drafter = drafter_of(draft, deterministic)
   common = dict(sampler=sampling.make_sampler(temperature), seed=seed, cache_len=cache_len)
 
   def plain(n):

@@ -20,7 +20,16 @@ cycle times are then fitted (pure numpy, `fit`) to
     cycle(N, D) = t_fixed + t_verify·(N + 1) + D·t_draft        (seconds, all ≥ 0)
 
 N = drafted nodes (k for a chain), D = draft passes (the depth; k for a chain). Chains alone
-cannot separate the three (N = D), so the fit needs a tree among the shapes. In target-step
+cannot separate the three (N = D), so the fit needs a tree among the shapes.
+
+Any drafter: `draft` may be a draft model or a `Drafter` object (prompt lookup, layer-skip,
+Medusa or EAGLE heads, the controlled-α oracle...), which is timed as is in the real loop,
+so whatever it costs lands in the fit without a per-kind model: t_draft is its cost per
+tree level (≈ 0 for prompt lookup; the heads alone for Medusa, which adds nothing per level,
+so its cost shows in t_fixed; one head layer per level for EAGLE; about m/L of a target step
+for layer-skip with m of L layers), and `drafter_for(draft, tree)` picks a per-shape variant
+(e.g. top-k candidates for trees). The cache key holds the drafter's class, its static
+fields (n-gram sizes, captured layers, deterministic...) and a digest of its weights. In target-step
 units (÷ t_step) a cycle costs `LoopCosts.cycle_steps(tree)`:
 
 - a shape that was calibrated itself uses its own measured cycle time (the table);
@@ -340,7 +349,12 @@ def _default_drafter(draft, tree: Tree) -> Drafter:
 
 
 def _describe_drafter(d: Drafter) -> str:
-  return f"{type(d).__name__}(deterministic={getattr(d, 'deterministic', None)})"
+  """The drafter's class and its static (non-array) fields, e.g. "ModelDrafter(deterministic=
+  False)", "LookupDrafter(max_ngram=3, min_ngram=1)": with the weights' digest, what sets
+  the loop that is timed (any drafter kind, no per-kind case)."""
+  static = ([f.name for f in dataclasses.fields(d) if not f.metadata.get("pytree_node", True)]
+            if dataclasses.is_dataclass(d) else [])
+  return f"{type(d).__name__}({', '.join(f'{n}={getattr(d, n)!r}' for n in static)})"
 
 
 STATISTICS = ("median", "fastest")

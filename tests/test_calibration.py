@@ -225,3 +225,44 @@ def test_costs_validation():
   with pytest.raises(ValueError, match="batch must be an int >= 1"):
     calibration.tokens_per_iteration([1.0], batch=0, tokens=10)
   assert calibration.LoopCosts.from_dict(costs.to_dict()) == costs
+
+
+def test_calibrate_times_any_drafter_object(fake_engine, random_pair, tmp_path, monkeypatch):
+  """A `Drafter` passed as `draft` is what every timed loop runs, its own cost lands in the
+  fit (a planted zero draft cost, as for prompt lookup, comes out as t_draft = 0), and its
+  static fields key the cache: another n-gram size is another calibration."""
+  from specjax.drafters.lookup import LookupDrafter
+  from specjax.drafters.model import ModelDrafter
+  clock, calls = fake_engine
+  target, draft = random_pair
+  seen = []
+
+  def speculative_generate(target, drafter, prompts, *, tree, max_new_tokens, **kw):
+    seen.append(drafter)
+    cycles = -(-(max_new_tokens - 1) // 3)
+    clock.now += 2e-3 + cycles * _law(tree, t_draft=0.0 if isinstance(drafter, LookupDrafter)
+                                      else T_DRAFT)
+    stats = {"cycles": np.full((len(prompts),), cycles, np.int32)}
+    return decoding.Generation(tokens=[[0] * max_new_tokens for _ in prompts],
+                               prompt_lengths=[len(p) for p in prompts], stats=stats,
+                               seconds=0, k=tree.size, tree=tree)
+
+  monkeypatch.setattr(calibration.decoding, "speculative_generate", speculative_generate)
+  prompts = [[1, 2, 3, 4]]
+  kw = dict(max_new_tokens=31, repeats=2, cache_dir=tmp_path, timer=clock)
+  lookup = LookupDrafter(max_ngram=3)
+  costs = calibration.calibrate(target, lookup, prompts, SHAPES[:5], **kw)
+  assert seen and all(d is lookup for d in seen)
+  f = costs.fitted
+  assert f.t_draft == pytest.approx(0.0, abs=1e-12)
+  assert (f.t_fixed, f.t_verify) == pytest.approx((T_FIXED, T_VERIFY), rel=1e-6)
+  assert costs.meta["drafters"]["chain(1)"] == "LookupDrafter(max_ngram=3, min_ngram=1)"
+  n = len(seen)
+  assert calibration.calibrate(target, LookupDrafter(max_ngram=3), prompts, SHAPES[:5],
+                               **kw).meta["cached"] is True and len(seen) == n
+  assert calibration.calibrate(target, LookupDrafter(max_ngram=4), prompts, SHAPES[:5],
+                               **kw).meta["cached"] is False and len(seen) > n
+  assert len(list(tmp_path.glob("*.json"))) == 2
+  # a draft model's description (and so its existing cache keys) is unchanged
+  assert calibration._describe_drafter(ModelDrafter.of(draft)) == \
+      "ModelDrafter(deterministic=False)"

@@ -30,8 +30,9 @@ def add_parser(subparsers) -> None:
                  "layers, final norm and head, sharing its weights), 'medusa:DIR' / "
                  "'medusa:default' (Medusa heads trained for the target by `specjax train "
                  "medusa`; the default target's are built on first use; --k is then the node "
-                 "budget of the static tree built from the heads' measured acceptance), 'eagle:DIR' / 'eagle:default' (an EAGLE head, "
-                 "`specjax train eagle`: a chain of --k), or a directory (write ./lookup for a directory of that name)")
+                 "budget of the static tree built from the heads' measured acceptance), "
+                 "'eagle:DIR' / 'eagle:default' (an EAGLE head, `specjax train eagle`: a chain "
+                 "of --k), or a directory (write ./lookup for a directory of that name)")
   p.add_argument("--ngram-max", type=int, default=3,
                  help="--draft lookup: longest suffix tried (default %(default)s)")
   p.add_argument("--ngram-min", type=int, default=1,
