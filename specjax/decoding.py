@@ -35,7 +35,7 @@ from specjax import adaptive, loop, metrics, sampling, trees
 from specjax.drafters.base import LM, Drafter
 from specjax.drafters.model import ModelDrafter
 from specjax.models import cache as kv
-from specjax.models.precision import DEFAULT_PRECISION, check_precision, matmul_precision
+from specjax.models.precision import DEFAULT_PRECISION, check_precision
 from specjax.trees import DynamicTree, TreeSpec
 
 Array = jax.Array
@@ -211,6 +211,12 @@ def prepare_batch(prompts: Sequence[Sequence[int]], *, vocab_size: int, max_len:
                budget_B=np.asarray(budgets, np.int32), cache_len=cache_len)
 
 
+def _precision_kw(precision: str) -> dict:
+  """The loops' `precision` keyword, left out at its default so that a direct call of a
+  compiled loop and the host API's share one compile (jit keys on the keywords passed)."""
+  return {} if precision == DEFAULT_PRECISION else {"precision": precision}
+
+
 def _key(seed) -> Array:
   if isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
     return seed
@@ -287,11 +293,10 @@ def generate(target, prompts, *, max_new_tokens, sampler=None, seed=0, eos_id=No
   kv.check_fits(cfg, len(batch.budget_B), batch.cache_len, what="target KV cache")
   sampler = sampler if sampler is not None else sampling.make_sampler(0.0)
   start = time.perf_counter()
-  with matmul_precision(precision):
-    state = loop.generate_jit(target, batch.prompt_BP, batch.prompt_len_B, batch.budget_B,
-                              _eos(eos_id, cfg.vocab_size), sampler, _key(seed),
-                              cache_len=batch.cache_len)
-    state = jax.block_until_ready(state)
+  state = loop.generate_jit(target, batch.prompt_BP, batch.prompt_len_B, batch.budget_B,
+                            _eos(eos_id, cfg.vocab_size), sampler, _key(seed),
+                            cache_len=batch.cache_len, **_precision_kw(precision))
+  state = jax.block_until_ready(state)
   return _collect(state, batch, time.perf_counter() - start, 0)
 
 
@@ -395,11 +400,11 @@ def speculative_generate(target, draft, prompts, *, k: int | str | None = None,
   kv.check_fits(cfg, b, batch.cache_len, extra_bytes=extra, what="target + draft KV caches")
   sampler = sampler if sampler is not None else sampling.make_sampler(0.0)
   start = time.perf_counter()
-  with matmul_precision(precision):
-    state = loop.speculative_jit(target, drafter, batch.prompt_BP, batch.prompt_len_B,
-                                 batch.budget_B, _eos(eos_id, cfg.vocab_size), sampler,
-                                 _key(seed), tree=tree, cache_len=batch.cache_len)
-    state = jax.block_until_ready(state)
+  state = loop.speculative_jit(target, drafter, batch.prompt_BP, batch.prompt_len_B,
+                               batch.budget_B, _eos(eos_id, cfg.vocab_size), sampler,
+                               _key(seed), tree=tree, cache_len=batch.cache_len,
+                               **_precision_kw(precision))
+  state = jax.block_until_ready(state)
   return _collect(state, batch, time.perf_counter() - start, tree.size, tree)
 
 
@@ -433,10 +438,9 @@ def _adaptive_generate(target: LM, drafter: Drafter, policy: adaptive.AdaptivePo
   kv.check_fits(cfg, b, batch.cache_len, extra_bytes=extra, what="target + draft KV caches")
   sampler = sampler if sampler is not None else sampling.make_sampler(0.0)
   start = time.perf_counter()
-  with matmul_precision(precision):
-    state = loop.adaptive_jit(target, drafter, policy, batch.prompt_BP, batch.prompt_len_B,
-                              batch.budget_B, _eos(eos_id, cfg.vocab_size), sampler,
-                              _key(seed), cache_len=batch.cache_len)
-    state = jax.block_until_ready(state)
+  state = loop.adaptive_jit(target, drafter, policy, batch.prompt_BP, batch.prompt_len_B,
+                            batch.budget_B, _eos(eos_id, cfg.vocab_size), sampler, _key(seed),
+                            cache_len=batch.cache_len, **_precision_kw(precision))
+  state = jax.block_until_ready(state)
   return _collect(state, batch, time.perf_counter() - start, max(policy.max_depth, 1), None,
                   policy)

@@ -43,6 +43,7 @@ from flax import struct
 from specjax import acceptance, sampling, trees
 from specjax.drafters.base import LM, Context
 from specjax.models import cache as kv
+from specjax.models.precision import DEFAULT_PRECISION, matmul_precision
 
 Array = jax.Array
 
@@ -156,6 +157,19 @@ def _write_rows(tokens_BS, start_B, values_BT, count_B):
 
 
 # ----------------------------------------------------------------------------- the loops
+
+
+def _under_precision(loop_fn):
+  """The loop with a `precision` keyword (static; `specjax.models.precision`, "highest" by
+  default): every product of the loop is traced under that policy, whoever calls it, so a
+  direct call and the host API's compile the same program."""
+  def run(*args, precision: str = DEFAULT_PRECISION, **kwargs):
+    with matmul_precision(precision):
+      return loop_fn(*args, **kwargs)
+  run.__name__, run.__qualname__, run.__doc__ = (loop_fn.__name__, loop_fn.__qualname__,
+                                                 loop_fn.__doc__)
+  run.__module__ = loop_fn.__module__
+  return run
 
 
 def generate_loop(target: LM, prompt_BP, prompt_len_B, budget_B, eos, sampler, key, *,
@@ -426,6 +440,9 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
 
 
 # The compiled loops the host API calls: one compile per static configuration.
-generate_jit = jax.jit(generate_loop, static_argnames=("cache_len",))
-speculative_jit = jax.jit(speculative_loop, static_argnames=("tree", "cache_len"))
-adaptive_jit = jax.jit(adaptive_loop, static_argnames=("cache_len",))
+generate_loop = _under_precision(generate_loop)
+speculative_loop = _under_precision(speculative_loop)
+adaptive_loop = _under_precision(adaptive_loop)
+generate_jit = jax.jit(generate_loop, static_argnames=("cache_len", "precision"))
+speculative_jit = jax.jit(speculative_loop, static_argnames=("tree", "cache_len", "precision"))
+adaptive_jit = jax.jit(adaptive_loop, static_argnames=("cache_len", "precision"))

@@ -13,9 +13,8 @@ from specjax.models.precision import PRECISIONS, check_precision, matmul_precisi
 from specjax_testing import TINY, model, perturbed
 
 
-def _dot_precisions(name: str, fn, *args) -> set[str]:
-  with matmul_precision(name):
-    text = jax.jit(fn).lower(*args).as_text()
+def _dot_precisions(fn, *args) -> set[str]:
+  text = jax.jit(fn).lower(*args).as_text()
   found = set()
   for line in text.splitlines():
     if "dot_general" in line and "precision = [" in line:
@@ -26,6 +25,7 @@ def _dot_precisions(name: str, fn, *args) -> set[str]:
 @pytest.mark.parametrize("name, hlo", [("highest", "HIGHEST"), ("high", "HIGH"),
                                        ("default", "DEFAULT")])
 def test_every_product_of_the_speculative_loop_runs_under_the_policy(name, hlo):
+  """The loop's own `precision` decides, also inside a caller's different context."""
   target = model(TINY["llama"], seed=0)
   drafter = ModelDrafter.of(perturbed(target, seed=1, noise=0.2))
   batch = decoding.prepare_batch([[1, 2, 3]], vocab_size=target.config.vocab_size,
@@ -34,9 +34,11 @@ def test_every_product_of_the_speculative_loop_runs_under_the_policy(name, hlo):
   def run(key):
     return loop.speculative_loop(LM.of(target), drafter, batch.prompt_BP, batch.prompt_len_B,
                                  batch.budget_B, jnp.asarray(-1), sampling.make_sampler(1.0),
-                                 key, tree=trees.chain(3), cache_len=batch.cache_len).tokens
+                                 key, tree=trees.chain(3), cache_len=batch.cache_len,
+                                 precision=name).tokens
 
-  assert _dot_precisions(name, run, jax.random.key(0)) == {hlo}
+  with matmul_precision("highest" if name != "highest" else "default"):
+    assert _dot_precisions(run, jax.random.key(0)) == {hlo}
 
 
 def test_host_api_takes_the_policy_and_compiles_once_per_policy():
@@ -69,7 +71,7 @@ def test_host_api_runs_both_loops_under_the_requested_policy(monkeypatch):
 
   def spy(real):
     def call(*args, **kwargs):
-      seen.append(jax.config.jax_default_matmul_precision)
+      seen.append(kwargs.get("precision", "highest"))
       return real(*args, **kwargs)
     return call
 
