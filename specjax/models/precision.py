@@ -6,7 +6,7 @@ compute their logits under the same arithmetic. On CPUs float32 products are flo
 whatever is asked; on accelerators the backend's *default* for float32 products may be
 faster and coarser (TF32 tensor cores on NVIDIA GPUs, bfloat16 passes on TPUs), and a
 one-row and a multi-row product can then round differently enough to flip an argmax on a
-near-tie. So the host API runs both loops under one named policy:
+near-tie. So both loops run under one named policy:
 
 - "highest" (the default): float32 products in full float32 (`precision=HIGHEST` on every
   dot). Use it for exactness work; it is the setting under which greedy identity is tested.
@@ -19,8 +19,9 @@ near-tie. So the host API runs both loops under one named policy:
 Weights stored in bfloat16 (`ModelConfig.dtype`) are a separate choice: their products take
 bf16 inputs with float32 accumulation under every policy.
 
-The policy is part of the trace context: changing it compiles the loop once more; the same
-policy twice reuses the compiled loop.
+The loops (`specjax.loop`) take the policy as a static `precision` argument, "highest" by
+default, and trace every product under it, so a direct call and the host API's compile the
+same program; changing the policy compiles the loop once more.
 """
 
 from __future__ import annotations
