@@ -15,6 +15,9 @@ machine. Everything is timed in one process, variants alternated, medians over r
    forward times: tok/s = τ / (d(2) + (k − 1)·d(1) + t_verify(k+1)), d(T) the draft's
    forward of T tokens (its first pass of a cycle feeds 2 tokens, the catch-up rule, the
    others 1); efficiency = measured / predicted.
+4. the same weights through a bare chain of one-row matrix products (`matmul_chain_seconds`):
+   plain decoding's tokens/s × that chain's seconds = the fraction of what the backend's own
+   kernels allow (`fraction_of_matmul_chain`).
 Standalone forwards donate the cache and feed it back (as the loop does), so no timing
 includes a cache copy.
 Also checks the compiled decode step for cache-sized copies (XLA copying the whole KV cache
@@ -38,7 +41,7 @@ from specjax import decoding, roofline
 from specjax.drafters.base import LM
 from specjax.models import cache as kv
 from specjax.models.presets import PRESETS
-from specjax.models.transformer import Transformer
+from specjax.models.transformer import Transformer, _one_row_safe_matmul
 
 
 def median_time(fn, repeats: int) -> float:
@@ -79,6 +82,29 @@ def forward_times(lm: LM, context: int, cache_len: int, ts, repeats: int) -> dic
       jax.block_until_ready(fn())
       samples[t].append(time.perf_counter() - start)
   return {t: statistics.median(v) for t, v in samples.items()}
+
+
+def matmul_chain_seconds(target, repeats: int) -> float:
+  """One pass of a bare chain of the target's own weight matrices (every 2-D parameter: the
+  attention and MLP kernels, then the embedding as LM head) applied to one row, products as
+  the model runs them (model-dtype inputs, float32 accumulation): what the backend's matrix
+  products allow for one decode step's weights, nothing else. Each product's input is the
+  previous output folded to the next width, so none can be skipped or fused away."""
+  leaves = jax.tree_util.tree_flatten_with_path(nnx.state(target, nnx.Param))[0]
+  mats = [x for path, x in leaves if x.ndim == 2 and "embed" not in jax.tree_util.keystr(path)]
+  head = target.lm_head.kernel[...] if target.lm_head is not None else target.embed[...].T
+  mats = mats + [head]
+  width = max(m.shape[0] for m in mats)
+
+  @jax.jit
+  def chain(x, mats):
+    for m in mats:
+      y = _one_row_safe_matmul("...i,io->...o", x[:, :m.shape[0]].astype(m.dtype), m)
+      x = jnp.resize(y, (1, width)) * 1e-3
+    return x
+
+  x0 = jnp.ones((1, width), jnp.float32)
+  return median_time(lambda: chain(x0, mats), repeats)
 
 
 def cache_copies(lm: LM, cache_len: int) -> list[str]:
@@ -126,6 +152,11 @@ def run(dtype: str, args) -> dict:
   floor_tok_s = args.bandwidth / step_bytes
   out["memory_floor_tok_s"] = floor_tok_s
   out["fraction_of_floor"] = tok_s / floor_tok_s
+  # The same weights through a bare chain of one-row products, timed in this run: plain
+  # decoding's tokens/s as a fraction of what the backend's own kernels allow.
+  chain_s = matmul_chain_seconds(target, args.repeats)
+  out["matmul_chain_ms"] = 1e3 * chain_s
+  out["fraction_of_matmul_chain"] = tok_s * chain_s
 
   # Speculative generation at T=0.
   k = args.k
