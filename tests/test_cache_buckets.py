@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from specjax import decoding, loop, sampling, trees
+from specjax.drafters.base import LM
+from specjax.drafters.model import ModelDrafter
 from specjax.models import cache as kv
 from specjax.models.transformer import ModelConfig
 from specjax_testing import TINY, model, perturbed
@@ -45,19 +47,33 @@ def test_bucketed_attention_equals_reading_every_slot(monkeypatch, mask):
 
 def test_long_cache_generation_is_unchanged_by_buckets(monkeypatch):
   """Greedy plain and speculative decoding (chain and tree) over a 512-slot cache whose
-  buckets (64..512) are crossed during the run give the same tokens as one full path."""
+  buckets (64..512) are crossed during the run (64 -> 128) give the same tokens as one full path.
+  BUCKET_MIN is read at trace time: each run traces a fresh jit of the loop."""
   target = model(TINY["llama"], seed=0, logit_scale=4.0)
-  draft = perturbed(target, seed=1, noise=0.25)
+  drafter = ModelDrafter.of(perturbed(target, seed=1, noise=0.25))
   prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
-  kw = dict(max_new_tokens=80, sampler=sampling.make_sampler(0.0), cache_len=512)
+  batch = decoding.prepare_batch(prompts, vocab_size=target.config.vocab_size,
+                                 max_len=target.config.max_len, max_new_tokens=80, slots=4,
+                                 cache_len=512)
+  args = (batch.prompt_BP, batch.prompt_len_B, batch.budget_B, jnp.asarray(-1),
+          sampling.make_sampler(0.0), jax.random.key(0))
+  lm = LM.of(target)
+
+  def plain():
+    run = jax.jit(lambda *a: loop.generate_loop(lm, *a, cache_len=512))
+    return np.asarray(run(*args).tokens)
+
+  def spec(tree):
+    run = jax.jit(lambda *a: loop.speculative_loop(lm, drafter, *a, tree=tree, cache_len=512))
+    return np.asarray(run(*args).tokens)
+
   monkeypatch.setattr(kv, "BUCKET_MIN", 10**9)
-  ref = decoding.generate(target, prompts, **kw).tokens
+  ref = plain()
   monkeypatch.setattr(kv, "BUCKET_MIN", 64)
-  jax.clear_caches()  # BUCKET_MIN is read at trace time
-  np.testing.assert_array_equal(decoding.generate(target, prompts, **kw).tokens, ref)
+  np.testing.assert_array_equal(plain(), ref)
   for tree in (trees.chain(3), trees.branching((2, 1))):
-    spec = decoding.speculative_generate(target, draft, prompts, tree=tree, **kw)
-    np.testing.assert_array_equal(spec.tokens, ref)
+    np.testing.assert_array_equal(spec(tree), ref)
+  assert int(np.max(batch.prompt_len_B)) + 80 > 64  # the run crosses the 64-slot bucket
 
 
 def test_bf16_cache_halves_the_bytes_and_keeps_greedy_identity():
