@@ -30,3 +30,26 @@ import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "float32")
+
+# Garbage collection only between tests, in the main thread. With automatic collection, a
+# collection triggered by any thread (tqdm's monitor thread, for one) could free compiled
+# XLA executables while the main thread was compiling another; workers of the full suite
+# crashed (SIGSEGV inside XLA:CPU compilation) at varying tests that way. Collecting after
+# every few tests keeps memory bounded and destructor timing deterministic.
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+import tqdm  # noqa: E402
+
+gc.disable()
+tqdm.tqdm.monitor_interval = 0  # no monitor thread
+_tests_since_collect = [0]
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage_between_tests():
+  yield
+  _tests_since_collect[0] += 1
+  if _tests_since_collect[0] >= 8:
+    _tests_since_collect[0] = 0
+    gc.collect()

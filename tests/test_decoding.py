@@ -401,7 +401,11 @@ class _FeatureProbe(ModelDrafter):
   """A model drafter that also keeps, per row, the target's final hidden state at position
   L - 1 (what Medusa-style heads read), to test the loop's features path. A cycle emits
   m = L' - L tokens (m < n + 1 when EOS or the budget cut in, 0 for a finished row); the
-  hidden state at L' - 1 is that of path node m - 1."""
+  hidden state at L' - 1 is that of path node m - 1. The extra static field keeps its
+  compiled program (another state structure) apart from ModelDrafter's (docs/xla_notes.md,
+  trap 9)."""
+
+  probe: bool = _struct.field(pytree_node=False, default=True)
 
   feature_layers = property(lambda self: (self.lm.config.n_layers,))
 

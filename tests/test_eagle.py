@@ -177,7 +177,10 @@ def joint_target():
 @struct.dataclass
 class _ReportsTheWrongLaw(EagleDrafter):
   """Planted bug: children are sampled from the head's law sharpened (q²), while the
-  proposal reports q itself to the acceptance rule."""
+  proposal reports q itself to the acceptance rule. The extra static field keeps its
+  compiled program apart from its parent's (docs/xla_notes.md, trap 9)."""
+
+  planted: bool = struct.field(pytree_node=False, default=True)
 
   def _children(self, logits_BRV, q_BRV, parent_row, rank, width, key):
     sharp = None if q_BRV is None else q_BRV ** 2

@@ -110,7 +110,11 @@ def test_joint_law_of_first_three_tokens_matches_the_target(joint_target, tree, 
 
 @struct.dataclass
 class _ReportsUniformQ(LayerSkipDrafter):
-  """Planted bug: samples its candidates from q but tells the rule q is uniform."""
+  """Planted bug: samples its candidates from q but tells the rule q is uniform. The extra
+  static field keeps its compiled program apart from its parent's (docs/xla_notes.md,
+  trap 9)."""
+
+  planted: bool = struct.field(pytree_node=False, default=True)
 
   def propose(self, state, ctx, tree, sampler, key):
     proposal, state = super().propose(state, ctx, tree, sampler, key)
