@@ -31,11 +31,11 @@ import jax  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "float32")
 
-# Garbage collection only between tests, in the main thread. With automatic collection, a
-# collection triggered by any thread (tqdm's monitor thread, for one) could free compiled
-# XLA executables while the main thread was compiling another; workers of the full suite
-# crashed (SIGSEGV inside XLA:CPU compilation) at varying tests that way. Collecting after
-# every few tests keeps memory bounded and destructor timing deterministic.
+# Garbage collection only between tests, in the main thread, and no tqdm monitor thread:
+# freed compiled programs are destroyed at a known point instead of whenever any thread
+# allocates (a guard added while chasing worker crashes inside XLA:CPU compilation; the
+# crashes were traced to test drafter subclasses hitting docs/xla_notes.md, trap 9).
+# Collecting every few tests keeps memory bounded.
 import gc  # noqa: E402
 
 import pytest  # noqa: E402
