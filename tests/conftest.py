@@ -33,8 +33,8 @@ jax.config.update("jax_default_matmul_precision", "float32")
 
 # Garbage collection only between tests, in the main thread, and no tqdm monitor thread:
 # freed compiled programs are destroyed at a known point instead of whenever any thread
-# allocates (a guard added while chasing worker crashes inside XLA:CPU compilation; the
-# crashes were traced to test drafter subclasses hitting docs/xla_notes.md, trap 9).
+# allocates (a guard added while chasing worker crashes inside XLA:CPU compilation, which
+# it did not cure; see BUILD_NOTES.md, "Known limits").
 # Collecting every few tests keeps memory bounded.
 import gc  # noqa: E402
 
