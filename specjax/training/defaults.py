@@ -110,8 +110,9 @@ class CacheError(Exception):
   """A cache entry that is missing, partial or corrupt (the message says which)."""
 
 
-def _verify_and_load(entry: pathlib.Path, recipe: dict) -> DefaultPair:
-  """Load the pair in `entry`, raising CacheError unless every check passes."""
+def _check_manifest(entry: pathlib.Path, recipe: dict, what: str) -> dict:
+  """The manifest of `entry`; CacheError unless it is readable, of this recipe, and its file
+  digests match the files (`what` names the recipe's source in the message)."""
   manifest_path = entry / MANIFEST
   if not manifest_path.is_file():
     raise CacheError("no manifest (partial entry)")
@@ -120,12 +121,18 @@ def _verify_and_load(entry: pathlib.Path, recipe: dict) -> DefaultPair:
   except (OSError, json.JSONDecodeError) as e:
     raise CacheError(f"unreadable manifest: {e}") from e
   if manifest.get("recipe") != recipe:
-    raise CacheError("manifest recipe differs from the current preset")
+    raise CacheError(f"manifest recipe differs from the current {what}")
   digests = _file_digests(entry)
   if digests != manifest.get("files"):
     expected = manifest.get("files") or {}
     bad = sorted(k for k in set(digests) | set(expected) if digests.get(k) != expected.get(k))
     raise CacheError(f"{len(bad)} file(s) differ from the manifest checksums, e.g. {bad[:3]}")
+  return manifest
+
+
+def _verify_and_load(entry: pathlib.Path, recipe: dict) -> DefaultPair:
+  """Load the pair in `entry`, raising CacheError unless every check passes."""
+  manifest = _check_manifest(entry, recipe, "preset")
   try:
     target = load_trained(entry / "target", config=ModelConfig.from_dict(recipe["target"]))
     draft = load_trained(entry / "draft", config=ModelConfig.from_dict(recipe["draft"]))
@@ -261,20 +268,7 @@ def heads_entry_dir(kind: str, preset: str, corpus: str, target_fingerprint: str
 
 def _verify_and_load_heads(entry: pathlib.Path, recipe: dict, pair: DefaultPair):
   from specjax.training.heads import load_head
-  manifest_path = entry / MANIFEST
-  if not manifest_path.is_file():
-    raise CacheError("no manifest (partial entry)")
-  try:
-    manifest = json.loads(manifest_path.read_text())
-  except (OSError, json.JSONDecodeError) as e:
-    raise CacheError(f"unreadable manifest: {e}") from e
-  if manifest.get("recipe") != recipe:
-    raise CacheError("manifest recipe differs from the current default heads")
-  digests = _file_digests(entry)
-  if digests != manifest.get("files"):
-    expected = manifest.get("files") or {}
-    bad = sorted(k for k in set(digests) | set(expected) if digests.get(k) != expected.get(k))
-    raise CacheError(f"{len(bad)} file(s) differ from the manifest checksums, e.g. {bad[:3]}")
+  manifest = _check_manifest(entry, recipe, "default heads")
   try:
     head = load_head(entry / "head", target=(pair.target_config, pair.target_params),
                      kind=recipe["kind"])
