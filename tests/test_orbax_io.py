@@ -117,3 +117,39 @@ def test_bad_arguments(tmp_path):
     orbax_io.Checkpointer(tmp_path, keep=0)
   with pytest.raises(ValueError, match="config must be a dataclass"):
     orbax_io.save(tmp_path, 0, params=_state(), config={"width": 4})
+
+
+_SAVE_ON_LAST_DEVICE = """
+import sys
+import jax, jax.numpy as jnp
+from specjax.checkpoints import orbax_io
+device = jax.devices()[-1]
+params = {"w": jax.device_put(jnp.arange(6.0).reshape(2, 3), device),
+          "b": jax.device_put(jnp.ones(3), device)}
+orbax_io.save(sys.argv[1], 1, params=params, opt_state=params)
+print(device)
+"""
+
+
+def test_checkpoint_from_another_topology_restores_here(tmp_path):
+  """A checkpoint written by a process with other devices (here: saved on the 4th of four
+  host devices, as a GPU or a multi-device run would) restores in this one, with and without
+  a target; orbax alone refuses it ("Topology mismatch")."""
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", _SAVE_ON_LAST_DEVICE, str(tmp_path / "ck")],
+                       env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "3" in out.stdout  # really saved on a device this process does not have
+  assert len(jax.devices()) < 4
+  target = {"w": np.zeros((2, 3), np.float32), "b": np.zeros(3, np.float32)}
+  for params_target in (target, None):
+    restored = orbax_io.restore(tmp_path / "ck", params_target=params_target,
+                                opt_state_target=target)
+    np.testing.assert_array_equal(np.asarray(restored.params["w"]),
+                                  np.arange(6.0).reshape(2, 3))
+    np.testing.assert_array_equal(np.asarray(restored.opt_state["b"]), np.ones(3))
+    assert restored.params["w"].devices() == {jax.devices()[0]}

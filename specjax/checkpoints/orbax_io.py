@@ -89,7 +89,15 @@ def _to_saveable(tree: Any) -> Any:
 
 
 def _abstract(tree: Any) -> Any:
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+  """Shape/dtype structs placed on this process's default device.
+
+  The placement is explicit so a checkpoint restores whatever devices saved it: without it
+  orbax rebuilds the sharding stored in the checkpoint, which fails ("Topology mismatch") when
+  it was written on another platform (a GPU) or with more devices than this process has.
+  """
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=device),
+                      tree)
 
 
 def _shapes(tree: Any) -> dict[str, tuple]:
@@ -180,11 +188,15 @@ class Checkpointer:
                        f"available steps: {steps}")
     return step
 
+  def _stored_params(self, step: int) -> Any:
+    """The stored parameter tree's metadata (leaves with shape and dtype)."""
+    stored = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / PARAMS)
+    return stored.tree if hasattr(stored, "tree") else stored
+
   def _check_shapes(self, step: int, target: Any) -> None:
     """Compare stored parameter shapes with the target's before orbax reads anything."""
     try:
-      stored = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / PARAMS)
-      stored = _shapes(stored.tree if hasattr(stored, "tree") else stored)
+      stored = _shapes(self._stored_params(step))
     except Exception:  # noqa: BLE001 (no metadata: let orbax itself complain)
       return
     expected = _shapes(target)
@@ -216,8 +228,10 @@ class Checkpointer:
                          "different config:\n  " + "\n  ".join(diff))
     if params_target is not None:
       self._check_shapes(step, _to_saveable(params_target))
-    items = {PARAMS: ocp.args.StandardRestore(
-        None if params_target is None else _abstract(_to_saveable(params_target)))}
+    if params_target is None:  # the stored structure, placed here (see _abstract)
+      items = {PARAMS: ocp.args.StandardRestore(_abstract(self._stored_params(step)))}
+    else:
+      items = {PARAMS: ocp.args.StandardRestore(_abstract(_to_saveable(params_target)))}
     if opt_state_target is not None:
       items[OPT_STATE] = ocp.args.StandardRestore(_abstract(_to_saveable(opt_state_target)))
     try:
