@@ -16,10 +16,12 @@ from specjax_testing import TINY, model, perturbed
 
 
 def test_prefix_buckets_halve_down_to_the_minimum():
-  assert kv.prefix_buckets(256) == (256,)
-  assert kv.prefix_buckets(1024) == (512, 1024)
+  assert kv.prefix_buckets(128) == (128,)
+  assert kv.prefix_buckets(256) == (128, 256)
+  assert kv.prefix_buckets(1024) == (128, 256, 512, 1024)
   assert kv.prefix_buckets(8192) == (1024, 2048, 4096, 8192)
-  assert kv.prefix_buckets(1000) == (500, 1000) if kv.BUCKET_MIN <= 500 else (1000,)
+  assert kv.prefix_buckets(1000) == (250, 500, 1000)  # odd halves end the split
+  assert kv.prefix_buckets(1000 + 1) == (1001,)
 
 
 @pytest.mark.parametrize("mask", ["causal", "tree"])
