@@ -32,6 +32,7 @@ import functools
 import json
 import re
 import statistics
+import sys
 import time
 
 import jax
@@ -43,6 +44,15 @@ from specjax.drafters.base import LM
 from specjax.models import cache as kv
 from specjax.models.presets import PRESETS
 from specjax.models.transformer import Transformer, _one_row_safe_matmul
+
+
+_START = time.perf_counter()
+
+
+def _log(stage: str) -> None:
+  """Progress on stderr (stdout carries the JSON): where a slow or stopped run got to."""
+  print(f"bench_core [{time.perf_counter() - _START:7.1f} s] {stage}", file=sys.stderr,
+        flush=True)
 
 
 def median_time(fn, repeats: int) -> float:
@@ -127,15 +137,18 @@ def run(dtype: str, args) -> dict:
   cache_len = args.cache_len
   out = {"dtype": dtype, "context": args.context, "cache_len": cache_len}
 
+  _log(f"{dtype}: target forwards T = 1..16")
   ts = (1, 2, 4, 5, 8, 16)
   fwd = forward_times(lm, args.context, cache_len, ts, args.repeats)
   out["forward_ms"] = {t: 1e3 * v for t, v in fwd.items()}
   out["verify_cost"] = {t: fwd[t] / fwd[1] for t in ts}
+  _log(f"{dtype}: draft forwards")
   draft_fwd = forward_times(LM.of(draft), args.context, cache_len, (1, 2), args.repeats)
   out["draft_step_ms"] = 1e3 * draft_fwd[2]
   out["c"] = draft_fwd[2] / fwd[1]
   out["cache_copies_in_decode_step"] = cache_copies(lm, cache_len)
 
+  _log(f"{dtype}: plain generation")
   # Plain generation: loop overhead and memory floor. Decode phase = a call of n tokens minus
   # a call of 1 (the prefill alone), alternated, medians: what one decode step costs.
   prompt = [list(range(1, args.context + 1))]
@@ -162,10 +175,12 @@ def run(dtype: str, args) -> dict:
   out["fraction_of_floor"] = tok_s / floor_tok_s
   # The same weights through a bare chain of one-row products, timed in this run: plain
   # decoding's tokens/s as a fraction of what the backend's own kernels allow.
+  _log(f"{dtype}: bare matmul chain")
   chain_s = matmul_chain_seconds(target, args.repeats)
   out["matmul_chain_ms"] = 1e3 * chain_s
   out["fraction_of_matmul_chain"] = tok_s * chain_s
 
+  _log(f"{dtype}: speculative generation")
   # Speculative generation at T=0.
   k = args.k
   for name, d, d_fwd in (("self_draft", target, fwd), ("draft_2l", draft, draft_fwd)):
@@ -195,6 +210,7 @@ def main():
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--out", default=None)
   args = p.parse_args()
+  _log(f"calibrating the backend ({jax.default_backend()})")
   hw = roofline.calibrate(stream_bytes=512 * 2**20)
   args.bandwidth = hw.bandwidth
   results = {"backend": jax.default_backend(), "devices": str(jax.devices()),
