@@ -65,6 +65,24 @@ RAGGED = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [7], [3, 3, 3, 3, 3, 3, 3, 
           [11, 13, 17, 19]]  # a ragged batch of prompts
 
 
+def assert_greedy_identity(target, drafter, tree, new_tokens: int) -> None:
+  """Speculative decoding of RAGGED with `drafter` and `tree` at T = 0 emits plain greedy
+  decoding's tokens: with per-row budgets and an EOS (a token row 0 emits) cutting cycles
+  short, and uncut over `new_tokens`, where the drafter is neither always right nor always
+  wrong (0 < α < 1)."""
+  plain = decoding.generate(target, RAGGED, max_new_tokens=new_tokens)
+  eos = plain.tokens[0][5]
+  budgets = [new_tokens, 2, 7, new_tokens, 1, 13]
+  ref = decoding.generate(target, RAGGED, max_new_tokens=budgets, eos_id=eos)
+  run = decoding.speculative_generate(target, drafter, RAGGED, tree=tree,
+                                      max_new_tokens=budgets, eos_id=eos)
+  assert run.tokens == ref.tokens
+  full = decoding.speculative_generate(target, drafter, RAGGED, tree=tree,
+                                       max_new_tokens=new_tokens)
+  assert full.tokens == plain.tokens
+  assert 0.0 < full.summary().alpha < 1.0
+
+
 # ----------------------------------------------------------------------------- joint law (χ²)
 #
 # The law of the first three emitted tokens of JOINT_ROWS independent rows against the

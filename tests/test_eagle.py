@@ -19,8 +19,8 @@ from specjax.drafters.base import LM
 from specjax.drafters.eagle import (EagleDrafter, EagleHeads, default_layers, embed,
                                     head_logits)
 from specjax.training.heads import HeadTrainer, load_head, train_head
-from specjax_testing import (FALSE_ALARM, PROMPT, RAGGED, TC, TCFG, TOK, exact_joint,
-                             first_three, joint_pvalue, model)
+from specjax_testing import (FALSE_ALARM, PROMPT, RAGGED, TC, TCFG, TOK, assert_greedy_identity,
+                             exact_joint, first_three, joint_pvalue, model)
 from specjax_testing import byte_target, data  # noqa: F401 (shared fixtures)
 from specjax_testing import joint_target as _joint_target
 
@@ -103,17 +103,7 @@ def test_proposals_equal_a_cache_free_reference_after_some_cycles(byte_target, d
 def test_greedy_identity_with_plain_decoding_on_a_ragged_batch(byte_target, drafter, tree):
   """Same tokens as plain greedy decoding, also with per-row budgets and an EOS that cuts
   cycles short (the features of path node m - 1 then start the next cycle)."""
-  target = byte_target[0]
-  plain = decoding.generate(target, RAGGED, max_new_tokens=20)
-  eos = plain.tokens[0][5]
-  budgets = [20, 2, 7, 20, 1, 13]
-  ref = decoding.generate(target, RAGGED, max_new_tokens=budgets, eos_id=eos)
-  run = decoding.speculative_generate(target, drafter, RAGGED, tree=tree,
-                                      max_new_tokens=budgets, eos_id=eos)
-  assert run.tokens == ref.tokens
-  full = decoding.speculative_generate(target, drafter, RAGGED, tree=tree, max_new_tokens=20)
-  assert full.tokens == plain.tokens
-  assert 0.0 < full.summary().alpha < 1.0
+  assert_greedy_identity(byte_target[0], drafter, tree, new_tokens=20)
 
 
 def test_reduced_vocabulary_greedy_identity_and_drafts_inside_it(byte_target, drafter):

@@ -23,8 +23,9 @@ from specjax.models.transformer import ModelConfig
 from specjax.training import defaults
 from specjax.training.heads import HeadTrainer, TargetBinding, load_head, train_head
 from specjax.training.trainer import params_fingerprint
-from specjax_testing import (FALSE_ALARM, PROMPT, RAGGED, TC, TCFG, TINY, TOK, exact_joint,
-                             first_three, joint_pvalue, joint_target, model)
+from specjax_testing import (FALSE_ALARM, PROMPT, RAGGED, TC, TCFG, TINY, TOK,
+                             assert_greedy_identity, exact_joint, first_three, joint_pvalue,
+                             joint_target, model)
 from specjax_testing import byte_target, data  # noqa: F401 (shared fixtures)
 
 
@@ -53,16 +54,7 @@ def drafter(target):
 def test_greedy_identity_with_plain_decoding_on_a_ragged_batch(target, drafter, tree):
   """Same tokens as plain greedy decoding, with per-row budgets and an EOS cutting cycles
   short (the drafter then takes the hidden state of path node m - 1, m < n + 1)."""
-  plain = decoding.generate(target, RAGGED, max_new_tokens=24)
-  eos = plain.tokens[0][5]
-  budgets = [24, 2, 7, 24, 1, 13]
-  ref = decoding.generate(target, RAGGED, max_new_tokens=budgets, eos_id=eos)
-  run = decoding.speculative_generate(target, drafter, RAGGED, tree=tree,
-                                      max_new_tokens=budgets, eos_id=eos)
-  assert run.tokens == ref.tokens
-  full = decoding.speculative_generate(target, drafter, RAGGED, tree=tree, max_new_tokens=24)
-  assert full.tokens == plain.tokens
-  assert 0.0 < full.summary().alpha < 1.0
+  assert_greedy_identity(target, drafter, tree, new_tokens=24)
 
 
 def test_drafter_keeps_the_final_hidden_state_at_L_minus_1(target, drafter):
