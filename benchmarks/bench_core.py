@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import re
 import statistics
 import sys
@@ -45,6 +44,7 @@ from specjax.models import cache as kv
 from specjax.models.presets import PRESETS
 from specjax.models.transformer import Transformer, _one_row_safe_matmul
 
+from _timing import median_seconds, write_results  # benchmarks/_timing.py
 
 _START = time.perf_counter()
 
@@ -53,16 +53,6 @@ def _log(stage: str) -> None:
   """Progress on stderr (stdout carries the JSON): where a slow or stopped run got to."""
   print(f"bench_core [{time.perf_counter() - _START:7.1f} s] {stage}", file=sys.stderr,
         flush=True)
-
-
-def median_time(fn, repeats: int) -> float:
-  jax.block_until_ready(fn())  # compile / warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 @functools.partial(jax.jit, donate_argnums=(3,))
@@ -115,7 +105,7 @@ def matmul_chain_seconds(target, repeats: int) -> float:
     return x
 
   x0 = jnp.ones((1, width), jnp.float32)
-  return median_time(lambda: chain(x0, mats), repeats)
+  return median_seconds(lambda: chain(x0, mats), repeats)
 
 
 def cache_copies(lm: LM, cache_len: int) -> list[str]:
@@ -216,10 +206,7 @@ def main():
   results = {"backend": jax.default_backend(), "devices": str(jax.devices()),
              "calibrated": {"bandwidth_GBps": hw.bandwidth / 1e9, "flops_G": hw.flops / 1e9},
              "runs": [run(d, args) for d in args.dtype]}
-  print(json.dumps(results, indent=1))
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(results, f, indent=1)
+  write_results(results, args.out)
 
 
 if __name__ == "__main__":

@@ -28,11 +28,9 @@ what is lost is loop overhead (acceptance, bookkeeping, compaction).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +44,8 @@ from specjax.models import cache as kv
 from specjax.models.presets import PRESETS
 from specjax.models.transformer import Transformer
 from specjax.trees import DynamicTree
+
+from _timing import median_seconds, write_results  # benchmarks/_timing.py
 
 
 # ----------------------------------------------------------------------------- model pairs
@@ -131,13 +131,7 @@ def forward_time(lm: LM, batch: int, context: int, cache_len: int, t: int, repea
   toks = jnp.zeros((batch, t), jnp.int32)
   pos = jnp.broadcast_to(context + jnp.arange(t, dtype=jnp.int32), (batch, t))
   mask = None if window == 0 else jnp.ones((t, t + window), bool)
-  jax.block_until_ready(_forward(lm, toks, pos, cache, mask))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(_forward(lm, toks, pos, cache, mask))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return median_seconds(lambda: _forward(lm, toks, pos, cache, mask), repeats)
 
 
 def draft_steps(tree) -> list[tuple[int, int]]:
@@ -276,10 +270,7 @@ def main():
     results["runs"].append(run_temperature(target, draft, prompts, t, args, cache_len,
                                            timing_cache))
   results["load_average_end"] = os.getloadavg()
-  print(json.dumps(results, indent=1))
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(results, f, indent=1)
+  write_results(results, args.out)
 
 
 if __name__ == "__main__":

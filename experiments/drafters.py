@@ -56,10 +56,8 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 import time
 
-import jax
 import numpy as np
 
 from experiments import measure
@@ -326,56 +324,24 @@ def point(variant: str, category: str = "code", temperature: float = 0.0, batch:
                         repeats=repeats, temperature=temperature, seed=seed,
                         cache_len=cache_len, decode_only=True, loop_costs=costs,
                         statistic=statistic)
-  summary = cmp.spec.summary()
   st = cmp.spec.stats
-  depth_tried = st["depth_tried"].sum(axis=0)
-  depth_accepted = st["depth_accepted"].sum(axis=0)
   tau_loop = calibration.tokens_per_iteration(_reach_laws(st), batch, max_new_tokens - 1)
-  predicted = cmp.predicted(tau_loop)
-  efficiency = cmp.efficiency(predicted)
+  row = measure.speculative_row(cmp, tau_loop, temperature)
   label = _label(drafter_name, shape, tree)
-  line = verdict(label, category, batch, temperature, cmp.speedup, predicted, efficiency,
-                 summary.tau)
-  _say(line)
+  line = verdict(label, category, batch, temperature, cmp.speedup, row["predicted_speedup"],
+                 row["efficiency"], row["tau"])
+  measure.say(line)
   train_s = head(drafter_name, models, head_steps)[3] if drafter_name in HEAD_KINDS else None
-  fit = costs.fitted
   return {
       "verdict": line, "label": label, "drafter": drafter_name, "shape": shape,
-      "temperature": float(temperature), "batch": batch, "category": category,
-      "drafted_per_cycle": tree.size,
-      "plain_tok_s": cmp.plain_tok_s, "spec_tok_s": cmp.spec_tok_s, "speedup": cmp.speedup,
-      "predicted_speedup": predicted, "efficiency": efficiency,
-      "alpha": summary.alpha, "alpha_trial": summary.alpha_trial,
-      "alpha_ci": list(summary.alpha_ci), "tau": summary.tau, "tau_loop_predicted": tau_loop,
-      "tau_iid": (float(theory.expected_tokens(summary.alpha_trial, tree.size))
+      "temperature": float(temperature), "batch": batch, "category": category, **row,
+      "tau_iid": (float(theory.expected_tokens(row["alpha_trial"], tree.size))
                   if shape == "chain" else None),
       "oracle_alpha": oracle_alpha if drafter_name == "oracle" else None,
       "acceptance_by_position": [float(a) / t if t > 0 else None
-                                 for a, t in zip(depth_accepted, depth_tried)],
-      "depth_tried": depth_tried.tolist(), "depth_accepted": depth_accepted.tolist(),
-      "run_lengths": st["hist"].sum(axis=0).tolist(),
-      "loop_iterations": int(np.max(st["cycles"])),
-      "identical_to_plain": cmp.identical if temperature == 0 else None,
+                                 for a, t in zip(row["depth_accepted"], row["depth_tried"])],
       "head_train_seconds": train_s,
-      "cycle_steps": costs.cycle_steps(tree), "t_step_ms": 1e3 * costs.t_step,
-      "calibration": {"cycle_steps": {key: sec / costs.t_step
-                                      for key, (_, _, sec) in costs.cycles.items()},
-                      "fit_steps": None if fit is None else {
-                          "t_fixed": fit.t_fixed / costs.t_step,
-                          "t_verify": fit.t_verify / costs.t_step,
-                          "t_draft": fit.t_draft / costs.t_step, "rel_rms": fit.rel_rms},
-                      "cached": bool(costs.meta.get("cached")), "key": costs.meta.get("key")},
-      "backend": jax.default_backend(),
   }
-
-
-def _say(line: str) -> None:
-  """A verdict line on the console, above the progress bar."""
-  try:
-    from tqdm import tqdm
-    tqdm.write(line, file=sys.stderr)
-  except ImportError:  # pragma: no cover
-    print(line, file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- report

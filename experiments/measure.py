@@ -26,6 +26,8 @@ report; everything it measures goes through here:
   passes per cycle, c the draft's cost per pass and v the verification cost, both in
   one-token target steps (see docs/cost_model.md, "c as measured"); τ is the tokens per
   cycle the experiment predicts (E[τ](α, k) for a chain, the measured τ for a tree);
+- `speculative_row(cmp, tau_loop, temperature)`: the result fields every point reports about
+  a `Comparison` measured with calibrated loop costs; `say(line)`: a verdict on the console;
 - `hardware()`: this machine's roofline, calibrated once per process;
 - `check_int` / `check_number` / `check_choice`: the parameter checks of every `validate`.
 """
@@ -36,6 +38,7 @@ import dataclasses
 import functools
 import math
 import statistics
+import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -438,3 +441,54 @@ def compare(target, draft, prompt_ids: Sequence[Sequence[int]], *, tree, max_new
                     cache_len=cache_len, context=context,
                     plain_prefill_s=seconds.get("plain_prefill"),
                     spec_prefill_s=seconds.get("spec_prefill"), loop_costs=loop_costs)
+
+
+def speculative_row(cmp: Comparison, tau_loop: float, temperature: float,
+                    cycle_name: Callable[[str, int, int], str] | None = None) -> dict:
+  """The result fields every point reports about a `Comparison` measured with calibrated loop
+  costs (`compare(..., loop_costs=...)`):
+
+  plain_tok_s, spec_tok_s, speedup (measured); predicted_speedup = cmp.predicted(tau_loop)
+  and efficiency = measured ÷ predicted; alpha, alpha_trial, alpha_ci, tau of the
+  speculative run; tau_loop_predicted = tau_loop; loop_iterations (the most cycles of any
+  row); depth_tried / depth_accepted (per draft depth, summed over rows); run_lengths (the
+  histogram of accepted lengths); drafted_per_cycle (tree size); cycle_steps of the tree and
+  t_step_ms (calibrated); calibration: every calibrated cycle in target steps (named by
+  `cycle_name(key, N, D)`, by default its key), the fitted cost model in target steps, and
+  whether the costs came from the cache; identical_to_plain (at T = 0, else None); backend.
+  """
+  costs = cmp.loop_costs
+  summary, st = cmp.spec.summary(), cmp.spec.stats
+  predicted = cmp.predicted(tau_loop)
+  name = cycle_name or (lambda key, n, d: key)
+  fit = costs.fitted
+  return {
+      "plain_tok_s": cmp.plain_tok_s, "spec_tok_s": cmp.spec_tok_s, "speedup": cmp.speedup,
+      "predicted_speedup": predicted, "efficiency": cmp.efficiency(predicted),
+      "alpha": summary.alpha, "alpha_trial": summary.alpha_trial,
+      "alpha_ci": list(summary.alpha_ci), "tau": summary.tau, "tau_loop_predicted": tau_loop,
+      "loop_iterations": int(np.max(st["cycles"])),
+      "depth_tried": st["depth_tried"].sum(axis=0).tolist(),
+      "depth_accepted": st["depth_accepted"].sum(axis=0).tolist(),
+      "run_lengths": st["hist"].sum(axis=0).tolist(),
+      "drafted_per_cycle": cmp.tree.size,
+      "cycle_steps": costs.cycle_steps(cmp.tree), "t_step_ms": 1e3 * costs.t_step,
+      "calibration": {"cycle_steps": {name(key, n, d): sec / costs.t_step
+                                      for key, (n, d, sec) in costs.cycles.items()},
+                      "fit_steps": None if fit is None else {
+                          "t_fixed": fit.t_fixed / costs.t_step,
+                          "t_verify": fit.t_verify / costs.t_step,
+                          "t_draft": fit.t_draft / costs.t_step, "rel_rms": fit.rel_rms},
+                      "cached": bool(costs.meta.get("cached")), "key": costs.meta.get("key")},
+      "identical_to_plain": cmp.identical if temperature == 0 else None,
+      "backend": jax.default_backend(),
+  }
+
+
+def say(line: str) -> None:
+  """A verdict line on the console, above the progress bar."""
+  try:
+    from tqdm import tqdm
+    tqdm.write(line, file=sys.stderr)
+  except ImportError:  # pragma: no cover
+    print(line, file=sys.stderr)

@@ -36,9 +36,7 @@ speculatively side by side (identical at T = 0).
 
 from __future__ import annotations
 
-import sys
 
-import jax
 import numpy as np
 
 from experiments import measure
@@ -135,9 +133,6 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
                         deterministic=topk and mode == "tree", cache_len=cache_len,
                         decode_only=True, loop_costs=costs, statistic=statistic)
   summary = cmp.spec.summary()
-  st = cmp.spec.stats
-  depth_tried = st["depth_tried"].sum(axis=0)
-  depth_accepted = st["depth_accepted"].sum(axis=0)
   if mode == "chain":
     alpha = summary.alpha_trial
     tau_pred = float(theory.expected_tokens(alpha, k))
@@ -145,50 +140,23 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
     alpha = summary.alpha
     tau_pred = summary.tau
   # Each row's own law: a batch loops until its slowest row is done, and rows differ.
-  law = calibration.row_length_probs(st, tree)
+  law = calibration.row_length_probs(cmp.spec.stats, tree)
   tau_loop = calibration.tokens_per_iteration(law, batch, max_new_tokens - 1)
-  predicted = cmp.predicted(tau_loop)
-  efficiency = cmp.efficiency(predicted)
+  row = measure.speculative_row(
+      cmp, tau_loop, temperature,
+      cycle_name=lambda key, n, d: key if key.startswith("chain") else f"tree N={n} D={d}")
   label = _label(mode, k, tree_widths)
-  line = verdict(label, batch, temperature, cmp.speedup, predicted, efficiency)
-  _say(line)
+  line = verdict(label, batch, temperature, cmp.speedup, row["predicted_speedup"],
+                 row["efficiency"])
+  measure.say(line)
   decode = (lambda ids: tok.decode(ids)[:SAMPLE_CHARS]) if tok is not None else str
   return {
-      "verdict": line, "label": label,
-      "plain_tok_s": cmp.plain_tok_s, "spec_tok_s": cmp.spec_tok_s, "speedup": cmp.speedup,
-      "predicted_speedup": predicted, "efficiency": efficiency,
-      "alpha": summary.alpha, "alpha_trial": summary.alpha_trial,
-      "alpha_ci": list(summary.alpha_ci), "tau": summary.tau, "tau_predicted": tau_pred,
-      "tau_loop_predicted": tau_loop, "loop_iterations": int(np.max(st["cycles"])),
-      "cycle_steps": costs.cycle_steps(tree), "t_step_ms": 1e3 * costs.t_step,
-      "calibration": {"cycle_steps": {
-                          key if key.startswith("chain") else f"tree N={n} D={d}":
-                          sec / costs.t_step for key, (n, d, sec) in costs.cycles.items()},
-                      "fit_steps": None if costs.fitted is None else {
-                          "t_fixed": costs.fitted.t_fixed / costs.t_step,
-                          "t_verify": costs.fitted.t_verify / costs.t_step,
-                          "t_draft": costs.fitted.t_draft / costs.t_step,
-                          "rel_rms": costs.fitted.rel_rms},
-                      "cached": bool(costs.meta.get("cached")),
-                      "key": costs.meta.get("key")},
-      "identical_to_plain": cmp.identical if temperature == 0 else None,
-      "drafted_per_cycle": tree.size, "alpha_used_for_prediction": alpha,
-      "depth_tried": depth_tried.tolist(), "depth_accepted": depth_accepted.tolist(),
-      "run_lengths": st["hist"].sum(axis=0).tolist(),
+      "verdict": line, "label": label, **row, "tau_predicted": tau_pred,
+      "alpha_used_for_prediction": alpha,
       "sample": {"prompt": decode(prompt_ids[0][-80:]),
                  "plain": decode(cmp.plain.tokens[0]),
                  "speculative": decode(cmp.spec.tokens[0])},
-      "backend": jax.default_backend(),
   }
-
-
-def _say(line: str) -> None:
-  """A verdict line on the console, above the progress bar."""
-  try:
-    from tqdm import tqdm
-    tqdm.write(line, file=sys.stderr)
-  except ImportError:  # pragma: no cover
-    print(line, file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- report

@@ -14,14 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import test_decoding as td
 from specjax import acceptance, adaptive, decoding, loop, sampling, theory, trees
 from specjax.drafters.base import LM
 from specjax.drafters.model import ModelDrafter
-from specjax_testing import TINY, model, perturbed
+from specjax_testing import (FALSE_ALARM, JOINT_ROWS, PROMPT, RAGGED, TINY, VOCAB, FeatureProbe,
+                             exact_joint, joint_pvalue, joint_target, model, perturbed)
 
-FALSE_ALARM = 1e-3
-RAGGED = td.RAGGED
 TREE = trees.branching((2, 1))
 MENU = (0, 1, 3, TREE)
 BUDGET = 20
@@ -39,9 +37,9 @@ def pair():
 
 
 def _run(target, draft_model, policy, **kw):
-  """The shared compiled loop: a drafter reading target features (test_decoding's probe,
+  """The shared compiled loop: a drafter reading target features (specjax_testing.FeatureProbe,
   deterministic top-k candidates), the ragged batch, budget BUDGET."""
-  drafter = td._FeatureProbe(lm=LM.of(draft_model), deterministic=True)
+  drafter = FeatureProbe(lm=LM.of(draft_model), deterministic=True)
   return decoding.speculative_generate(target, drafter, RAGGED, policy=policy,
                                        max_new_tokens=BUDGET, **kw)
 
@@ -158,8 +156,8 @@ def test_forced_plain_equals_plain_decoding_token_for_token(pair, temperature):
 
 
 def _adaptive_first_three(target, draft, sampler, seed, run=None, threshold=0.0):
-  prompt = [1, 5, 2]
-  batch = decoding.prepare_batch([prompt] * td.JOINT_ROWS, vocab_size=td.VOCAB, max_len=32,
+  prompt = PROMPT
+  batch = decoding.prepare_batch([prompt] * JOINT_ROWS, vocab_size=VOCAB, max_len=32,
                                  max_new_tokens=3, slots=3)
   # cycle 0: k = 1, cycle 1: plain, cycle 2: k = 2 (rows that got 1 token in cycle 0 take
   # their third token from it)
@@ -181,7 +179,7 @@ def test_joint_distribution_of_first_three_tokens_with_alternating_shapes(thresh
   target, draft = _joint_models()
   sampler = sampling.make_sampler(1.0)
   tokens, prompt = _adaptive_first_three(target, draft, sampler, seed=11, threshold=threshold)
-  assert td._joint_pvalue(tokens, td._exact_joint(target, prompt, sampler)) > FALSE_ALARM
+  assert joint_pvalue(tokens, exact_joint(target, prompt, sampler)) > FALSE_ALARM
   if threshold > 0:
     assert _adaptive_first_three.stopped > 1000, "the threshold should cut many cycles"
 
@@ -200,13 +198,11 @@ def test_joint_distribution_test_catches_a_planted_bug(monkeypatch):
   fresh = jax.jit(lambda *a, **kw: loop.adaptive_loop(*a, **kw), static_argnames=("cache_len",))
   sampler = sampling.make_sampler(1.0)
   tokens, prompt = _adaptive_first_three(target, draft, sampler, seed=11, run=fresh)
-  assert td._joint_pvalue(tokens, td._exact_joint(target, prompt, sampler)) < FALSE_ALARM
+  assert joint_pvalue(tokens, exact_joint(target, prompt, sampler)) < FALSE_ALARM
 
 
 def _joint_models():
-  cfg = td.ModelConfig.llama(vocab_size=td.VOCAB, d_model=16, n_layers=2, n_heads=2,
-                             n_kv_heads=1, d_ff=32, max_len=32)
-  target = model(cfg, seed=2, logit_scale=6.0)
+  target = joint_target()
   return target, perturbed(target, seed=4, noise=0.7)
 
 

@@ -20,13 +20,9 @@ from scipy import stats
 from specjax import acceptance, decoding, loop, metrics, sampling, trees
 from specjax.drafters.base import LM
 from specjax.drafters.model import ModelDrafter
-from specjax.models.transformer import ModelConfig
-from specjax_testing import TINY, model, perturbed
-
-FALSE_ALARM = 1e-3
-
-RAGGED = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [7], [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3], [9, 8],
-          [11, 13, 17, 19]]
+from specjax_testing import (FALSE_ALARM, PROMPT, RAGGED, TINY, VOCAB, FeatureProbe,
+                             exact_joint, first_three, joint_pvalue, joint_target, model,
+                             perturbed)
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
@@ -89,59 +85,16 @@ def test_eos_and_per_row_budgets(family_models):
 # ----------------------------------------------------------------------------- exactness
 
 
-VOCAB = 8
-JOINT_ROWS = 40_000
-
-
 @pytest.fixture(scope="module")
 def joint_setup():
-  cfg = ModelConfig.llama(vocab_size=VOCAB, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1,
-                          d_ff=32, max_len=32)
-  target = model(cfg, seed=2, logit_scale=6.0)
+  target = joint_target()
   draft = perturbed(target, seed=4, noise=0.7)
   return target, draft
 
 
-def _exact_joint(target, prompt, sampler):
-  """P(t1, t2, t3 | prompt) of the warped target, by enumerating all VOCAB² prefixes."""
-  lm = LM.of(target)
-  p = np.asarray(prompt)
-  seqs = np.array([np.concatenate([p, [a, b]]) for a in range(VOCAB) for b in range(VOCAB)])
-  pos = np.broadcast_to(np.arange(seqs.shape[1]), seqs.shape)
-  logits, _, _ = jax.jit(lambda lm, t, q: lm(t, q))(lm, jnp.asarray(seqs), jnp.asarray(pos))
-  probs = np.asarray(sampling.warp(logits, sampler), np.float64)  # [V², T, V]
-  n = len(p)
-  p1 = probs[0, n - 1]  # [V]
-  p2 = probs[::VOCAB, n].reshape(VOCAB, VOCAB)  # [t1, t2]
-  p3 = probs[:, n + 1].reshape(VOCAB, VOCAB, VOCAB)  # [t1, t2, t3]
-  return p1[:, None, None] * p2[:, :, None] * p3
-
-
-def _joint_pvalue(tokens, exact):
-  counts = np.zeros(exact.size)
-  idx = (tokens[:, 0] * VOCAB + tokens[:, 1]) * VOCAB + tokens[:, 2]
-  np.add.at(counts, idx, 1)
-  expected = exact.ravel() * len(tokens)
-  impossible = exact.ravel() == 0  # cut by top-k / top-p: must never be emitted
-  if counts[impossible].sum() > 0:
-    return 0.0
-  counts, expected = counts[~impossible], expected[~impossible]
-  small = expected < 5  # pool sparse cells so the χ² approximation holds
-  obs, exp = counts[~small], expected[~small]
-  if small.any():
-    obs, exp = np.append(obs, counts[small].sum()), np.append(exp, expected[small].sum())
-  return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
-
-
 def _speculative_first_three(target, draft, sampler, seed, run=None):
-  prompt = [1, 5, 2]
-  batch = decoding.prepare_batch([prompt] * JOINT_ROWS, vocab_size=VOCAB, max_len=32,
-                                 max_new_tokens=3, slots=3)
-  run = run or loop.speculative_jit
-  state = run(LM.of(target), ModelDrafter.of(draft), batch.prompt_BP, batch.prompt_len_B,
-              batch.budget_B, jnp.asarray(-1), sampler, jax.random.key(seed),
-              tree=trees.chain(2), cache_len=batch.cache_len)
-  return np.asarray(state.tokens)[:, 3:6], prompt
+  return first_three(target, ModelDrafter.of(draft), trees.chain(2), sampler, seed, slots=3,
+                     run=run)
 
 
 @pytest.mark.parametrize("sampler_args", [(1.0, 0, 1.0), (0.8, 5, 0.9)],
@@ -152,9 +105,9 @@ def test_joint_distribution_of_first_three_tokens_matches_target(joint_setup, sa
   tokens of paired rows pass a χ² independence test at the same rate."""
   target, draft = joint_setup
   sampler = sampling.make_sampler(*sampler_args)
-  tokens, prompt = _speculative_first_three(target, draft, sampler, seed=11)
-  exact = _exact_joint(target, prompt, sampler)
-  assert _joint_pvalue(tokens, exact) > FALSE_ALARM
+  tokens = _speculative_first_three(target, draft, sampler, seed=11)
+  exact = exact_joint(target, PROMPT, sampler)
+  assert joint_pvalue(tokens, exact) > FALSE_ALARM
   table = np.zeros((VOCAB, VOCAB))
   np.add.at(table, (tokens[0::2, 1], tokens[1::2, 1]), 1)
   table = table[table.sum(1) > 0][:, table.sum(0) > 0]
@@ -172,8 +125,8 @@ def test_joint_distribution_test_catches_an_always_accept_sampler(joint_setup):
       return loop.speculative_loop(*args, **kwargs)
 
   sampler = sampling.make_sampler(1.0)
-  tokens, prompt = _speculative_first_three(target, draft, sampler, seed=11, run=planted_loop)
-  assert _joint_pvalue(tokens, _exact_joint(target, prompt, sampler)) < FALSE_ALARM
+  tokens = _speculative_first_three(target, draft, sampler, seed=11, run=planted_loop)
+  assert joint_pvalue(tokens, exact_joint(target, PROMPT, sampler)) < FALSE_ALARM
 
 
 # ----------------------------------------------------------------------------- composition
@@ -393,39 +346,6 @@ def test_transformer_capture_returns_the_residual_stream_and_final_hidden():
       m(toks, pos, capture=bad)
 
 
-from flax import struct as _struct  # noqa: E402
-
-
-@_struct.dataclass
-class _FeatureProbe(ModelDrafter):
-  """A model drafter that also keeps, per row, the target's final hidden state at position
-  L - 1 (what Medusa-style heads read), to test the loop's features path. A cycle emits
-  m = L' - L tokens (m < n + 1 when EOS or the budget cut in, 0 for a finished row); the
-  hidden state at L' - 1 is that of path node m - 1. The extra static field keeps its
-  compiled program (another state structure) apart from ModelDrafter's (docs/xla_notes.md,
-  trap 9)."""
-
-  probe: bool = _struct.field(pytree_node=False, default=True)
-
-  feature_layers = property(lambda self: (self.lm.config.n_layers,))
-
-  def init(self, prompt_BP, prompt_len_B, cache_len, tree=None, features=None):
-    inner = super().init(prompt_BP, prompt_len_B, cache_len, tree)
-    last = jnp.take_along_axis(features[:, :, 0], (prompt_len_B - 1)[:, None, None], axis=1)
-    return (inner, last[:, 0], prompt_len_B)
-
-  def propose(self, state, ctx, tree, sampler, key):
-    proposal, inner = super().propose(state[0], ctx, tree, sampler, key)
-    return proposal, (inner,) + tuple(state[1:])
-
-  def commit(self, state, ctx, tree, path_BP, n_accepted_B, features=None):
-    inner = super().commit(state[0], ctx, tree, path_BP, n_accepted_B)
-    m = ctx.length - state[2]
-    node = jnp.take_along_axis(path_BP, jnp.maximum(m - 1, 0)[:, None], axis=1)
-    last = jnp.take_along_axis(features[:, :, 0], node[:, :, None], axis=1)[:, 0]
-    return (inner, jnp.where((m > 0)[:, None], last, state[1]), ctx.length)
-
-
 @pytest.mark.parametrize("tree", [trees.chain(3), trees.branching((2, 1))], ids=["chain", "tree"])
 def test_loop_passes_verify_features_of_the_accepted_path_to_the_drafter(tree):
   """A drafter declaring `feature_layers` gets the prompt's and each verify pass's features;
@@ -435,7 +355,7 @@ def test_loop_passes_verify_features_of_the_accepted_path_to_the_drafter(tree):
   draft = perturbed(target, seed=1, noise=0.25)
   prompts = RAGGED[:4]
   batch = _loop_inputs(target, prompts, 9)
-  drafter = _FeatureProbe(lm=LM.of(draft), deterministic=True)
+  drafter = FeatureProbe(lm=LM.of(draft), deterministic=True)
   state = loop.speculative_jit(LM.of(target), drafter, batch.prompt_BP, batch.prompt_len_B,
                                batch.budget_B, jnp.asarray(-1), sampling.make_sampler(0.0),
                                jax.random.key(0), tree=tree, cache_len=batch.cache_len)

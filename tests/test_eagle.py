@@ -14,39 +14,20 @@ import pytest
 from flax import nnx, struct
 
 from specjax import decoding, loop, sampling, trees
-from specjax.data.batches import TokenData
 from specjax.data.corpus import load_corpus
-from specjax.data.tokenizer import ByteTokenizer
 from specjax.drafters.base import LM
 from specjax.drafters.eagle import (EagleDrafter, EagleHeads, default_layers, embed,
                                     head_logits)
-from specjax.models.transformer import ModelConfig
-from specjax.training.config import TrainConfig
 from specjax.training.heads import HeadTrainer, load_head, train_head
-from specjax_testing import TINY, model
-from test_decoding import FALSE_ALARM, JOINT_ROWS, VOCAB, _exact_joint, _joint_pvalue
+from specjax_testing import (FALSE_ALARM, PROMPT, RAGGED, TC, TCFG, TOK, assert_greedy_identity,
+                             exact_joint, first_three, joint_pvalue, model)
+from specjax_testing import byte_target, data  # noqa: F401 (shared fixtures)
+from specjax_testing import joint_target as _joint_target
 
-RAGGED = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [7], [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3],
-          [9, 8], [11, 13, 17, 19]]
 TREES = [trees.chain(3), trees.branching((2, 2, 1)), trees.DynamicTree(6, 3, 2)]
 TREE_IDS = ["chain", "static", "dynamic"]
 
-TOK = ByteTokenizer()
-TCFG = TINY["llama"].replace(vocab_size=TOK.vocab_size)
 KIND = EagleHeads(steps=3)
-TC = TrainConfig(steps=40, batch_size=8, seq_len=32, lr=1e-2, warmup_steps=2, eval_every=0,
-                 ckpt_every=0, eval_windows=16)
-
-
-@pytest.fixture(scope="module")
-def data():
-  return TokenData.from_corpus(load_corpus("code", max_bytes=60_000), TOK)
-
-
-@pytest.fixture(scope="module")
-def byte_target():
-  m = model(TCFG, seed=0, logit_scale=4.0)
-  return m, nnx.state(m, nnx.Param)
 
 
 @pytest.fixture(scope="module")
@@ -122,17 +103,7 @@ def test_proposals_equal_a_cache_free_reference_after_some_cycles(byte_target, d
 def test_greedy_identity_with_plain_decoding_on_a_ragged_batch(byte_target, drafter, tree):
   """Same tokens as plain greedy decoding, also with per-row budgets and an EOS that cuts
   cycles short (the features of path node m - 1 then start the next cycle)."""
-  target = byte_target[0]
-  plain = decoding.generate(target, RAGGED, max_new_tokens=20)
-  eos = plain.tokens[0][5]
-  budgets = [20, 2, 7, 20, 1, 13]
-  ref = decoding.generate(target, RAGGED, max_new_tokens=budgets, eos_id=eos)
-  run = decoding.speculative_generate(target, drafter, RAGGED, tree=tree,
-                                      max_new_tokens=budgets, eos_id=eos)
-  assert run.tokens == ref.tokens
-  full = decoding.speculative_generate(target, drafter, RAGGED, tree=tree, max_new_tokens=20)
-  assert full.tokens == plain.tokens
-  assert 0.0 < full.summary().alpha < 1.0
+  assert_greedy_identity(byte_target[0], drafter, tree, new_tokens=20)
 
 
 def test_reduced_vocabulary_greedy_identity_and_drafts_inside_it(byte_target, drafter):
@@ -169,9 +140,7 @@ def test_reduced_vocabulary_greedy_identity_and_drafts_inside_it(byte_target, dr
 
 @pytest.fixture(scope="module")
 def joint_target():
-  cfg = ModelConfig.llama(vocab_size=VOCAB, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1,
-                          d_ff=32, max_len=32)
-  return model(cfg, seed=2, logit_scale=6.0)
+  return _joint_target()
 
 
 @struct.dataclass
@@ -187,16 +156,6 @@ class _ReportsTheWrongLaw(EagleDrafter):
     return super()._children(logits_BRV, sharp, parent_row, rank, width, key)
 
 
-def _first_three(target, drafter, tree, sampler, seed):
-  prompt = [1, 5, 2]
-  batch = decoding.prepare_batch([prompt] * JOINT_ROWS, vocab_size=VOCAB, max_len=32,
-                                 max_new_tokens=3, slots=drafter.slots_needed(tree))
-  state = loop.speculative_jit(LM.of(target), drafter, batch.prompt_BP, batch.prompt_len_B,
-                               batch.budget_B, jnp.asarray(-1), sampler, jax.random.key(seed),
-                               tree=tree, cache_len=batch.cache_len)
-  return np.asarray(state.tokens)[:, 3:6], prompt
-
-
 @pytest.mark.parametrize("tree, sampler_args, vocab", [
     (trees.chain(2), (0.8, 5, 0.9), None), (trees.branching((2, 1)), (0.8, 5, 0.9), None),
     (trees.chain(2), (1.0, 0, 1.0), (0, 2, 3, 6))],
@@ -209,8 +168,8 @@ def test_joint_law_of_first_three_tokens_matches_target(joint_target, tree, samp
   reduced draft vocabulary (FR-Spec) half the tokens are never drafted."""
   drafter = EagleDrafter.of(joint_target, seed=3, vocab=vocab)
   sampler = sampling.make_sampler(*sampler_args)
-  tokens, prompt = _first_three(joint_target, drafter, tree, sampler, seed=11)
-  assert _joint_pvalue(tokens, _exact_joint(joint_target, prompt, sampler)) > FALSE_ALARM
+  tokens = first_three(joint_target, drafter, tree, sampler, seed=11)
+  assert joint_pvalue(tokens, exact_joint(joint_target, PROMPT, sampler)) > FALSE_ALARM
 
 
 def test_joint_law_test_catches_a_drafter_reporting_the_wrong_law(joint_target):
@@ -218,8 +177,8 @@ def test_joint_law_test_catches_a_drafter_reporting_the_wrong_law(joint_target):
   good = EagleDrafter.of(joint_target, seed=3)
   bad = _ReportsTheWrongLaw(head=good.head, target=good.target, layers=good.layers)
   sampler = sampling.make_sampler(1.0)
-  tokens, prompt = _first_three(joint_target, bad, trees.chain(2), sampler, seed=11)
-  assert _joint_pvalue(tokens, _exact_joint(joint_target, prompt, sampler)) < FALSE_ALARM
+  tokens = first_three(joint_target, bad, trees.chain(2), sampler, seed=11)
+  assert joint_pvalue(tokens, exact_joint(joint_target, PROMPT, sampler)) < FALSE_ALARM
 
 
 # ----------------------------------------------------------------------------- training

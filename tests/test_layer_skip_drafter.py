@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from flax import struct
 
-from specjax import decoding, loop, sampling, trees
+from specjax import decoding, sampling, trees
 from specjax.cli import main
 from specjax.drafters import LayerSkipDrafter
 from specjax.drafters.base import LM
-from specjax.models.transformer import ModelConfig
 from specjax_testing import TINY, model
-from test_decoding import FALSE_ALARM, VOCAB, _exact_joint, _joint_pvalue
+from specjax_testing import FALSE_ALARM, PROMPT, exact_joint, first_three, joint_pvalue
+from specjax_testing import joint_target as _joint_target
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [7], [9, 8]]
 
@@ -73,25 +73,9 @@ def test_learned_positions_tied_head_and_deterministic_drafting_greedy_identity(
 
 # ----------------------------------------------------------------------------- exactness
 
-JOINT_ROWS = 40_000
-PROMPT = [1, 5, 2]
-
-
 @pytest.fixture(scope="module")
 def joint_target():
-  cfg = ModelConfig.llama(vocab_size=VOCAB, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1,
-                          d_ff=32, max_len=32)
-  return model(cfg, seed=2, logit_scale=6.0)
-
-
-def _first_three(target, drafter, tree, sampler, seed):
-  batch = decoding.prepare_batch([PROMPT] * JOINT_ROWS, vocab_size=VOCAB, max_len=32,
-                                 max_new_tokens=3, slots=drafter.slots_needed(tree))
-  state = loop.speculative_jit(LM.of(target), drafter, batch.prompt_BP, batch.prompt_len_B,
-                               batch.budget_B, jnp.asarray(-1), sampler, jax.random.key(seed),
-                               tree=tree, cache_len=batch.cache_len)
-  n = len(PROMPT)
-  return np.asarray(state.tokens)[:, n:n + 3]
+  return _joint_target()
 
 
 @pytest.mark.parametrize("tree, sampler_args", [
@@ -104,8 +88,8 @@ def test_joint_law_of_first_three_tokens_matches_the_target(joint_target, tree, 
   pooled); false-alarm rate 1e-3."""
   sampler = sampling.make_sampler(*sampler_args)
   drafter = LayerSkipDrafter.of(joint_target, 1)
-  tokens = _first_three(joint_target, drafter, tree, sampler, seed=11)
-  assert _joint_pvalue(tokens, _exact_joint(joint_target, PROMPT, sampler)) > FALSE_ALARM
+  tokens = first_three(joint_target, drafter, tree, sampler, seed=11)
+  assert joint_pvalue(tokens, exact_joint(joint_target, PROMPT, sampler)) > FALSE_ALARM
 
 
 @struct.dataclass
@@ -125,8 +109,8 @@ def test_joint_law_test_catches_a_drafter_that_reports_the_wrong_q(joint_target)
   """Negative control: the same test must reject the planted drafter's output."""
   sampler = sampling.make_sampler(0.8, 5, 0.9)
   drafter = _ReportsUniformQ(lm=LayerSkipDrafter.of(joint_target, 1).lm)
-  tokens = _first_three(joint_target, drafter, trees.chain(2), sampler, seed=11)
-  assert _joint_pvalue(tokens, _exact_joint(joint_target, PROMPT, sampler)) < FALSE_ALARM
+  tokens = first_three(joint_target, drafter, trees.chain(2), sampler, seed=11)
+  assert joint_pvalue(tokens, exact_joint(joint_target, PROMPT, sampler)) < FALSE_ALARM
 
 
 # ----------------------------------------------------------------------------- CLI, bad input

@@ -16,10 +16,10 @@ import pytest
 from specjax import acceptance, decoding, loop, sampling, trees
 from specjax.cli import main
 from specjax.drafters import LookupDrafter
-from specjax.drafters.base import LM, Context
-from specjax.models.transformer import ModelConfig
+from specjax.drafters.base import Context
 from specjax_testing import TINY, model
-from test_decoding import FALSE_ALARM, VOCAB, _exact_joint, _joint_pvalue
+from specjax_testing import FALSE_ALARM, exact_joint, first_three, joint_pvalue
+from specjax_testing import joint_target as _joint_target
 
 JUNK = 13  # buffer filler beyond L: must never be read as context
 
@@ -89,26 +89,17 @@ def test_ragged_batch_greedy_output_is_identical_to_plain_decoding():
 
 # ----------------------------------------------------------------------------- exactness
 
-JOINT_ROWS = 40_000
 PROMPT = [1, 5, 2, 1, 5]  # repetition, so that matches (and mismatches) both occur
 
 
 @pytest.fixture(scope="module")
 def joint_target():
-  cfg = ModelConfig.llama(vocab_size=VOCAB, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1,
-                          d_ff=32, max_len=32)
-  return model(cfg, seed=2, logit_scale=6.0)
+  return _joint_target()
 
 
 def _first_three(target, tree, sampler, seed, run=None):
-  batch = decoding.prepare_batch([PROMPT] * JOINT_ROWS, vocab_size=VOCAB, max_len=32,
-                                 max_new_tokens=3, slots=tree.n_nodes)
-  run = run or loop.speculative_jit
-  state = run(LM.of(target), LookupDrafter(max_ngram=2), batch.prompt_BP, batch.prompt_len_B,
-              batch.budget_B, jnp.asarray(-1), sampler, jax.random.key(seed), tree=tree,
-              cache_len=batch.cache_len)
-  n = len(PROMPT)
-  return np.asarray(state.tokens)[:, n:n + 3]
+  return first_three(target, LookupDrafter(max_ngram=2), tree, sampler, seed, prompt=PROMPT,
+                     slots=tree.n_nodes, run=run)
 
 
 @pytest.mark.parametrize("tree, sampler_args", [
@@ -120,7 +111,7 @@ def test_joint_law_of_first_three_tokens_matches_the_target(joint_target, tree, 
   8³ outcomes (sparse cells pooled); false-alarm rate 1e-3."""
   sampler = sampling.make_sampler(*sampler_args)
   tokens = _first_three(joint_target, tree, sampler, seed=11)
-  assert _joint_pvalue(tokens, _exact_joint(joint_target, PROMPT, sampler)) > FALSE_ALARM
+  assert joint_pvalue(tokens, exact_joint(joint_target, PROMPT, sampler)) > FALSE_ALARM
 
 
 def test_joint_law_test_catches_a_rejected_point_mass_left_in_the_residual(joint_target,
@@ -134,7 +125,7 @@ def test_joint_law_test_catches_a_rejected_point_mass_left_in_the_residual(joint
                   static_argnames=("tree", "cache_len"))  # new function: a fresh trace
   sampler = sampling.make_sampler(1.0)
   tokens = _first_three(joint_target, trees.chain(2), sampler, seed=11, run=fresh)
-  assert _joint_pvalue(tokens, _exact_joint(joint_target, PROMPT, sampler)) < FALSE_ALARM
+  assert joint_pvalue(tokens, exact_joint(joint_target, PROMPT, sampler)) < FALSE_ALARM
 
 
 # ----------------------------------------------------------------------------- CLI, bad input

@@ -16,21 +16,17 @@ import pytest
 from flax import nnx
 
 from specjax import acceptance, cli, decoding, loop, sampling, trees
-from specjax.data.batches import TokenData
 from specjax.data.corpus import load_corpus
-from specjax.data.tokenizer import ByteTokenizer
 from specjax.drafters.base import LM
 from specjax.drafters.medusa import MedusaDrafter, MedusaHeads, head_logits
 from specjax.models.transformer import ModelConfig
 from specjax.training import defaults
-from specjax.training.config import TrainConfig
 from specjax.training.heads import HeadTrainer, TargetBinding, load_head, train_head
 from specjax.training.trainer import params_fingerprint
-from specjax_testing import TINY, model
-from test_decoding import FALSE_ALARM, JOINT_ROWS, VOCAB, _exact_joint, _joint_pvalue
-
-RAGGED = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [7], [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3],
-          [9, 8], [11, 13, 17, 19]]
+from specjax_testing import (FALSE_ALARM, PROMPT, RAGGED, TC, TCFG, TINY, TOK,
+                             assert_greedy_identity, exact_joint, first_three, joint_pvalue,
+                             joint_target, model)
+from specjax_testing import byte_target, data  # noqa: F401 (shared fixtures)
 
 
 def random_heads(cfg: ModelConfig, heads: int, seed: int, scale: float) -> dict:
@@ -58,16 +54,7 @@ def drafter(target):
 def test_greedy_identity_with_plain_decoding_on_a_ragged_batch(target, drafter, tree):
   """Same tokens as plain greedy decoding, with per-row budgets and an EOS cutting cycles
   short (the drafter then takes the hidden state of path node m - 1, m < n + 1)."""
-  plain = decoding.generate(target, RAGGED, max_new_tokens=24)
-  eos = plain.tokens[0][5]
-  budgets = [24, 2, 7, 24, 1, 13]
-  ref = decoding.generate(target, RAGGED, max_new_tokens=budgets, eos_id=eos)
-  run = decoding.speculative_generate(target, drafter, RAGGED, tree=tree,
-                                      max_new_tokens=budgets, eos_id=eos)
-  assert run.tokens == ref.tokens
-  full = decoding.speculative_generate(target, drafter, RAGGED, tree=tree, max_new_tokens=24)
-  assert full.tokens == plain.tokens
-  assert 0.0 < full.summary().alpha < 1.0
+  assert_greedy_identity(target, drafter, tree, new_tokens=24)
 
 
 def test_drafter_keeps_the_final_hidden_state_at_L_minus_1(target, drafter):
@@ -101,21 +88,12 @@ def test_drafter_keeps_the_final_hidden_state_at_L_minus_1(target, drafter):
 
 @pytest.fixture(scope="module")
 def joint_setup():
-  cfg = ModelConfig.llama(vocab_size=VOCAB, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1,
-                          d_ff=32, max_len=32)
-  target = model(cfg, seed=2, logit_scale=6.0)
-  return target, MedusaDrafter.of(target, random_heads(cfg, 2, seed=5, scale=1.0))
+  target = joint_target()
+  return target, MedusaDrafter.of(target, random_heads(target.config, 2, seed=5, scale=1.0))
 
 
 def _first_three(target, drafter, sampler, run=None):
-  prompt = [1, 5, 2]
-  batch = decoding.prepare_batch([prompt] * JOINT_ROWS, vocab_size=VOCAB, max_len=32,
-                                 max_new_tokens=3, slots=4)
-  run = run or loop.speculative_jit
-  state = run(LM.of(target), drafter, batch.prompt_BP, batch.prompt_len_B, batch.budget_B,
-              jnp.asarray(-1), sampler, jax.random.key(11), tree=trees.branching((2, 1)),
-              cache_len=batch.cache_len)
-  return np.asarray(state.tokens)[:, 3:6], prompt
+  return first_three(target, drafter, trees.branching((2, 1)), sampler, 11, slots=4, run=run)
 
 
 SAMPLER = (0.8, 5, 0.9)  # temperature, top-k, top-p
@@ -126,8 +104,8 @@ def test_joint_law_of_first_three_tokens_matches_target(joint_setup):
   cycle) against the enumerated warped target joint over 8³ outcomes; false-alarm 1e-3."""
   target, drafter = joint_setup
   sampler = sampling.make_sampler(*SAMPLER)
-  tokens, prompt = _first_three(target, drafter, sampler)
-  assert _joint_pvalue(tokens, _exact_joint(target, prompt, sampler)) > FALSE_ALARM
+  tokens = _first_three(target, drafter, sampler)
+  assert joint_pvalue(tokens, exact_joint(target, PROMPT, sampler)) > FALSE_ALARM
 
 
 def test_joint_law_test_catches_a_point_mass_bug(joint_setup, monkeypatch):
@@ -138,8 +116,8 @@ def test_joint_law_test_catches_a_point_mass_bug(joint_setup, monkeypatch):
   fresh = jax.jit(lambda *a, **kw: loop.speculative_loop(*a, **kw),
                   static_argnames=("tree", "cache_len"))
   sampler = sampling.make_sampler(*SAMPLER)
-  tokens, prompt = _first_three(target, drafter, sampler, run=fresh)
-  assert _joint_pvalue(tokens, _exact_joint(target, prompt, sampler)) < FALSE_ALARM
+  tokens = _first_three(target, drafter, sampler, run=fresh)
+  assert joint_pvalue(tokens, exact_joint(target, PROMPT, sampler)) < FALSE_ALARM
 
 
 # ----------------------------------------------------------------------------- bad trees
@@ -159,22 +137,7 @@ def test_too_deep_too_wide_or_dynamic_trees_are_refused(target, drafter):
 
 # ----------------------------------------------------------------------------- training
 
-TOK = ByteTokenizer()
-TCFG = TINY["llama"].replace(vocab_size=TOK.vocab_size)
 KIND = MedusaHeads(heads=3)
-TC = TrainConfig(steps=40, batch_size=8, seq_len=32, lr=1e-2, warmup_steps=2, eval_every=0,
-                 ckpt_every=0, eval_windows=16)
-
-
-@pytest.fixture(scope="module")
-def data():
-  return TokenData.from_corpus(load_corpus("code", max_bytes=60_000), TOK)
-
-
-@pytest.fixture(scope="module")
-def byte_target():
-  m = model(TCFG, seed=0, logit_scale=4.0)
-  return m, nnx.state(m, nnx.Param)
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,8 @@ from specjax.drafters.base import LM, Context
 from specjax.drafters.model import ModelDrafter
 from specjax.models import cache as kv
 from specjax.trees import DynamicTree, TreeSpec
-from specjax_testing import TINY, model, perturbed
+from specjax_testing import RAGGED, TINY, model, perturbed
 
-RAGGED = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [7], [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3],
-          [9, 8], [11, 13, 17, 19]]
 CACHE_LEN = 64
 BUDGET = 20
 GREEDY = sampling.make_sampler(0.0)

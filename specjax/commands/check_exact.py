@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 
-from specjax.commands.models import config_from_flag, load_from_flag
+from specjax.commands.models import add_config_flags, draft_from_flags, target_from_flags
 
 DRAFT_WORDS = ("default", "self", "oracle")
 
@@ -30,15 +30,11 @@ def add_parser(subparsers) -> None:
                  help="'default' (the embedded trained target; trained on first use), a "
                  "Hugging Face model directory or a specjax checkpoint directory (default: a "
                  "random model from --target-config)")
-  p.add_argument("--target-config", default="tiny-gpt2",
-                 help="preset name, NAME:field=value,..., a JSON object or JSON file "
-                 "(default: %(default)s)")
   p.add_argument("--draft", default=None, metavar="default|self|oracle|DIR",
                  help="'default' (the embedded distilled draft), 'self' (the target drafts "
                  "for itself), 'oracle' (the controlled-α drafter, --alpha), or a checkpoint "
                  "directory (default: a random model from --draft-config)")
-  p.add_argument("--draft-config", default="tiny-gpt2:n_layers=1",
-                 help="as --target-config (default: %(default)s)")
+  add_config_flags(p, "as --target-config (default: %(default)s)")
   p.add_argument("--alpha", type=float, default=0.5,
                  help="acceptance rate of --draft oracle (default %(default)s)")
   p.add_argument("--deterministic-draft", action="store_true",
@@ -132,37 +128,18 @@ def _controls(args) -> list[str] | None:
 
 def _models(args):
   """(target, drafter, tokenizer or None) as the flags ask."""
-  from flax import nnx
-
-  from specjax.data.tokenizer import ByteTokenizer
   from specjax.drafters.model import ModelDrafter
   from specjax.drafters.oracle import OracleDrafter
-  from specjax.models.transformer import Transformer
 
   pair = None
   if "default" in (args.target, args.draft):
     from specjax.training.defaults import load_default_pair
     from specjax.training.presets import DEFAULT_PRESET
     pair = load_default_pair(DEFAULT_PRESET, "code")
-  if args.target == "default":
-    target, tok = pair.target_module(), pair.tokenizer
-  elif args.target is not None:
-    target, tok = load_from_flag("--target", args.target)
-  else:
-    tok = ByteTokenizer()
-    target = Transformer(config_from_flag("--target-config", args.target_config,
-                                          tok.vocab_size), rngs=nnx.Rngs(args.seed))
+  target, tok = target_from_flags(args, pair)
   if args.draft == "oracle":
     return target, OracleDrafter.of(target, args.alpha), tok
-  if args.draft == "self":
-    draft = target
-  elif args.draft == "default":
-    draft = pair.draft_module()
-  elif args.draft is not None:
-    draft, _ = load_from_flag("--draft", args.draft)
-  else:
-    draft = Transformer(config_from_flag("--draft-config", args.draft_config,
-                                         target.config.vocab_size), rngs=nnx.Rngs(args.seed + 1))
+  draft = draft_from_flags(args.draft, args, target, pair)
   return target, ModelDrafter.of(draft, deterministic=args.deterministic_draft), tok
 
 

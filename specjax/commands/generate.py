@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from specjax.commands.models import config_from_flag as _config
-from specjax.commands.models import load_from_flag as _load
+from specjax.commands.models import add_config_flags, draft_from_flags, target_from_flags
 
 
 def add_parser(subparsers) -> None:
@@ -37,11 +36,7 @@ def add_parser(subparsers) -> None:
                  help="--draft lookup: longest suffix tried (default %(default)s)")
   p.add_argument("--ngram-min", type=int, default=1,
                  help="--draft lookup: shortest suffix tried (default %(default)s)")
-  p.add_argument("--target-config", default="tiny-gpt2",
-                 help="preset name, NAME:field=value,..., a JSON object or JSON file "
-                 "(default: %(default)s)")
-  p.add_argument("--draft-config", default="tiny-gpt2:n_layers=1",
-                 help="as --target-config; the word 'self' uses the target as its own draft")
+  add_config_flags(p, "as --target-config; the word 'self' uses the target as its own draft")
   p.add_argument("--prompt", action="append", default=None,
                  help="prompt text (repeat for a ragged batch; default: a code snippet)")
   p.add_argument("--batch", type=int, default=1, help="copies of the prompt list (default 1)")
@@ -144,11 +139,6 @@ def _drafter(args, target, draft):
 def _models(args):
   """(target, draft, tokenizer) as the flags ask; validated before anything is built. The
   draft is None for the drafters without a model of their own (lookup, layer-skip)."""
-  from flax import nnx
-
-  from specjax.data.tokenizer import ByteTokenizer
-  from specjax.models.transformer import Transformer
-
   pair = None
   if "default" in (args.target, args.draft):
     from specjax.training.defaults import load_default_pair
@@ -156,26 +146,12 @@ def _models(args):
     preset = get_preset(DEFAULT_PRESET)  # sizes known before the pair is trained or loaded
     _check_context(args, [preset.target, preset.draft], 1, known=False)
     pair = load_default_pair(DEFAULT_PRESET, "code")
-  if args.target == "default":
-    target, tok = pair.target_module(), pair.tokenizer
-  elif args.target is not None:
-    target, tok = _load("--target", args.target)
-  else:
-    tok = ByteTokenizer()
-    target = Transformer(_config("--target-config", args.target_config, tok.vocab_size),
-                         rngs=nnx.Rngs(args.seed))
+  target, tok = target_from_flags(args, pair)
   draft_spec = args.draft or ("self" if args.draft_config == "self" else None)
   if _draft_kind(args)[0] != "model":
     draft = None  # built from the target (layer-skip, heads) or no model at all (lookup)
-  elif draft_spec == "self":
-    draft = target
-  elif draft_spec == "default":
-    draft = pair.draft_module()
-  elif draft_spec is not None:
-    draft, _ = _load("--draft", draft_spec)
   else:
-    draft = Transformer(_config("--draft-config", args.draft_config,
-                                target.config.vocab_size), rngs=nnx.Rngs(args.seed + 1))
+    draft = draft_from_flags(draft_spec, args, target, pair)
   return target, draft, tok
 
 

@@ -1,5 +1,7 @@
 """Model flags shared by the commands that load a target and a draft (`generate`,
-`check-exact`): a config spec or a checkpoint directory, errors naming the flag."""
+`check-exact`): --target / --target-config and --draft / --draft-config (the word
+'default', a checkpoint directory, or a random model from a config spec), errors naming the
+flag."""
 
 from __future__ import annotations
 
@@ -24,3 +26,46 @@ def load_from_flag(flag: str, path: str):
     raise ValueError(f"{flag} {path}: {e}") from None
   except OSError as e:
     raise OSError(e.errno, e.strerror or str(e), f"{flag} {path}") from None
+
+
+def add_config_flags(p, draft_config_help: str = "as --target-config") -> None:
+  """--target-config and --draft-config: the random models used when --target / --draft
+  name none."""
+  p.add_argument("--target-config", default="tiny-gpt2",
+                 help="preset name, NAME:field=value,..., a JSON object or JSON file "
+                 "(default: %(default)s)")
+  p.add_argument("--draft-config", default="tiny-gpt2:n_layers=1", help=draft_config_help)
+
+
+def target_from_flags(args, pair=None):
+  """(target Transformer, tokenizer or None) for --target: 'default' (the default `pair`'s
+  target), a checkpoint directory, or, when absent, a random model from --target-config on
+  the byte vocabulary (seed --seed)."""
+  if args.target == "default":
+    return pair.target_module(), pair.tokenizer
+  if args.target is not None:
+    return load_from_flag("--target", args.target)
+  from flax import nnx
+
+  from specjax.data.tokenizer import ByteTokenizer
+  from specjax.models.transformer import Transformer
+  tok = ByteTokenizer()
+  return (Transformer(config_from_flag("--target-config", args.target_config, tok.vocab_size),
+                      rngs=nnx.Rngs(args.seed)), tok)
+
+
+def draft_from_flags(spec: str | None, args, target, pair=None):
+  """The draft Transformer for the --draft value `spec`: 'self' (the target itself),
+  'default' (the default `pair`'s draft), a checkpoint directory, or, when None, a random
+  model from --draft-config on the target's vocabulary (seed --seed + 1)."""
+  if spec == "self":
+    return target
+  if spec == "default":
+    return pair.draft_module()
+  if spec is not None:
+    return load_from_flag("--draft", spec)[0]
+  from flax import nnx
+
+  from specjax.models.transformer import Transformer
+  return Transformer(config_from_flag("--draft-config", args.draft_config,
+                                      target.config.vocab_size), rngs=nnx.Rngs(args.seed + 1))

@@ -37,19 +37,26 @@ def _common(p: argparse.ArgumentParser) -> None:
                  help="cap on the training text in bytes (default: the whole corpus)")
 
 
-def _training_args(p: argparse.ArgumentParser) -> None:
-  _common(p)
+def _schedule_args(p: argparse.ArgumentParser, defaults: str, evaluation: str,
+                   dtype: bool = True) -> None:
+  """--out and the TrainConfig overrides (`_train_config`; unset: the `defaults`' value)."""
   p.add_argument("--out", required=True, help="checkpoint directory (resumed if it exists)")
-  p.add_argument("--steps", type=int, help="optimizer steps (default: the preset's)")
+  p.add_argument("--steps", type=int, help=f"optimizer steps (default: {defaults})")
   p.add_argument("--batch-size", type=int, help="windows per step")
   p.add_argument("--seq-len", type=int, help="tokens per window")
   p.add_argument("--grad-accum", type=int, help="micro-batches per step")
   p.add_argument("--lr", type=float, help="peak learning rate")
-  p.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype")
+  if dtype:
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype")
   p.add_argument("--seed", type=int, help="initialisation and data-order seed")
-  p.add_argument("--eval-every", type=int, help="validation every N steps (0: at the end)")
+  p.add_argument("--eval-every", type=int, help=f"{evaluation} every N steps (0: at the end)")
   p.add_argument("--ckpt-every", type=int, help="checkpoint every N steps (0: at the end)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _training_args(p: argparse.ArgumentParser) -> None:
+  _common(p)
+  _schedule_args(p, "the preset's", "validation")
 
 
 def add_parser(subparsers) -> None:
@@ -154,19 +161,10 @@ def _head_args(p: argparse.ArgumentParser) -> None:
                  help="the frozen target: a checkpoint directory (trainer, specjax or Hugging "
                       "Face) or 'default' (the cached default target of --preset/--corpus)")
   _common(p)
-  p.add_argument("--out", required=True, help="checkpoint directory (resumed if it exists)")
-  p.add_argument("--steps", type=int, help="optimizer steps (default: the default heads')")
-  p.add_argument("--batch-size", type=int, help="windows per step")
-  p.add_argument("--seq-len", type=int, help="tokens per window")
-  p.add_argument("--grad-accum", type=int, help="micro-batches per step")
-  p.add_argument("--lr", type=float, help="peak learning rate")
-  p.add_argument("--seed", type=int, help="initialisation and data-order seed")
-  p.add_argument("--eval-every", type=int, help="acceptance every N steps (0: at the end)")
-  p.add_argument("--ckpt-every", type=int, help="checkpoint every N steps (0: at the end)")
+  _schedule_args(p, "the default heads'", "acceptance", dtype=False)
   p.add_argument("--tree-budget", type=int, default=16,
                  help="print the best static tree of this many nodes for the measured "
                       "acceptance (default 16)")
-  p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -221,15 +219,37 @@ def _out_dir(path: str) -> pathlib.Path:
   return out
 
 
-def _finish(result) -> int:
+def _run_trainer(trainer, out, report=None) -> int:
+  """trainer.run() and its summary (then report(result) if given), exit 0; interrupted
+  (Ctrl-C / SIGTERM, a checkpoint saved in `out`), how to resume, exit 130."""
+  try:
+    result = trainer.run()
+  except KeyboardInterrupt:
+    print(f"interrupted: a checkpoint was saved in {out}; rerun the same command to resume",
+          file=sys.stderr)
+    return 130
   print(result.summary())
+  if report is not None:
+    report(result)
   return 0
 
 
-def _interrupted(out) -> int:
-  print(f"interrupted: a checkpoint was saved in {out}; rerun the same command to resume",
-        file=sys.stderr)
-  return 130
+def _train_model(config, tc, args, tokenizer, out, **trainer_kwargs) -> int:
+  """Train `config` (on the tokenizer's vocabulary) on --corpus into `out`."""
+  from specjax.training.trainer import Trainer
+  _, data = _load_data(args, tokenizer)
+  trainer = Trainer(config.replace(vocab_size=tokenizer.vocab_size), tc, data, tokenizer,
+                    out_dir=out, progress=not args.no_progress, **trainer_kwargs)
+  return _run_trainer(trainer, out)
+
+
+def _default_pair(args, refusal: str):
+  """The default pair of --preset for --corpus (ValueError `refusal` unless it is an
+  embedded corpus: the cached default targets exist for 'code' and 'prose')."""
+  from specjax.training.defaults import load_default_pair
+  if args.corpus not in ("code", "prose"):
+    raise ValueError(refusal)
+  return load_default_pair(_preset_name(args), args.corpus, progress=not args.no_progress)
 
 
 # ----------------------------------------------------------------------------- commands
@@ -237,24 +257,16 @@ def _interrupted(out) -> int:
 
 def run_target(args) -> int:
   from specjax.training.presets import get_preset
-  from specjax.training.trainer import Trainer
   preset = get_preset(_preset_name(args))
   out = _out_dir(args.out)
   tokenizer = _make_tokenizer(args.tokenizer, out, args.corpus, args.max_bytes)
-  config = preset.target.replace(vocab_size=tokenizer.vocab_size)
   tc = _train_config(preset.target_train, args, "lm")
-  _, data = _load_data(args, tokenizer)
-  trainer = Trainer(config, tc, data, tokenizer, out_dir=out, role="target",
-                    progress=not args.no_progress)
-  try:
-    return _finish(trainer.run())
-  except KeyboardInterrupt:
-    return _interrupted(out)
+  return _train_model(preset.target, tc, args, tokenizer, out, role="target")
 
 
 def run_draft(args) -> int:
   from specjax.training.presets import get_preset
-  from specjax.training.trainer import Teacher, Trainer
+  from specjax.training.trainer import Teacher
   preset = get_preset(_preset_name(args))
   out = _out_dir(args.out)
   teacher = None
@@ -263,27 +275,17 @@ def run_draft(args) -> int:
     trained = load_trained(args.teacher)
     teacher_cfg, teacher_params, tokenizer = trained.config, trained.params, trained.tokenizer
   else:
-    from specjax.training.defaults import load_default_pair
-    if args.corpus not in ("code", "prose"):
-      raise ValueError("--teacher is required when --corpus is a directory (the cached default "
-                       "targets exist for 'code' and 'prose')")
-    pair = load_default_pair(_preset_name(args), args.corpus, progress=not args.no_progress)
+    pair = _default_pair(args, "--teacher is required when --corpus is a directory (the "
+                         "cached default targets exist for 'code' and 'prose')")
     teacher_cfg, teacher_params, tokenizer = pair[0], pair[1], pair.tokenizer
   if not args.plain:
     import jax.numpy as jnp
 
     from specjax.models.transformer import cast_floats
     teacher = Teacher(teacher_cfg, cast_floats(teacher_params, jnp.float32))
-  config = preset.draft.replace(vocab_size=tokenizer.vocab_size)
   tc = _train_config(preset.draft_train, args, "lm" if args.plain else "distill")
-  _, data = _load_data(args, tokenizer)
-  trainer = Trainer(config, tc, data, tokenizer, out_dir=out, teacher=teacher,
-                    role="draft (plain)" if args.plain else "draft (distilled)",
-                    progress=not args.no_progress)
-  try:
-    return _finish(trainer.run())
-  except KeyboardInterrupt:
-    return _interrupted(out)
+  return _train_model(preset.draft, tc, args, tokenizer, out, teacher=teacher,
+                      role="draft (plain)" if args.plain else "draft (distilled)")
 
 
 def run_defaults(args) -> int:
@@ -305,11 +307,8 @@ def run_defaults(args) -> int:
 def _head_target(args):
   """(config, params, tokenizer) of --target."""
   if args.target == "default":
-    from specjax.training.defaults import load_default_pair
-    if args.corpus not in ("code", "prose"):
-      raise ValueError("--target default needs --corpus code or prose (the cached default "
-                       "targets)")
-    pair = load_default_pair(_preset_name(args), args.corpus, progress=not args.no_progress)
+    pair = _default_pair(args, "--target default needs --corpus code or prose (the cached "
+                         "default targets)")
     return pair.target_config, pair.target_params, pair.tokenizer
   from flax import nnx
 
@@ -333,15 +332,13 @@ def run_head(args, kind: str) -> int:
   _, data = _load_data(args, tokenizer)
   trainer = HeadTrainer(head_kind, config, params, tc, data, tokenizer, out_dir=out,
                         progress=not args.no_progress)
-  try:
-    result = trainer.run()
-  except KeyboardInterrupt:
-    return _interrupted(out)
-  print(result.summary())
-  if result.acceptance is not None:
-    tree = result.acceptance.tree(args.tree_budget)
-    print(f"best static tree of <= {args.tree_budget} nodes for this acceptance: {tree}")
-  return 0
+
+  def report(result) -> None:
+    if result.acceptance is not None:
+      tree = result.acceptance.tree(args.tree_budget)
+      print(f"best static tree of <= {args.tree_budget} nodes for this acceptance: {tree}")
+
+  return _run_trainer(trainer, out, report)
 
 
 def _load_for_measure(spec: str, role: str, args):

@@ -36,7 +36,7 @@ import platform
 import shutil
 import sys
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from flax import nnx
 
@@ -212,28 +212,47 @@ def load_default_pair(preset: str = DEFAULT_PRESET, corpus: str = "code", *, pro
     raise ValueError(f"corpus must be one of {EMBEDDED} for the default models, got {corpus!r}")
   recipe = _recipe(preset, corpus)
   entry = entry_dir(preset, corpus)
+  return _cached_build(
+      entry, rebuild, lambda d: _verify_and_load(d, recipe),
+      lambda partial: {"recipe": recipe, **build_pair(preset, corpus, partial,
+                                                       progress=progress)},
+      unusable=f"cached models at {entry} are unusable", build_name="build",
+      training=f"training the default {preset!r} models on the {corpus!r} corpus into {entry} "
+      "(first use only)",
+      ready=lambda pair, body: f"default models ready in {entry} "
+      f"({body['build_seconds']:.0f} s)")
+
+
+def _cached_build(entry: pathlib.Path, rebuild: bool, verify_and_load: Callable,
+                  build: Callable, *, unusable: str, build_name: str, training: str,
+                  ready: Callable):
+  """The cache scheme of every default build, under a lock on `entry`: return
+  verify_and_load(entry) when it passes (unless rebuild; a failure is logged as `unusable`);
+  else discard the entry, build into `entry.partial` (build(partial) -> the manifest body,
+  recipe included; a build interrupted there resumes), write the manifest with the files'
+  digests, verify the partial and rename it into place (atomic: the entry appears complete or
+  not at all). Logs `training` before and ready(result, body) after."""
   with _lock(entry.parent / f".{entry.name}.lock"):
     if entry.exists() and not rebuild:
       try:
-        return _verify_and_load(entry, recipe)
+        return verify_and_load(entry)
       except CacheError as e:
-        _log(f"cached models at {entry} are unusable ({e}); rebuilding them")
+        _log(f"{unusable} ({e}); rebuilding them")
     if entry.exists():
       bad = entry.with_name(f".{entry.name}.bad-{os.getpid()}-{int(time.time())}")
       entry.rename(bad)
       shutil.rmtree(bad, ignore_errors=True)
     partial = entry.with_name(entry.name + ".partial")
     if partial.exists():
-      _log(f"resuming an interrupted build in {partial}")
-    _log(f"training the default {preset!r} models on the {corpus!r} corpus into {entry} "
-         "(first use only)")
-    body = build_pair(preset, corpus, partial, progress=progress)
-    manifest = {"recipe": recipe, **body, "files": _file_digests(partial)}
+      _log(f"resuming an interrupted {build_name} in {partial}")
+    _log(training)
+    body = build(partial)
+    manifest = {**body, "files": _file_digests(partial)}
     (partial / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    pair = _verify_and_load(partial, recipe)
-    os.replace(partial, entry)  # atomic: the entry appears complete or not at all
-    _log(f"default models ready in {entry} ({body['build_seconds']:.0f} s)")
-    return pair
+    result = verify_and_load(partial)
+    os.replace(partial, entry)
+    _log(ready(result, body))
+    return result
 
 
 # ----------------------------------------------------------------------------- default heads
@@ -295,36 +314,24 @@ def load_default_heads(kind: str = "medusa", preset: str = DEFAULT_PRESET, corpu
   recipe = _heads_recipe(kind, preset, corpus, TargetBinding.of(pair.target_config,
                                                                   pair.target_params).fingerprint)
   entry = heads_entry_dir(kind, preset, corpus, recipe["target_fingerprint"])
-  with _lock(entry.parent / f".{entry.name}.lock"):
-    if entry.exists() and not rebuild:
-      try:
-        return _verify_and_load_heads(entry, recipe, pair)
-      except CacheError as e:
-        _log(f"cached {kind} heads at {entry} are unusable ({e}); rebuilding them")
-    if entry.exists():
-      bad = entry.with_name(f".{entry.name}.bad-{os.getpid()}-{int(time.time())}")
-      entry.rename(bad)
-      shutil.rmtree(bad, ignore_errors=True)
-    partial = entry.with_name(entry.name + ".partial")
-    if partial.exists():
-      _log(f"resuming an interrupted {kind} head build in {partial}")
-    _log(f"training the default {kind} heads for the {preset!r} target into {entry} "
-         "(first use only)")
+
+  def build(partial: pathlib.Path) -> dict:
     t0 = time.perf_counter()
     spec, tc = table[kind]
     data = TokenData.from_corpus(load_corpus(corpus), pair.tokenizer)
     result = HeadTrainer(kind_from_spec(kind, spec), pair.target_config, pair.target_params,
                          tc, data, pair.tokenizer, out_dir=partial / "head",
                          progress=progress).run()
-    body = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    return {"recipe": recipe, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "build_seconds": round(time.perf_counter() - t0, 1),
             "python": platform.python_version(),
             "fingerprint": params_fingerprint(result.params),
             "acceptance": result.acceptance.to_dict()}
-    manifest = {"recipe": recipe, **body, "files": _file_digests(partial)}
-    (partial / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    head = _verify_and_load_heads(partial, recipe, pair)
-    os.replace(partial, entry)
-    _log(f"default {kind} heads ready in {entry} ({body['build_seconds']:.0f} s; "
-         f"{result.acceptance})")
-    return head
+
+  return _cached_build(
+      entry, rebuild, lambda d: _verify_and_load_heads(d, recipe, pair), build,
+      unusable=f"cached {kind} heads at {entry} are unusable", build_name=f"{kind} head build",
+      training=f"training the default {kind} heads for the {preset!r} target into {entry} "
+      "(first use only)",
+      ready=lambda head, body: f"default {kind} heads ready in {entry} "
+      f"({body['build_seconds']:.0f} s; {head.acceptance})")

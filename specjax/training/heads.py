@@ -57,7 +57,6 @@ import dataclasses
 import functools
 import importlib
 import pathlib
-import sys
 import time
 from typing import Any, Callable, Protocol
 
@@ -75,9 +74,9 @@ from specjax.drafters.base import LM
 from specjax.models.transformer import ModelConfig, cast_floats
 from specjax.training.config import TrainConfig
 from specjax.training.losses import positions_for
-from specjax.training.trainer import (_deferred_signals, _log, _with_learning_rate,
-                                      f32_graphdef, learning_rate, make_optimizer,
-                                      params_fingerprint, param_total)
+from specjax.training.checkpointed import CheckpointedRun, _log
+from specjax.training.trainer import (_with_learning_rate, f32_graphdef, learning_rate,
+                                      make_optimizer, params_fingerprint, param_total)
 
 Array = jax.Array
 
@@ -346,7 +345,7 @@ class HeadResult:
     return "\n".join(lines)
 
 
-class HeadTrainer:
+class HeadTrainer(CheckpointedRun):
   """Train one head of `kind` on a frozen target, optionally resumable.
 
   target_params: the target's parameters (any float dtype; used in float32, never updated).
@@ -384,58 +383,31 @@ class HeadTrainer:
 
   # -- checkpoints
 
+  checkpoint_kind = HEAD_KIND
+
+  @property
+  def _ckpt_config(self) -> ModelConfig:
+    return self.binding.config
+
+  @property
+  def _run_label(self) -> str:
+    return f"the {self.kind.name} head"
+
   def metadata(self, acceptance: HeadAcceptance | None = None) -> dict:
-    meta = {"kind": HEAD_KIND, "head": {"kind": self.kind.name, "spec": self.kind.spec()},
-            "target": self.binding.to_dict(),
-            "train_config": dataclasses.asdict(self.tc),
-            "data": {"seed": self.tc.seed, "step": self.step, "corpus": self.data.corpus_name,
-                     "fingerprint": self.data.fingerprint},
-            "tokenizer": self.tokenizer.to_spec(), "history": self.history}
+    meta = {**self._run_metadata(), "head": {"kind": self.kind.name, "spec": self.kind.spec()},
+            "target": self.binding.to_dict()}
     if acceptance is not None:
       meta["acceptance"] = acceptance.to_dict()
     return meta
 
-  def _check_resumable(self, meta: dict) -> None:
+  def _own_problems(self, meta: dict) -> list[str]:
     problems = []
-    if meta.get("kind") != HEAD_KIND:
-      problems.append(f"kind {meta.get('kind')!r} is not {HEAD_KIND!r}")
     head = meta.get("head") or {}
     if head.get("kind") != self.kind.name or head.get("spec") != self.kind.spec():
       problems.append(f"head: checkpoint={head}, now={{'kind': {self.kind.name!r}, "
                       f"'spec': {self.kind.spec()}}}")
-    problems += [f"target {line}" for line in self.binding.differences(meta.get("target", {}))]
-    stored = TrainConfig(**meta["train_config"]).trajectory()
-    for key, value in self.tc.trajectory().items():
-      if stored.get(key) != value:
-        problems.append(f"train_config.{key}: checkpoint={stored.get(key)!r}, now={value!r}")
-    if meta["data"]["fingerprint"] != self.data.fingerprint:
-      problems.append(f"corpus: checkpoint={meta['data']['corpus']} "
-                      f"({meta['data']['fingerprint']}), now={self.data.corpus_name} "
-                      f"({self.data.fingerprint})")
-    if meta.get("tokenizer") != self.tokenizer.to_spec():
-      problems.append("tokenizer differs")
-    if problems:
-      raise ValueError(f"checkpoint directory {str(self.out_dir)!r} holds a different run; "
-                       "choose another output directory or delete it:\n  "
-                       + "\n  ".join(problems))
-
-  def _restore(self, ckpt: orbax_io.Checkpointer) -> None:
-    if ckpt.latest_step() is None:
-      return
-    meta = ckpt.read_meta()["metadata"]
-    self._check_resumable(meta)
-    restored = ckpt.restore(params_target=self.params, config=self.binding.config,
-                            opt_state_target=self.opt_state)
-    self.params, self.opt_state = restored.params, restored.opt_state
-    self.step = self.resumed_from = restored.step
-    self.history = list(meta.get("history", []))
-    self.log(f"resuming the {self.kind.name} head from step {self.step} in {self.out_dir}")
-
-  def _save(self, ckpt: orbax_io.Checkpointer | None,
-            acceptance: HeadAcceptance | None = None) -> None:
-    if ckpt is not None and (self.step not in ckpt.all_steps() or acceptance is not None):
-      ckpt.save(self.step, params=self.params, config=self.binding.config,
-                opt_state=self.opt_state, metadata=self.metadata(acceptance))
+    return problems + [f"target {line}"
+                       for line in self.binding.differences(meta.get("target", {}))]
 
   # -- loop
 
@@ -455,59 +427,34 @@ class HeadTrainer:
     """Train to train_config.steps (or stop after `stop_after` more steps, as if killed then,
     having saved a checkpoint). KeyboardInterrupt saves a checkpoint and re-raises.
     final_eval: measure held-out acceptance at the end (stored in the checkpoint)."""
-    from tqdm.auto import tqdm
-
     tc, start = self.tc, time.perf_counter()
-    ckpt = None
-    if self.out_dir is not None:
-      ckpt = orbax_io.Checkpointer(self.out_dir, keep=tc.keep)
-      if not (self.out_dir / "tokenizer.json").exists():
-        self.tokenizer.save(self.out_dir)
     acceptance = None
-    try:
-      if ckpt is not None:
-        self._restore(ckpt)
-      first, last = self.step, tc.steps
-      if stop_after is not None:
-        last = min(last, first + stop_after)
+    with self._checkpointing() as ckpt:
+      last = self._last_step(stop_after)
       window: list[float] = []
-      bar = tqdm(total=tc.steps, initial=first, desc=f"train {self.kind.name} head",
-                 unit="step", disable=not self.progress, file=sys.stderr, dynamic_ncols=True,
-                 mininterval=1.0)
-      try:
-        with _deferred_signals() as stop_requested:
-          while self.step < last:
-            if stop_requested():
-              raise KeyboardInterrupt
-            batch = self.data.train_batch(tc.seed, self.step, tc.batch_size, tc.seq_len,
-                                          tc.grad_accum)
-            lr = np.float32(learning_rate(tc, self.step))
-            self.params, self.opt_state, metrics = self.train_step(
-                self.params, self.opt_state, jnp.asarray(batch), self.target, lr)
-            self.step += 1
-            if self.step % 10 == 0 or self.step == last:
-              window = (window + [float(metrics["loss"])])[-5:]
-              bar.set_postfix(loss=f"{window[-1]:.3f}", refresh=False)
-            bar.update(1)
-            if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
-              acc = self.evaluate()
-              self.history.append({"step": self.step, "top1": list(acc.top1)})
-            if ckpt is not None and tc.ckpt_every and self.step % tc.ckpt_every == 0:
-              self._save(ckpt)
-      except KeyboardInterrupt:
-        bar.close()
-        self.log(f"interrupted at step {self.step}; saving a checkpoint")
-        self._save(ckpt)
-        raise
+      bar = self._progress_bar()
+      with self._steps_saving_on_interrupt(ckpt, bar) as stop_requested:
+        while self.step < last:
+          if stop_requested():
+            raise KeyboardInterrupt
+          lr = np.float32(learning_rate(tc, self.step))
+          self.params, self.opt_state, metrics = self.train_step(
+              self.params, self.opt_state, jnp.asarray(self._batch()), self.target, lr)
+          self.step += 1
+          if self.step % 10 == 0 or self.step == last:
+            window = (window + [float(metrics["loss"])])[-5:]
+            bar.set_postfix(loss=f"{window[-1]:.3f}", refresh=False)
+          bar.update(1)
+          if self._eval_due():
+            acc = self.evaluate()
+            self.history.append({"step": self.step, "top1": list(acc.top1)})
+          self._save_if_due(ckpt)
       bar.close()
       completed = self.step >= tc.steps
       if final_eval and (completed or stop_after is not None):
         acceptance = self.evaluate()
         self.history.append({"step": self.step, "top1": list(acceptance.top1)})
-      self._save(ckpt, acceptance)
-    finally:
-      if ckpt is not None:
-        ckpt.close()
+      self._save(ckpt, overwrite=acceptance is not None, acceptance=acceptance)
     return HeadResult(self.kind, self.params, self.step, self.step >= tc.steps,
                       float(np.mean(window)) if window else None, acceptance,
                       time.perf_counter() - start, self.history, self.out_dir,

@@ -16,16 +16,12 @@ into KeyboardInterrupt).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
 import math
 import os
 import pathlib
-import signal
-import sys
-import threading
 import time
 from typing import Any, Callable
 
@@ -35,12 +31,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from specjax.checkpoints import orbax_io
 from specjax.checkpoints.trained import TRAINED_KIND
 from specjax.data.batches import TokenData
 from specjax.data.tokenizer import Tokenizer
 from specjax.models.transformer import ModelConfig, Transformer, abstract_model, graphdef_for
 from specjax.training import losses
+from specjax.training.checkpointed import CheckpointedRun, _log
 from specjax.training.config import TrainConfig
 
 
@@ -345,29 +341,7 @@ def evaluate(eval_step, params, windows_NT1: np.ndarray, batch: int, byte_len_V:
 # ----------------------------------------------------------------------------- trainer
 
 
-@contextlib.contextmanager
-def _deferred_signals():
-  """Within the block, SIGINT/SIGTERM only set a flag (checked between steps), so an
-  interruption never lands inside a step whose inputs were donated; yields the flag reader."""
-  received: list[int] = []
-  if threading.current_thread() is not threading.main_thread():
-    yield lambda: False
-    return
-  previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-  for sig in previous:
-    signal.signal(sig, lambda signum, frame: received.append(signum))
-  try:
-    yield lambda: bool(received)
-  finally:
-    for sig, handler in previous.items():
-      signal.signal(sig, handler)
-
-
-def _log(msg: str) -> None:
-  print(msg, file=sys.stderr, flush=True)
-
-
-class Trainer:
+class Trainer(CheckpointedRun):
   """Train one model (target LM or distilled/plain draft) on a TokenData, optionally resumable.
 
   out_dir: checkpoint directory (None: no checkpoints, no resume). A directory that already
@@ -412,57 +386,29 @@ class Trainer:
 
   # -- checkpoints
 
+  checkpoint_kind = TRAINED_KIND
+
+  @property
+  def _ckpt_config(self) -> ModelConfig:
+    return self.model_config
+
+  @property
+  def _run_label(self) -> str:
+    return self.role
+
   def metadata(self) -> dict:
-    meta = {"kind": TRAINED_KIND, "role": self.role,
-            "train_config": dataclasses.asdict(self.tc),
-            "data": {"seed": self.tc.seed, "step": self.step, "corpus": self.data.corpus_name,
-                     "fingerprint": self.data.fingerprint},
-            "tokenizer": self.tokenizer.to_spec(), "history": self.history}
+    meta = {**self._run_metadata(), "role": self.role}
     if self.teacher is not None:
       meta["teacher"] = {"config": self.teacher.config.to_dict(),
                          "fingerprint": self.teacher.fingerprint}
     return meta
 
-  def _check_resumable(self, meta: dict) -> None:
-    problems = []
-    if meta.get("kind") != TRAINED_KIND:
-      problems.append(f"kind {meta.get('kind')!r} is not {TRAINED_KIND!r}")
-    stored = TrainConfig(**meta["train_config"]).trajectory()
-    for key, value in self.tc.trajectory().items():
-      if stored.get(key) != value:
-        problems.append(f"train_config.{key}: checkpoint={stored.get(key)!r}, now={value!r}")
-    if meta["data"]["fingerprint"] != self.data.fingerprint:
-      problems.append(f"corpus: checkpoint={meta['data']['corpus']} "
-                      f"({meta['data']['fingerprint']}), now={self.data.corpus_name} "
-                      f"({self.data.fingerprint})")
-    if meta.get("tokenizer") != self.tokenizer.to_spec():
-      problems.append(f"tokenizer: checkpoint={meta.get('tokenizer')}, "
-                      f"now={self.tokenizer.to_spec()}")
+  def _own_problems(self, meta: dict) -> list[str]:
     teacher = meta.get("teacher")
     now = None if self.teacher is None else self.teacher.fingerprint
     if (teacher or {}).get("fingerprint") != now:
-      problems.append(f"teacher: checkpoint={(teacher or {}).get('fingerprint')}, now={now}")
-    if problems:
-      raise ValueError(f"checkpoint directory {str(self.out_dir)!r} holds a different run; "
-                       "choose another output directory or delete it:\n  "
-                       + "\n  ".join(problems))
-
-  def _restore(self, ckpt: orbax_io.Checkpointer) -> None:
-    if ckpt.latest_step() is None:
-      return
-    meta = ckpt.read_meta()["metadata"]
-    self._check_resumable(meta)
-    restored = ckpt.restore(params_target=self.params, config=self.model_config,
-                            opt_state_target=self.opt_state)
-    self.params, self.opt_state = restored.params, restored.opt_state
-    self.step = self.resumed_from = restored.step
-    self.history = list(meta.get("history", []))
-    self.log(f"resuming {self.role} from step {self.step} in {self.out_dir}")
-
-  def _save(self, ckpt: orbax_io.Checkpointer | None) -> None:
-    if ckpt is not None and self.step not in ckpt.all_steps():
-      ckpt.save(self.step, params=self.params, config=self.model_config,
-                opt_state=self.opt_state, metadata=self.metadata())
+      return [f"teacher: checkpoint={(teacher or {}).get('fingerprint')}, now={now}"]
+    return []
 
   # -- loop
 
@@ -475,68 +421,46 @@ class Trainer:
     """Train to train_config.steps (or stop after `stop_after` more steps, as if killed then,
     having saved a checkpoint). KeyboardInterrupt saves a checkpoint and re-raises.
     final_eval: measure validation loss at the end (recorded in the checkpoint's history)."""
-    from tqdm.auto import tqdm
-
     tc, start = self.tc, time.perf_counter()
-    ckpt = None
-    if self.out_dir is not None:
-      ckpt = orbax_io.Checkpointer(self.out_dir, keep=tc.keep)
-      if not (self.out_dir / "tokenizer.json").exists():
-        self.tokenizer.save(self.out_dir)  # load_trained / load_tokenizer(out_dir) read it
-    try:
-      if ckpt is not None:
-        self._restore(ckpt)
-      first, last = self.step, tc.steps
-      if stop_after is not None:
-        last = min(last, first + stop_after)
+    with self._checkpointing() as ckpt:
+      first, last = self.step, self._last_step(stop_after)
       teacher_params = None if self.teacher is None else self.teacher.params
       tokens_per_step = tc.batch_size * tc.seq_len
       losses_window: list[float] = []
-      bar = tqdm(total=tc.steps, initial=first, desc=f"train {self.role}", unit="step",
-                 disable=not self.progress, file=sys.stderr, dynamic_ncols=True,
-                 mininterval=1.0)
+      bar = self._progress_bar()
       t_loop, first_timed = time.perf_counter(), first
-      try:
-        with _deferred_signals() as stop_requested:
-          while self.step < last:
-            if stop_requested():
-              raise KeyboardInterrupt
-            batch = self.data.train_batch(tc.seed, self.step, tc.batch_size, tc.seq_len,
-                                          tc.grad_accum)
-            lr = np.float32(learning_rate(tc, self.step))
-            try:
-              self.params, self.opt_state, metrics = self.train_step(
-                  self.params, self.opt_state, batch, teacher_params, lr)
-            except jax.errors.JaxRuntimeError as e:
-              if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
-                raise
-              raise ValueError(
-                  f"batch_size={tc.batch_size} (micro-batch {tc.micro_batch}) x seq_len="
-                  f"{tc.seq_len} does not fit in the device's memory: lower batch_size or "
-                  f"seq_len, or raise grad_accum ({str(e).splitlines()[0]})") from e
-            self.step += 1
-            if self.step == first + 1:  # tokens/s from here on: the first step compiles
-              float(metrics["loss"])
-              t_loop, first_timed = time.perf_counter(), self.step
-            elif self.step % 10 == 0 or self.step == last:
-              losses_window.append(float(metrics["loss"]))
-              losses_window = losses_window[-5:]
-              rate = ((self.step - first_timed) * tokens_per_step
-                      / max(time.perf_counter() - t_loop, 1e-9))
-              bar.set_postfix(loss=f"{losses_window[-1]:.3f}", tok_s=f"{rate:,.0f}",
-                              refresh=False)
-            bar.update(1)
-            if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
-              self.history.append({"step": self.step, **self.evaluate()})
-              bar.set_postfix(loss=f"{float(metrics['loss']):.3f}",
-                              val_bpb=f"{self.history[-1]['bpb']:.3f}", refresh=False)
-            if ckpt is not None and tc.ckpt_every and self.step % tc.ckpt_every == 0:
-              self._save(ckpt)
-      except KeyboardInterrupt:
-        bar.close()
-        self.log(f"interrupted at step {self.step}; saving a checkpoint")
-        self._save(ckpt)
-        raise
+      with self._steps_saving_on_interrupt(ckpt, bar) as stop_requested:
+        while self.step < last:
+          if stop_requested():
+            raise KeyboardInterrupt
+          batch, lr = self._batch(), np.float32(learning_rate(tc, self.step))
+          try:
+            self.params, self.opt_state, metrics = self.train_step(
+                self.params, self.opt_state, batch, teacher_params, lr)
+          except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+              raise
+            raise ValueError(
+                f"batch_size={tc.batch_size} (micro-batch {tc.micro_batch}) x seq_len="
+                f"{tc.seq_len} does not fit in the device's memory: lower batch_size or "
+                f"seq_len, or raise grad_accum ({str(e).splitlines()[0]})") from e
+          self.step += 1
+          if self.step == first + 1:  # tokens/s from here on: the first step compiles
+            float(metrics["loss"])
+            t_loop, first_timed = time.perf_counter(), self.step
+          elif self.step % 10 == 0 or self.step == last:
+            losses_window.append(float(metrics["loss"]))
+            losses_window = losses_window[-5:]
+            rate = ((self.step - first_timed) * tokens_per_step
+                    / max(time.perf_counter() - t_loop, 1e-9))
+            bar.set_postfix(loss=f"{losses_window[-1]:.3f}", tok_s=f"{rate:,.0f}",
+                            refresh=False)
+          bar.update(1)
+          if self._eval_due():
+            self.history.append({"step": self.step, **self.evaluate()})
+            bar.set_postfix(loss=f"{float(metrics['loss']):.3f}",
+                            val_bpb=f"{self.history[-1]['bpb']:.3f}", refresh=False)
+          self._save_if_due(ckpt)
       bar.close()
       steady = None
       if self.step > first_timed:
@@ -549,9 +473,6 @@ class Trainer:
           self.history.append({"step": self.step, **self.evaluate()})
         val = {k: v for k, v in self.history[-1].items() if k != "step"}
       self._save(ckpt)
-    finally:
-      if ckpt is not None:
-        ckpt.close()
     trained = self.step - (self.resumed_from or 0)
     return TrainResult(
         self.model_config, self.params, self.step, completed,
