@@ -116,3 +116,17 @@ def test_lookup_drafter_lazy_greedy_identity(pair):
   assert tokens == _plain(target)
   assert int(state.adapt.catch_ups) > 0
   assert float(np.asarray(state.adapt.tried).sum()) > 0
+
+
+def test_policy_prices_a_lazy_plain_step_and_refuses_bad_lazy_slots(pair):
+  """With lazy catch-up a k = 0 step pays the catch-up pass once every P steps."""
+  _, draft = pair
+  eager = adaptive.AdaptivePolicy.from_model((0, 1), c=0.4)
+  lazy = adaptive.AdaptivePolicy.from_model((0, 1), c=0.4, lazy_slots=8)
+  assert float(eager.seconds[0, 0]) == pytest.approx(1.4)
+  assert float(lazy.seconds[0, 0]) == pytest.approx(1.05)
+  assert decoding.lazy_slots_of(ModelDrafter.of(draft)) == loop.LAZY_SLOTS
+  assert decoding.lazy_slots_of(td._FeatureProbe(lm=LM.of(draft))) == 0
+  for bad in (-1, 2.5, True):
+    with pytest.raises(ValueError, match="lazy_slots"):
+      adaptive.AdaptivePolicy.from_model((0, 1), c=0.4, lazy_slots=bad)
