@@ -347,8 +347,10 @@ def _draft_acceptance(proposal, p_BV) -> Array:
   return jnp.sum(jnp.minimum(p_BV, proposal.q[:, 0]), axis=-1)
 
 
-# Lazy catch-up bound P (`adaptive_loop`): plain steps a drafter may fall behind by.
-LAZY_SLOTS = 8
+# Lazy catch-up bound P (`adaptive_loop`): plain steps a drafter may fall behind by, and the
+# longest run of plain steps one k = 0 cycle makes (8 left the per-cycle overhead visible on
+# the embedded pair at batch 1; the catch-up pass feeds P + 1 tokens through the draft).
+LAZY_SLOTS = 16
 
 
 def _catch_up_observation(guess, tokens_BS, length_B, behind_B, p_BP, ranks: int):
@@ -389,12 +391,17 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
   iteration's choice is logged in `adapt.choices`.
 
   Lazy catch-up (drafters with `lazy_catch_up`, when lazy_slots = P > 0, static): a k = 0
-  step is exactly a plain step and leaves the drafter behind; `adapt.behind` counts per row
-  the tokens it has not seen. Before a speculative entry drafts, and in a k = 0 step where
-  some row is already P behind, one `drafter.catch_up` pass (under `lax.cond`: skipped when
-  not needed) brings every row up to date; its guesses for the skipped tokens are the
-  policy's observations (`_catch_up_observation`). A cycle that observes nothing leaves the
-  estimate unchanged (no decay). Other drafters (or P = 0) catch up eagerly as above.
+  cycle is a run of plain steps, each exactly `generate_loop`'s (same key use), that leave
+  the drafter behind; `adapt.behind` counts per row the tokens it has not seen. Before a
+  speculative entry drafts, and at the start of a k = 0 cycle where some row is already P
+  behind, one `drafter.catch_up` pass (under `lax.cond`: skipped when not needed) brings
+  every row up to date; its guesses for the skipped tokens are the policy's observations
+  (`_catch_up_observation`). The run lasts until some row would be P behind or a row
+  finishes: until then the policy would choose k = 0 again (it observed nothing and the
+  active rows are the same), so the run saves the per-cycle choice and bookkeeping, which
+  cost as much as a small target's step. A cycle that observes nothing leaves the estimate
+  unchanged (no decay). Other drafters (or P = 0) catch up eagerly, one step per cycle, as
+  above. `adapt.plain_steps` counts the plain steps (tokens) of each row either way.
   """
   TRACE_COUNTS["adaptive"] += 1
   b = prompt_BP.shape[0]
@@ -433,25 +440,44 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
   def maybe_catch_up(s: LoopState, needed):
     return jax.lax.cond(needed, catch_up, lambda s: (s, zero_obs, zero_obs), s)
 
-  def lazy_plain_branch(s: LoopState):
-    s, acc_obs, tried_obs = maybe_catch_up(s, jnp.any(s.adapt.behind >= slots))
-    key, step_key = jax.random.split(s.key)  # generate_loop's key use
+  def lazy_plain_step(c):
+    """One plain step, `generate_loop`'s body (same key use), that leaves the drafter one
+    more token behind (and keeps the target's probability of that token)."""
+    i, s = c
+    key, step_key = jax.random.split(s.key)
     cur = s.tokens[rows, s.length]
     logits, _, cache = target(cur[:, None], s.length[:, None], s.cache)
     p_BV = sampling.warp(logits[:, 0], sampler)
     nxt = sampling.sample(step_key, p_BV)
-    emitted_BT = jnp.broadcast_to(nxt[:, None], (b, width))
-    tokens, length, done, active = _emit(s, emitted_BT, jnp.zeros_like(s.length), prompt_len_B,
-                                         budget_B, eos)
+    active = ~s.done
+    write_at = jnp.minimum(s.length + 1, s.tokens.shape[1] - 1)
+    tokens = s.tokens.at[rows, write_at].set(jnp.where(active, nxt, s.tokens[rows, write_at]))
+    length = s.length + active.astype(jnp.int32)
+    done = s.done | _finished(length + 1 - prompt_len_B, budget_B, active & (nxt == eos))
     a = s.adapt
-    moved = length > s.length  # this row emitted its token
     p_x = jnp.take_along_axis(p_BV, nxt[:, None], axis=1)[:, 0]
     slot = jnp.minimum(a.behind, slots - 1)
-    behind_p = a.behind_p.at[rows, slot].set(jnp.where(moved, p_x, a.behind_p[rows, slot]))
-    adapt = a.replace(behind=a.behind + moved.astype(jnp.int32), behind_p=behind_p)
-    new = s.replace(tokens=tokens, length=length, done=done, key=key, adapt=adapt,
-                    cache=kv.set_lengths(cache, length))
-    return new, acc_obs, tried_obs, active, jnp.zeros((b,), jnp.int32)
+    behind_p = a.behind_p.at[rows, slot].set(jnp.where(active, p_x, a.behind_p[rows, slot]))
+    adapt = a.replace(behind=a.behind + active.astype(jnp.int32), behind_p=behind_p)
+    return i + 1, s.replace(tokens=tokens, length=length, done=done, key=key, adapt=adapt,
+                            cache=kv.set_lengths(cache, length))
+
+  def lazy_plain_branch(s: LoopState):
+    """A run of plain steps (a nested while_loop): as many as the bound allows (P − the
+    furthest row's lag, after a catch-up when some row is P behind), ending after the step in
+    which a row finishes. Within the run the policy would choose k = 0 again every step (it
+    observes nothing and the active rows are the same), so the run saves the per-cycle
+    choice and bookkeeping, not a decision."""
+    s, acc_obs, tried_obs = maybe_catch_up(s, jnp.any(s.adapt.behind >= slots))
+    room = slots - jnp.max(s.adapt.behind)
+    done0, length0 = s.done, s.length
+
+    def more(c):
+      i, t = c
+      return (i < room) & ~jnp.all(t.done) & jnp.all(t.done == done0)
+
+    _, new = jax.lax.while_loop(more, lazy_plain_step, (jnp.zeros((), jnp.int32), s))
+    return new, acc_obs, tried_obs, ~done0, jnp.zeros((b,), jnp.int32), new.length - length0
 
   def plain_branch(s: LoopState):
     key, step_key = jax.random.split(s.key)  # generate_loop's key use
@@ -473,7 +499,8 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
                     cache=kv.set_lengths(cache, length))
     obs = jnp.zeros((b, ranks), jnp.float32)
     acc_obs = obs.at[:, 0].set(_draft_acceptance(proposal, p_BV))
-    return new, acc_obs, obs.at[:, 0].set(1.0), active, jnp.zeros((b,), jnp.int32)
+    return (new, acc_obs, obs.at[:, 0].set(1.0), active, jnp.zeros((b,), jnp.int32),
+            active.astype(jnp.int32))
 
   def spec_branch(tree):
     def run(s: LoopState):
@@ -491,24 +518,23 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
       a1 = active[:, None]
       acc_obs = jnp.where(a1, policy.pad_ranks(result.rank_accepted), 0.0) + caught_acc
       tried_obs = jnp.where(a1, policy.pad_ranks(result.rank_tried), 0.0) + caught_tried
-      return new, acc_obs, tried_obs, active, jnp.where(active, lost, 0).astype(jnp.int32)
+      return (new, acc_obs, tried_obs, active, jnp.where(active, lost, 0).astype(jnp.int32),
+              jnp.zeros((b,), jnp.int32))
     return run
 
   plain = lazy_plain_branch if lazy else plain_branch
   branches = [plain if e is None else spec_branch(e) for e in menu]
-  plain_index = menu.index(None) if None in menu else -1
 
   def body(s: LoopState) -> LoopState:
     a = s.adapt
     rates = policy.rates(a.acc, a.tried)
     choice = policy.pick(rates, ~s.done, b, a.cycle)
-    new, acc_obs, tried_obs, active, lost = jax.lax.switch(choice, branches, s)
+    new, acc_obs, tried_obs, active, lost, plain = jax.lax.switch(choice, branches, s)
     a = new.adapt  # with the branch's catch-up bookkeeping
     # a lazy plain step observes nothing (unless it caught up): the estimate stays as it is
     observed = active & (jnp.sum(tried_obs, axis=1) > 0)
     acc, tried = policy.observe(a.acc, a.tried, acc_obs, tried_obs, observed)
     at = jnp.minimum(a.cycle, a.choices.shape[0] - 1)
-    plain = (active & (choice == plain_index)).astype(jnp.int32)
     adapt = a.replace(acc=acc, tried=tried, cycle=a.cycle + 1,
                       choices=a.choices.at[at].set(choice),
                       plain_steps=a.plain_steps + plain,

@@ -95,17 +95,19 @@ def test_lazy_greedy_identity_self_drafting_and_no_recompile(pair):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_lazy_forced_plain_equals_plain_decoding_and_catches_up_only_at_overflow(
+def test_lazy_forced_plain_equals_plain_decoding_in_runs_and_catches_up_only_at_overflow(
     pair, temperature):
   target, draft = pair
   tokens, state = _run(target, ModelDrafter.of(draft, deterministic=True), [0] * len(SCHEDULE),
                        temperature, seed=5)
   assert tokens == _plain(target, temperature, seed=5)
   assert int(state.stats.cycles.sum()) == 0
-  steps = int(np.sum(np.asarray(state.adapt.choices) >= 0))  # every row has BUDGET - 1 steps
-  assert steps == BUDGET - 1
-  # a pass only when some row is already P behind: before steps P, 2P, ...
-  assert int(state.adapt.catch_ups) == (steps - 1) // P
+  np.testing.assert_array_equal(state.adapt.plain_steps, BUDGET - 1)  # one token each
+  # a k = 0 cycle is a run of up to P plain steps; a catch-up pass only when some row is
+  # already P behind, i.e. before every run but the first
+  cycles = int(np.sum(np.asarray(state.adapt.choices) >= 0))
+  assert cycles == -(-(BUDGET - 1) // P)
+  assert int(state.adapt.catch_ups) == cycles - 1
 
 
 def test_lookup_drafter_lazy_greedy_identity(pair):
