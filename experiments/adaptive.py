@@ -11,7 +11,8 @@ subtracted): speedup = policy ÷ plain tokens/s ("plain" is 1 by definition).
 
 Costs (`costs`): "calibrated" (the default) calibrates the compiled loops at the point's
 batch and temperature on the menu's chains plus one tree (so the fit separates t_draft, the
-price of the k = 0 branch's drafter catch-up; `specjax.calibration`, cached per machine);
+price of the k = 0 branch's drafter catch-up, paid once per `loop.LAZY_SLOTS` plain steps
+by a drafter that catches up lazily; `specjax.calibration`, cached per machine);
 "model" prices shapes from the draft's share of the target's matmul weights
 (`decoding.default_policy`; fast, for smoke runs). The adaptive policy's costs are those.
 
@@ -122,7 +123,8 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
                                        max_new_tokens=max_new_tokens,
                                        repeats=calibration_repeats, temperature=temperature,
                                        seed=seed, cache_len=cache_len)
-    pol = adaptive.AdaptivePolicy.from_costs(entries, {batch: loop_costs}, threshold=threshold)
+    pol = adaptive.AdaptivePolicy.from_costs(entries, {batch: loop_costs}, threshold=threshold,
+                                             lazy_slots=decoding.lazy_slots_of(draft))
   else:
     loop_costs = None
     pol = decoding.default_policy(LM.of(target), decoding.as_drafter(draft), entries,

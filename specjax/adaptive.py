@@ -18,7 +18,9 @@ rank-r candidates tried and accepted (`acc`, `tried`, decay λ per cycle),
 rank-r sibling once ranks < r were rejected. A speculative cycle observes the result's
 per-rank counts; a k = 0 cycle observes the acceptance probability the drafter's one-token
 catch-up draft would have had (`loop._draft_acceptance`), so a policy that switched itself off keeps
-learning and switches back on.
+learning and switches back on. With lazy catch-up (`loop.adaptive_loop`) a k = 0 step
+observes nothing and leaves the estimate as it is; the catch-up pass (at most P steps later)
+observes all the skipped tokens at once from the drafter's guesses.
 
 Expected tokens of an entry (Sequoia's positional model, `theory.tree_expected_tokens`):
 the rank-r child of an accepted node is the accepted one with probability
@@ -28,7 +30,9 @@ root path, and E[τ] = 1 + Σ_nodes P(node). For a chain this is Σ_{i≤k} α^i
 Cost: seconds per cycle of each entry at the compiled batch, interpolated (linear in
 log batch, clamped) from a table over calibrated batch sizes (`from_costs`, one
 `calibration.LoopCosts` per batch). A k = 0 cycle costs a plain step plus the drafter's
-catch-up pass (t_step + t_draft of the fit). The loop evaluates cost at the static batch it
+catch-up: one draft pass per step when the drafter catches up eagerly (t_step + t_draft of
+the fit), one pass per P steps when it catches up lazily (`lazy_slots` = P, the loop's bound
+`loop.LAZY_SLOTS` for a drafter with `lazy_catch_up`: t_step + t_draft / P). The loop evaluates cost at the static batch it
 computes: finished rows still flow through the static-shape computation, so they cost the
 same; they only stop counting as tokens.
 
@@ -110,6 +114,15 @@ def _float(name: str, value, lo: float, hi: float = math.inf, lo_open: bool = Fa
     rng = f"({lo:g}, {hi:g}]" if lo_open else f"[{lo:g}, {hi:g}]"
     raise ValueError(f"{name} must be a finite number in {rng}, got {value!r}")
   return value
+
+
+def _lazy_slots(lazy_slots) -> int:
+  """P >= 1 plain steps per catch-up pass (0 = eager catch-up: one pass per step)."""
+  if isinstance(lazy_slots, bool) or not isinstance(lazy_slots, (int, np.integer)) or \
+      lazy_slots < 0:
+    raise ValueError(f"lazy_slots must be an int >= 0 (0: the drafter catches up every plain "
+                     f"step; P > 0: once every P plain steps), got {lazy_slots!r}")
+  return max(int(lazy_slots), 1)
 
 
 def check_threshold(threshold) -> float:
@@ -208,11 +221,13 @@ class AdaptivePolicy:
                forced=jnp.asarray(f, jnp.int32))
 
   @classmethod
-  def from_costs(cls, entries: Sequence[Any], costs: Mapping[int, Any] | Any,
-                 **kwargs) -> "AdaptivePolicy":
+  def from_costs(cls, entries: Sequence[Any], costs: Mapping[int, Any] | Any, *,
+                 lazy_slots: int = 0, **kwargs) -> "AdaptivePolicy":
     """From calibrations (`calibration.LoopCosts`): one, or {batch: LoopCosts}. A tree entry
     costs `costs.cycle_seconds(tree)` (measured or fitted); k = 0 costs t_step plus the
-    drafter's catch-up pass (the fit's t_draft, 0 without a fit)."""
+    drafter's catch-up pass (the fit's t_draft, 0 without a fit), divided by P = lazy_slots
+    when the drafter catches up lazily (0: eagerly, every step)."""
+    share = 1.0 / _lazy_slots(lazy_slots)
     m = menu(entries)
     table = costs if isinstance(costs, Mapping) else {int(costs.meta.get("batch", 1)): costs}
     if not table:
@@ -222,20 +237,22 @@ class AdaptivePolicy:
     for b in batches:
       c = table[b]
       t_draft = c.fitted.t_draft if c.fitted is not None else 0.0
-      rows.append([c.t_step + t_draft if e is None else c.cycle_seconds(e) for e in m])
+      rows.append([c.t_step + share * t_draft if e is None else c.cycle_seconds(e) for e in m])
       plain.append(c.t_step)
     return cls.create(m, rows, batches, plain=plain, **kwargs)
 
   @classmethod
   def from_model(cls, entries: Sequence[Any], *, c: float, v: float = 0.0,
-                 fixed: float = 0.0, **kwargs) -> "AdaptivePolicy":
+                 fixed: float = 0.0, lazy_slots: int = 0, **kwargs) -> "AdaptivePolicy":
     """Uncalibrated costs in target steps: cycle(N, D) = 1 + fixed + v·N + c·D, k = 0 costs
-    1 + c (the drafter's catch-up pass). c: a draft pass, v: one more verified node."""
+    1 + c (the drafter's catch-up pass), 1 + c / P with lazy catch-up (P = lazy_slots > 0).
+    c: a draft pass, v: one more verified node."""
+    share = 1.0 / _lazy_slots(lazy_slots)
     _float("c", c, 0.0)
     _float("v", v, 0.0)
     _float("fixed", fixed, 0.0)
     m = menu(entries)
-    row = [1.0 + c if e is None else 1.0 + fixed + v * e.size + c * e.max_depth for e in m]
+    row = [1.0 + share * c if e is None else 1.0 + fixed + v * e.size + c * e.max_depth for e in m]
     return cls.create(m, row, (1,), plain=[1.0], **kwargs)
 
   def replace_runtime(self, **kwargs) -> "AdaptivePolicy":

@@ -326,7 +326,8 @@ def default_policy(target, drafter, entries=adaptive.DEFAULT_CHAINS,
   """The policy of `k="auto"` without calibrated costs: the menu `entries` (default
   `adaptive.DEFAULT_CHAINS`) priced by `AdaptivePolicy.from_model` with c = the draft's share
   of the target's per-token matmul weights (1 for a drafter without a model of its own or
-  the target itself). kwargs: the policy's runtime values (threshold, decay, ...). Calibrate
+  the target itself), a k = 0 step's catch-up share 1 / `loop.LAZY_SLOTS` for a drafter that
+  catches up lazily. kwargs: the policy's runtime values (threshold, decay, ...). Calibrate
   for real costs (`adaptive.AdaptivePolicy.from_costs`)."""
   from specjax import roofline  # plain numpy; only needed here
 
@@ -334,7 +335,15 @@ def default_policy(target, drafter, entries=adaptive.DEFAULT_CHAINS,
   c = 1.0
   if cfg is not None and cfg != target.config:
     c = roofline.param_counts(cfg)["matmul"] / roofline.param_counts(target.config)["matmul"]
-  return adaptive.AdaptivePolicy.from_model(entries, c=min(c, 1.0), **kwargs)
+  return adaptive.AdaptivePolicy.from_model(entries, c=min(c, 1.0),
+                                            lazy_slots=lazy_slots_of(drafter), **kwargs)
+
+
+def lazy_slots_of(drafter) -> int:
+  """The adaptive loop's lazy catch-up bound for this drafter: `loop.LAZY_SLOTS` if it
+  declares `lazy_catch_up`, else 0 (eager). Price k = 0 with it (`AdaptivePolicy.from_costs`
+  / `from_model`, `lazy_slots=`)."""
+  return loop.LAZY_SLOTS if as_drafter(drafter).lazy_catch_up else 0
 
 
 def speculative_generate(target, draft, prompts, *, k: int | str | None = None,

@@ -308,8 +308,11 @@ class AdaptState:
   """The adaptive loop's own state: the policy's per-row, per-rank exponentially weighted
   counts (acc, tried [B, R]), the loop iteration, the menu entry chosen at each iteration
   (choices [C], -1 unused), the plain (k = 0) steps each row took (plain_steps [B]; one
-  token each) and the draft-stopping counters per row: cycles it cut (stopped) and accepted
-  drafts it discarded (discarded)."""
+  token each), the draft-stopping counters per row: cycles it cut (stopped) and accepted
+  drafts it discarded (discarded), and the lazy catch-up bookkeeping (`adaptive_loop`): per
+  row the tokens emitted by plain steps the drafter has not seen (behind, <= P) and the
+  target's probability of each (behind_p, for the acceptance estimate), and the number of
+  catch-up passes run (catch_ups)."""
 
   acc: Array  # float32 [B, R]
   tried: Array  # float32 [B, R]
@@ -318,6 +321,9 @@ class AdaptState:
   plain_steps: Array  # int32 [B]
   stopped: Array  # int32 [B]
   discarded: Array  # int32 [B]
+  behind: Array  # int32 [B] lazy catch-up: tokens emitted since the drafter was last synced
+  behind_p: Array  # float32 [B, P] the target's probability of each of them (its warped law)
+  catch_ups: Array  # int32 [] lazy catch-up passes run
 
 
 def _pad_result(result: acceptance.TreeResult, depth: int, width: int) -> acceptance.TreeResult:
@@ -341,8 +347,38 @@ def _draft_acceptance(proposal, p_BV) -> Array:
   return jnp.sum(jnp.minimum(p_BV, proposal.q[:, 0]), axis=-1)
 
 
+# Lazy catch-up bound P (`adaptive_loop`): plain steps a drafter may fall behind by, and the
+# longest run of plain steps one k = 0 cycle makes. The per-cycle choice and bookkeeping cost
+# about a small target's step, so P sets how visible they stay where plain decoding is best
+# (embedded pair, batch 1, CPU, forced k = 0 vs plain: P = 8 ~0.92x, 16 ~0.95x, 32 ~0.98x);
+# the price is a wider catch-up pass (P + 1 tokens through the draft) once per P steps.
+LAZY_SLOTS = 32
+
+
+def _catch_up_observation(guess, tokens_BS, length_B, behind_B, p_BP, ranks: int):
+  """The policy's rank-0 observation from a catch-up's guesses for the skipped tokens x_j
+  (the target sampled x_j from its warped law p_j): per token the acceptance probability's
+  unbiased estimate min(1, q_j(x_j) / p_j(x_j)) (E over x ~ p: Σ min(p, q)), or [guess_j =
+  x_j] for point masses (E: p(guess)). Returns (acc_obs, tried_obs) [B, R]."""
+  width = p_BP.shape[1]
+  z = jnp.zeros((length_B.shape[0], ranks), jnp.float32)
+  if guess is None:
+    return z, z
+  j = jnp.arange(width, dtype=jnp.int32)[None]
+  valid = j < behind_B[:, None]
+  at = jnp.clip(length_B[:, None] - behind_B[:, None] + 1 + j, 0, tokens_BS.shape[1] - 1)
+  x_BP = jnp.take_along_axis(tokens_BS, at, axis=1)
+  if guess.q is None:
+    hit = (guess.tokens == x_BP).astype(jnp.float32)
+  else:
+    q_x = jnp.take_along_axis(guess.q, x_BP[:, :, None], axis=2)[:, :, 0]
+    hit = jnp.minimum(1.0, q_x / jnp.maximum(p_BP, 1e-30))
+  hits = jnp.sum(jnp.where(valid, hit, 0.0), axis=1)
+  return z.at[:, 0].set(hits), z.at[:, 0].set(jnp.sum(valid, axis=1).astype(jnp.float32))
+
+
 def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B, eos,
-                  sampler, key, *, cache_len: int) -> LoopState:
+                  sampler, key, *, cache_len: int, lazy_slots: int = LAZY_SLOTS) -> LoopState:
   """Speculative decoding that picks a menu shape every cycle (`adaptive.AdaptivePolicy`).
 
   Every menu entry is traced once into this loop and chosen per cycle with `lax.switch`
@@ -355,6 +391,19 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
   observation for the cycle (features for drafters that read them: the one-token pass's,
   the root's row repeated). Speculative cycles only are counted in `stats`; every loop
   iteration's choice is logged in `adapt.choices`.
+
+  Lazy catch-up (drafters with `lazy_catch_up`, when lazy_slots = P > 0, static): a k = 0
+  cycle is a run of plain steps, each exactly `generate_loop`'s (same key use), that leave
+  the drafter behind; `adapt.behind` counts per row the tokens it has not seen. Before a
+  speculative entry drafts, and at the start of a k = 0 cycle where some row is already P
+  behind, one `drafter.catch_up` pass (under `lax.cond`: skipped when not needed) brings
+  every row up to date; its guesses for the skipped tokens are the policy's observations
+  (`_catch_up_observation`). The run lasts until some row would be P behind or a row
+  finishes: until then the policy would choose k = 0 again (it observed nothing and the
+  active rows are the same), so the run saves the per-cycle choice and bookkeeping, which
+  cost as much as a small target's step. A cycle that observes nothing leaves the estimate
+  unchanged (no decay). Other drafters (or P = 0) catch up eagerly, one step per cycle, as
+  above. `adapt.plain_steps` counts the plain steps (tokens) of each row either way.
   """
   TRACE_COUNTS["adaptive"] += 1
   b = prompt_BP.shape[0]
@@ -372,6 +421,65 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
   rows = jnp.arange(b)
   one = trees.chain(1)
   largest = max((e for e in menu if e is not None), key=lambda e: e.n_nodes, default=one)
+
+  lazy = bool(drafter.lazy_catch_up) and lazy_slots > 0
+  if lazy and capture:
+    raise ValueError("a drafter that reads target features cannot catch up lazily (the loop "
+                     "does not keep the features of skipped plain steps); its lazy_catch_up "
+                     "must be False")
+  slots = max(int(lazy_slots), 0)
+  zero_obs = jnp.zeros((b, ranks), jnp.float32)
+
+  def catch_up(s: LoopState):
+    """Syncs the drafter with the context: (state, acc_obs, tried_obs)."""
+    a = s.adapt
+    draft, guess = drafter.catch_up(s.draft, s.context(), a.behind, slots, sampler)
+    acc_obs, tried_obs = _catch_up_observation(guess, s.tokens, s.length, a.behind,
+                                               a.behind_p, ranks)
+    adapt = a.replace(behind=jnp.zeros_like(a.behind), catch_ups=a.catch_ups + 1)
+    return s.replace(draft=draft, adapt=adapt), acc_obs, tried_obs
+
+  def maybe_catch_up(s: LoopState, needed):
+    return jax.lax.cond(needed, catch_up, lambda s: (s, zero_obs, zero_obs), s)
+
+  def lazy_plain_step(c):
+    """One plain step, `generate_loop`'s body (same key use), that leaves the drafter one
+    more token behind (and keeps the target's probability of that token)."""
+    i, s = c
+    key, step_key = jax.random.split(s.key)
+    cur = s.tokens[rows, s.length]
+    logits, _, cache = target(cur[:, None], s.length[:, None], s.cache)
+    p_BV = sampling.warp(logits[:, 0], sampler)
+    nxt = sampling.sample(step_key, p_BV)
+    active = ~s.done
+    write_at = jnp.minimum(s.length + 1, s.tokens.shape[1] - 1)
+    tokens = s.tokens.at[rows, write_at].set(jnp.where(active, nxt, s.tokens[rows, write_at]))
+    length = s.length + active.astype(jnp.int32)
+    done = s.done | _finished(length + 1 - prompt_len_B, budget_B, active & (nxt == eos))
+    a = s.adapt
+    p_x = jnp.take_along_axis(p_BV, nxt[:, None], axis=1)[:, 0]
+    slot = jnp.minimum(a.behind, slots - 1)
+    behind_p = a.behind_p.at[rows, slot].set(jnp.where(active, p_x, a.behind_p[rows, slot]))
+    adapt = a.replace(behind=a.behind + active.astype(jnp.int32), behind_p=behind_p)
+    return i + 1, s.replace(tokens=tokens, length=length, done=done, key=key, adapt=adapt,
+                            cache=kv.set_lengths(cache, length))
+
+  def lazy_plain_branch(s: LoopState):
+    """A run of plain steps (a nested while_loop): as many as the bound allows (P − the
+    furthest row's lag, after a catch-up when some row is P behind), ending after the step in
+    which a row finishes. Within the run the policy would choose k = 0 again every step (it
+    observes nothing and the active rows are the same), so the run saves the per-cycle
+    choice and bookkeeping, not a decision."""
+    s, acc_obs, tried_obs = maybe_catch_up(s, jnp.any(s.adapt.behind >= slots))
+    room = slots - jnp.max(s.adapt.behind)
+    done0, length0 = s.done, s.length
+
+    def more(c):
+      i, t = c
+      return (i < room) & ~jnp.all(t.done) & jnp.all(t.done == done0)
+
+    _, new = jax.lax.while_loop(more, lazy_plain_step, (jnp.zeros((), jnp.int32), s))
+    return new, acc_obs, tried_obs, ~done0, jnp.zeros((b,), jnp.int32), new.length - length0
 
   def plain_branch(s: LoopState):
     key, step_key = jax.random.split(s.key)  # generate_loop's key use
@@ -393,10 +501,14 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
                     cache=kv.set_lengths(cache, length))
     obs = jnp.zeros((b, ranks), jnp.float32)
     acc_obs = obs.at[:, 0].set(_draft_acceptance(proposal, p_BV))
-    return new, acc_obs, obs.at[:, 0].set(1.0), active, jnp.zeros((b,), jnp.int32)
+    return (new, acc_obs, obs.at[:, 0].set(1.0), active, jnp.zeros((b,), jnp.int32),
+            active.astype(jnp.int32))
 
   def spec_branch(tree):
     def run(s: LoopState):
+      caught_acc = caught_tried = zero_obs
+      if lazy:
+        s, caught_acc, caught_tried = maybe_catch_up(s, jnp.any(s.adapt.behind > 0))
       key, draft_key, accept_key = jax.random.split(s.key, 3)
       new, result, active, stop = _spec_cycle(target, drafter, s, tree, sampler, draft_key,
                                               accept_key, prompt_len_B, budget_B, eos,
@@ -405,26 +517,31 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
       lost = jnp.zeros_like(n) if stop is None else jnp.maximum(n - stop, 0)
       stats = s.stats.record(active, _pad_result(result, depth, ranks), tree.size)
       new = new.replace(key=key, stats=stats)
-      return (new, policy.pad_ranks(result.rank_accepted), policy.pad_ranks(result.rank_tried),
-              active, jnp.where(active, lost, 0).astype(jnp.int32))
+      a1 = active[:, None]
+      acc_obs = jnp.where(a1, policy.pad_ranks(result.rank_accepted), 0.0) + caught_acc
+      tried_obs = jnp.where(a1, policy.pad_ranks(result.rank_tried), 0.0) + caught_tried
+      return (new, acc_obs, tried_obs, active, jnp.where(active, lost, 0).astype(jnp.int32),
+              jnp.zeros((b,), jnp.int32))
     return run
 
-  branches = [plain_branch if e is None else spec_branch(e) for e in menu]
-  plain_index = menu.index(None) if None in menu else -1
+  plain = lazy_plain_branch if lazy else plain_branch
+  branches = [plain if e is None else spec_branch(e) for e in menu]
 
   def body(s: LoopState) -> LoopState:
     a = s.adapt
     rates = policy.rates(a.acc, a.tried)
     choice = policy.pick(rates, ~s.done, b, a.cycle)
-    new, acc_obs, tried_obs, active, lost = jax.lax.switch(choice, branches, s)
-    acc, tried = policy.observe(a.acc, a.tried, acc_obs, tried_obs, active)
+    new, acc_obs, tried_obs, active, lost, plain = jax.lax.switch(choice, branches, s)
+    a = new.adapt  # with the branch's catch-up bookkeeping
+    # a lazy plain step observes nothing (unless it caught up): the estimate stays as it is
+    observed = active & (jnp.sum(tried_obs, axis=1) > 0)
+    acc, tried = policy.observe(a.acc, a.tried, acc_obs, tried_obs, observed)
     at = jnp.minimum(a.cycle, a.choices.shape[0] - 1)
-    plain = (active & (choice == plain_index)).astype(jnp.int32)
-    adapt = AdaptState(acc=acc, tried=tried, cycle=a.cycle + 1,
-                       choices=a.choices.at[at].set(choice),
-                       plain_steps=a.plain_steps + plain,
-                       stopped=a.stopped + (lost > 0).astype(jnp.int32),
-                       discarded=a.discarded + lost)
+    adapt = a.replace(acc=acc, tried=tried, cycle=a.cycle + 1,
+                      choices=a.choices.at[at].set(choice),
+                      plain_steps=a.plain_steps + plain,
+                      stopped=a.stopped + (lost > 0).astype(jnp.int32),
+                      discarded=a.discarded + lost)
     return new.replace(adapt=adapt)
 
   acc0, tried0 = policy.init_state(b)
@@ -435,7 +552,9 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
                    stats=Stats.zeros(b, depth, cache_len, ranks),
                    adapt=AdaptState(acc=acc0, tried=tried0, cycle=jnp.zeros((), jnp.int32),
                                     choices=jnp.full((cache_len,), -1, jnp.int32),
-                                    plain_steps=zb, stopped=zb, discarded=zb))
+                                    plain_steps=zb, stopped=zb, discarded=zb, behind=zb,
+                                    behind_p=jnp.ones((b, slots), jnp.float32),
+                                    catch_ups=jnp.zeros((), jnp.int32)))
   return jax.lax.while_loop(_not_finished, body, init)
 
 
@@ -445,4 +564,4 @@ speculative_loop = _under_precision(speculative_loop)
 adaptive_loop = _under_precision(adaptive_loop)
 generate_jit = jax.jit(generate_loop, static_argnames=("cache_len", "precision"))
 speculative_jit = jax.jit(speculative_loop, static_argnames=("tree", "cache_len", "precision"))
-adaptive_jit = jax.jit(adaptive_loop, static_argnames=("cache_len", "precision"))
+adaptive_jit = jax.jit(adaptive_loop, static_argnames=("cache_len", "lazy_slots", "precision"))

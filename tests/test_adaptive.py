@@ -155,31 +155,41 @@ def test_forced_plain_equals_plain_decoding_token_for_token(pair, temperature):
 # ----------------------------------------------------------------------------- the joint law
 
 
-def _adaptive_first_three(target, draft, sampler, seed, run=None, threshold=0.0):
+def _adaptive_first_three(target, draft, sampler, seed, run=None, threshold=0.0,
+                          forced=(1, 0, 2)):
   prompt = PROMPT
   batch = decoding.prepare_batch([prompt] * JOINT_ROWS, vocab_size=VOCAB, max_len=32,
                                  max_new_tokens=3, slots=3)
-  # cycle 0: k = 1, cycle 1: plain, cycle 2: k = 2 (rows that got 1 token in cycle 0 take
-  # their third token from it)
-  policy = adaptive.AdaptivePolicy.create((0, 1, 2), [1.0, 1.1, 1.2], forced=[1, 0, 2],
+  # the first token comes from the prefill; default: cycle 0: k = 1, cycle 1: plain (rows that
+  # got 1 token in cycle 0 take their third token from it). The model drafter catches up
+  # lazily with P = 1: a plain step leaves it one token behind, and a following speculative
+  # cycle catches it up before drafting (forced (0, 1, 2): plain, then k = 1).
+  policy = adaptive.AdaptivePolicy.create((0, 1, 2), [1.0, 1.1, 1.2], forced=list(forced),
                                           threshold=threshold)
   run = run or loop.adaptive_jit
   state = run(LM.of(target), ModelDrafter.of(draft), policy, batch.prompt_BP, batch.prompt_len_B,
               batch.budget_B, jnp.asarray(-1), sampler, jax.random.key(seed),
-              cache_len=batch.cache_len)
+              cache_len=batch.cache_len, lazy_slots=1)
+  _adaptive_first_three.catch_ups = int(state.adapt.catch_ups)
   _adaptive_first_three.stopped = int(np.sum(state.adapt.stopped))
   return np.asarray(state.tokens)[:, 3:6], prompt
 
 
-@pytest.mark.parametrize("threshold", [0.0, 0.6], ids=["no-stopping", "draft-stopping"])
-def test_joint_distribution_of_first_three_tokens_with_alternating_shapes(threshold):
+@pytest.mark.parametrize("threshold, forced", [(0.0, (1, 0, 2)), (0.6, (1, 0, 2)),
+                                               (0.0, (0, 1, 2))],
+                         ids=["no-stopping", "draft-stopping", "lazy-catch-up"])
+def test_joint_distribution_of_first_three_tokens_with_alternating_shapes(threshold, forced):
   """χ² goodness of fit of 40,000 rows against the enumerated target joint over 8³ outcomes
   (sparse cells pooled), shapes alternating k=1, plain, k=2; false-alarm rate 1e-3 each.
-  With a draft-stopping threshold (same compiled loop) the cut emission stays exact."""
+  With a draft-stopping threshold (same compiled loop) the cut emission stays exact; with
+  plain then k = 1 the drafter catches up lazily before it drafts."""
   target, draft = _joint_models()
   sampler = sampling.make_sampler(1.0)
-  tokens, prompt = _adaptive_first_three(target, draft, sampler, seed=11, threshold=threshold)
+  tokens, prompt = _adaptive_first_three(target, draft, sampler, seed=11, threshold=threshold,
+                                         forced=forced)
   assert joint_pvalue(tokens, exact_joint(target, prompt, sampler)) > FALSE_ALARM
+  if forced[0] == 0:
+    assert _adaptive_first_three.catch_ups == 1
   if threshold > 0:
     assert _adaptive_first_three.stopped > 1000, "the threshold should cut many cycles"
 
@@ -195,7 +205,8 @@ def test_joint_distribution_test_catches_a_planted_bug(monkeypatch):
                                   accepted=jnp.ones((b, k), bool))
 
   monkeypatch.setattr(acceptance, "accept_chain", always_accept)
-  fresh = jax.jit(lambda *a, **kw: loop.adaptive_loop(*a, **kw), static_argnames=("cache_len",))
+  fresh = jax.jit(lambda *a, **kw: loop.adaptive_loop(*a, **kw),
+                  static_argnames=("cache_len", "lazy_slots"))
   sampler = sampling.make_sampler(1.0)
   tokens, prompt = _adaptive_first_three(target, draft, sampler, seed=11, run=fresh)
   assert joint_pvalue(tokens, exact_joint(target, prompt, sampler)) < FALSE_ALARM

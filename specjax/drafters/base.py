@@ -22,6 +22,26 @@ and, on the host, with defaults in `Drafter`:
                                             cannot draft; default: accepts all)
     drafter.feature_layers -> tuple[int]   (target layers it reads; default none. When set,
                                             `features=` carries their outputs, see below)
+    drafter.lazy_catch_up -> bool          (static; default False. True: the adaptive loop's
+                                            plain steps may leave the drafter behind and
+                                            bring it up to date later with `catch_up`)
+
+Lazy catch-up (optional, adaptive loop only). A plain (k = 0) step of the adaptive loop emits
+one token without drafting. A drafter that declares `lazy_catch_up` is not told about such
+steps: it stays as the last `commit` (or `catch_up`) left it, synced at a context length
+L - behind[b] per row, and before it drafts again (or when `behind` would exceed the loop's
+static bound P) the loop calls
+
+    state, guess = drafter.catch_up(state, ctx, behind_B, P, sampler)
+
+with the current context and 0 <= behind_B <= P. It must return the state `commit` would
+have left at the current L (after the skipped steps), and its guesses for the skipped
+tokens, for the adaptive policy's acceptance estimate: `guess` is a `Proposal` with tokens
+[B, P] and q [B, P, V] (or None: point masses at the tokens), row j being the draft's
+prediction of token L - behind + 1 + j (the j-th token emitted since it was last synced)
+from the context before it; rows j >= behind are padding. `guess = None`: no estimate.
+Drafters that read target features keep the eager default (the loop does not keep the
+features of skipped steps).
 
 `ctx` is the committed context the engine sees: the token buffer `tokens_BS` and per row
 `length_B` = L, the index of the pending token. Tokens `[0, L)` are in the target's cache;
@@ -101,6 +121,21 @@ class Drafter:
     prompt's [B, P, C, D] to `init`, the verify pass's [B, T, C, D] (node order, root
     first) to `commit` — taken from passes the target makes anyway."""
     return ()
+
+  @property
+  def lazy_catch_up(self) -> bool:
+    """Whether the adaptive loop may skip this drafter on plain (k = 0) steps and bring it up
+    to date later with `catch_up` (module doc, "Lazy catch-up"). Default False: every plain
+    step drafts one token and commits it as rejected (eager catch-up), which fits any
+    drafter."""
+    return False
+
+  def catch_up(self, state: Any, ctx: Context, behind_B: Array, width: int,
+               sampler: Any) -> tuple[Any, Proposal | None]:
+    """Brings a drafter that is behind_B[b] <= width (static) emitted tokens behind up to the
+    context `ctx` (module doc, "Lazy catch-up"). Only called when `lazy_catch_up` is True."""
+    raise NotImplementedError(f"{type(self).__name__} declares lazy_catch_up but has no "
+                              f"catch_up")
 
   def init(self, prompt_BP: Array, prompt_len_B: Array, cache_len: int, tree: Any) -> Any:
     raise NotImplementedError

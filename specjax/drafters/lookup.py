@@ -46,7 +46,7 @@ import numpy as np
 from flax import struct
 
 from specjax.drafters.base import Context, Drafter, Proposal
-from specjax.trees import TreeSpec
+from specjax.trees import TreeSpec, chain
 
 Array = jax.Array
 
@@ -174,3 +174,21 @@ class LookupDrafter(Drafter):
   def commit(self, state, ctx: Context, tree, path_BP, n_accepted_B):
     del ctx, tree, path_BP, n_accepted_B
     return state
+
+  lazy_catch_up = True  # stateless: skipping plain steps leaves nothing to catch up
+
+  def catch_up(self, state, ctx: Context, behind_B, width: int, sampler):
+    """Nothing to bring up to date; the guesses (for the adaptive policy) are the one-token
+    lookups from each skipped step's context, all `width` of them in one vmapped pass."""
+    del sampler
+    size = ctx.tokens.shape[1]
+    one = chain(1)
+
+    def guess_at(j):
+      length = jnp.clip(ctx.length - behind_B + j, 0, size - 1)
+      proposal, _ = self.propose(state, Context(tokens=ctx.tokens, length=length), one,
+                                 None, None)
+      return proposal.tokens[:, 0]
+
+    tokens_PB = jax.vmap(guess_at)(jnp.arange(width, dtype=jnp.int32))
+    return state, Proposal(tokens=tokens_PB.T, q=None)

@@ -401,6 +401,34 @@ class ModelDrafter(LevelDrafter):
     logits_BWV, _, cache = self.lm(tokens_BW, positions_BW, cache, mask)
     return logits_BWV, parent_h_BWH, cache
 
+  @property
+  def lazy_catch_up(self) -> bool:
+    """True unless a subclass reads target features (the loop does not keep the features of
+    the plain steps it skips, so such a drafter catches up eagerly)."""
+    return not self.feature_layers
+
+  def catch_up(self, state: ModelDraftState, ctx: Context, behind_B, width: int, sampler):
+    """Lazy catch-up (`base` module doc): the cache is committed to L - behind - 1 (synced at
+    L - behind); one forward pass over the tokens from there to L - 1 brings it to L - 1.
+
+    Static shapes: the block has width + 1 tokens starting at s = L - behind - 1 (slots past
+    L - 1 get padding, beyond the committed length, overwritten later); where the cache
+    ends earlier than s + width + 1 the block starts earlier, re-writing committed entries
+    with the values they already hold. The logits at position L - behind + j are the
+    guess for token L - behind + 1 + j (row j of `guess`)."""
+    size = ctx.tokens.shape[1]
+    w = min(width + 1, size)
+    length = ctx.length
+    start = jnp.clip(length - behind_B - 1, 0, size - w).astype(jnp.int32)
+    pos_BW = start[:, None] + jnp.arange(w, dtype=jnp.int32)[None]
+    feed_BW = jnp.take_along_axis(ctx.tokens, pos_BW, axis=1)
+    logits_BWV, _, cache = self.lm(feed_BW, pos_BW, kv.set_lengths(state.cache, start))
+    rows = (length - behind_B - start)[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
+    logits_BPV = jnp.take_along_axis(logits_BWV, jnp.clip(rows, 0, w - 1)[:, :, None], axis=1)
+    guess = Proposal(tokens=jnp.argmax(logits_BPV, axis=-1).astype(jnp.int32),
+                     q=None if self.deterministic else self.draft_law(logits_BPV, sampler))
+    return state.replace(cache=kv.set_lengths(cache, length - 1)), guess
+
   def commit(self, state: ModelDraftState, ctx: Context, tree, path_BP, n_accepted_B
              ) -> ModelDraftState:
     """Moves the accepted path to slots [L, L + n] and commits L' - 1 entries (module doc).
