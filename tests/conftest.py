@@ -31,25 +31,18 @@ import jax  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "float32")
 
-# Garbage collection only between tests, in the main thread, and no tqdm monitor thread:
-# freed compiled programs are destroyed at a known point instead of whenever any thread
-# allocates (a guard added while chasing worker crashes inside XLA:CPU compilation, which
-# it did not cure; see BUILD_NOTES.md, "Known limits").
-# Collecting every few tests keeps memory bounded.
+# Compiled programs are freed after each test module. XLA:CPU maps ~15 memory regions per
+# compiled program and jit caches keep every program alive, so one process running the
+# whole suite reached the kernel's limit of 65,530 mappings (vm.max_map_count) and crashed
+# inside the next compile (SIGSEGV or abort in `backend_compile_and_load`). Clearing the
+# caches unmaps them; a module's own programs stay cached while it runs.
 import gc  # noqa: E402
 
 import pytest  # noqa: E402
-import tqdm  # noqa: E402
-
-gc.disable()
-tqdm.tqdm.monitor_interval = 0  # no monitor thread
-_tests_since_collect = [0]
 
 
-@pytest.fixture(autouse=True)
-def _collect_garbage_between_tests():
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs_after_each_module():
   yield
-  _tests_since_collect[0] += 1
-  if _tests_since_collect[0] >= 8:
-    _tests_since_collect[0] = 0
-    gc.collect()
+  jax.clear_caches()
+  gc.collect()
