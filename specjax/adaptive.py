@@ -2,9 +2,9 @@
 
 One object (`AdaptivePolicy`), used inside the compiled loop (`loop.adaptive_loop`, pure
 jnp) and on the host (`choose`, `table`: what `specjax theory` prints, what the
-experiments predict). The menu is static (each entry is traced once into the loop and picked
-with `lax.switch`); everything the choice reads is an array, so changing costs, decay,
-prior, threshold or forced schedule reuses the compiled loop.
+experiments predict). The menu is static (each entry is traced once into the loop and the
+chosen one runs, `loop._run_chosen`); everything the choice reads is an array, so changing
+costs, decay, prior, threshold or forced schedule reuses the compiled loop.
 
 Menu. Entries are `None` (k = 0: a plain decoding step) or static `trees.TreeSpec`s (a chain
 of k drafts is `trees.chain(k)`): `menu((0, 1, 2, 4, 6))`, optionally with one or two trees.

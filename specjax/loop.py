@@ -1,6 +1,6 @@
 """The jitted decoding loops and their state: plain autoregressive, speculative (one tree)
-and adaptive (a menu of shapes picked per cycle by `adaptive.AdaptivePolicy` with
-`lax.switch`, see `adaptive_loop`), one `jax.lax.while_loop` each.
+and adaptive (a menu of shapes picked per cycle by `adaptive.AdaptivePolicy`, see
+`adaptive_loop`), one `jax.lax.while_loop` each.
 
 Bookkeeping shared by both loops (per row b of a ragged batch):
 - `tokens[b]` holds the prompt then every emitted token; `length[b]` = L is the index of
@@ -377,12 +377,30 @@ def _catch_up_observation(guess, tokens_BS, length_B, behind_B, p_BP, ranks: int
   return z.at[:, 0].set(hits), z.at[:, 0].set(jnp.sum(valid, axis=1).astype(jnp.float32))
 
 
+def _run_chosen(choice, branches, none):
+  """branches[choice](none[0]): the chosen menu entry's cycle, run as a chain of
+  `lax.while_loop`s of zero or one trip (entry j's loop runs once where choice == j), not as
+  one `lax.switch` (nor a chain of `lax.cond`s). XLA:CPU copies buffers that a conditional's
+  branch updates in place: every entry of a switch receives the same operand buffers, and an
+  entry that writes a cache more than once (a drafter's root then level steps) gets copies
+  even alone in a two-way cond; both KV caches were copied each cycle. A loop body updates its
+  carry in place (docs/xla_notes.md, trap 10). `none`: the state and the entries' other
+  outputs, of their shapes, before any entry ran (exactly one runs)."""
+  out = none
+  for j, branch in enumerate(branches):
+    _, out = jax.lax.while_loop(lambda c: c[0],
+                                lambda c, f=branch: (jnp.zeros((), bool), f(c[1][0])),
+                                (choice == j, out))
+  return out
+
+
 def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B, eos,
                   sampler, key, *, cache_len: int, lazy_slots: int = LAZY_SLOTS) -> LoopState:
   """Speculative decoding that picks a menu shape every cycle (`adaptive.AdaptivePolicy`).
 
-  Every menu entry is traced once into this loop and chosen per cycle with `lax.switch`
-  (one compile; the menu is static, the policy's numbers are arrays). All branches return
+  Every menu entry is traced once into this loop and the chosen one runs each cycle
+  (`_run_chosen`: one zero-or-one-trip loop per entry, which keeps both KV caches updated in
+  place; one compile; the menu is static, the policy's numbers are arrays). All branches return
   the same state: emission is padded to the deepest entry, results to its depth and width.
   A spec entry is a `_spec_cycle` of its tree. k = 0 (entry None) is a plain decoding step,
   token for token `generate_loop`'s (same key use), plus the drafter's catch-up: it proposes
@@ -470,7 +488,6 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
     which a row finishes. Within the run the policy would choose k = 0 again every step (it
     observes nothing and the active rows are the same), so the run saves the per-cycle
     choice and bookkeeping, not a decision."""
-    s, acc_obs, tried_obs = maybe_catch_up(s, jnp.any(s.adapt.behind >= slots))
     room = slots - jnp.max(s.adapt.behind)
     done0, length0 = s.done, s.length
 
@@ -479,7 +496,7 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
       return (i < room) & ~jnp.all(t.done) & jnp.all(t.done == done0)
 
     _, new = jax.lax.while_loop(more, lazy_plain_step, (jnp.zeros((), jnp.int32), s))
-    return new, acc_obs, tried_obs, ~done0, jnp.zeros((b,), jnp.int32), new.length - length0
+    return new, zero_obs, zero_obs, ~done0, jnp.zeros((b,), jnp.int32), new.length - length0
 
   def plain_branch(s: LoopState):
     key, step_key = jax.random.split(s.key)  # generate_loop's key use
@@ -506,9 +523,6 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
 
   def spec_branch(tree):
     def run(s: LoopState):
-      caught_acc = caught_tried = zero_obs
-      if lazy:
-        s, caught_acc, caught_tried = maybe_catch_up(s, jnp.any(s.adapt.behind > 0))
       key, draft_key, accept_key = jax.random.split(s.key, 3)
       new, result, active, stop = _spec_cycle(target, drafter, s, tree, sampler, draft_key,
                                               accept_key, prompt_len_B, budget_B, eos,
@@ -518,21 +532,29 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
       stats = s.stats.record(active, _pad_result(result, depth, ranks), tree.size)
       new = new.replace(key=key, stats=stats)
       a1 = active[:, None]
-      acc_obs = jnp.where(a1, policy.pad_ranks(result.rank_accepted), 0.0) + caught_acc
-      tried_obs = jnp.where(a1, policy.pad_ranks(result.rank_tried), 0.0) + caught_tried
+      acc_obs = jnp.where(a1, policy.pad_ranks(result.rank_accepted), 0.0)
+      tried_obs = jnp.where(a1, policy.pad_ranks(result.rank_tried), 0.0)
       return (new, acc_obs, tried_obs, active, jnp.where(active, lost, 0).astype(jnp.int32),
               jnp.zeros((b,), jnp.int32))
     return run
 
   plain = lazy_plain_branch if lazy else plain_branch
   branches = [plain if e is None else spec_branch(e) for e in menu]
+  plain_entry = [e is None for e in menu]
 
   def body(s: LoopState) -> LoopState:
     a = s.adapt
     rates = policy.rates(a.acc, a.tried)
     choice = policy.pick(rates, ~s.done, b, a.cycle)
-    new, acc_obs, tried_obs, active, lost, plain = jax.lax.switch(choice, branches, s)
-    a = new.adapt  # with the branch's catch-up bookkeeping
+    caught_acc = caught_tried = zero_obs
+    if lazy:  # the catch-up the chosen entry needs first, before (not inside) the entries
+      need = jnp.where(jnp.asarray(plain_entry)[choice], jnp.any(a.behind >= slots),
+                       jnp.any(a.behind > 0))
+      s, caught_acc, caught_tried = maybe_catch_up(s, need)
+    none = (s, zero_obs, zero_obs, jnp.zeros((b,), bool), zb, zb)  # before any entry ran
+    new, acc_obs, tried_obs, active, lost, plain = _run_chosen(choice, branches, none)
+    acc_obs, tried_obs = acc_obs + caught_acc, tried_obs + caught_tried
+    a = new.adapt  # with the catch-up bookkeeping
     # a lazy plain step observes nothing (unless it caught up): the estimate stays as it is
     observed = active & (jnp.sum(tried_obs, axis=1) > 0)
     acc, tried = policy.observe(a.acc, a.tried, acc_obs, tried_obs, observed)
