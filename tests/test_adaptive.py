@@ -236,9 +236,20 @@ def test_cli_theory_adaptive_from_a_calibration_file_and_bad_k(capsys, tmp_path)
   assert main(["theory", "adaptive", "--calibration", str(path), "--menu", "0,1,2,4",
                "--alphas", "0.2,0.9", "--batches", "1", "--json"]) == 0
   doc = json.loads(capsys.readouterr().out)
-  pol = adaptive.AdaptivePolicy.from_costs((0, 1, 2, 4), costs)
+  pol = adaptive.AdaptivePolicy.from_costs((0, 1, 2, 4), costs, lazy_slots=loop.LAZY_SLOTS)
   assert [r["choice"] for r in doc["rows"]] == [pol.names[pol.choose(a, 1)] for a in (0.2, 0.9)]
   assert doc["rows"][0]["choice"] == "k=0" and doc["rows"][1]["choice"] == "k=4"
+  # k = 0 priced as the engine runs a lazy drafter (one catch-up pass per P plain steps) by
+  # default, eagerly with --lazy-slots 0: a plain step costs more, so its speedup is lower
+  eager = adaptive.AdaptivePolicy.from_costs((0, 1, 2, 4), costs)
+  assert doc["rows"][0]["speedup"] == pytest.approx(pol.predicted_speedup(0.2, 1, 0))
+  assert main(["theory", "adaptive", "--calibration", str(path), "--menu", "0,1,2,4",
+               "--alphas", "0.2", "--batches", "1", "--lazy-slots", "0", "--json"]) == 0
+  row = json.loads(capsys.readouterr().out)["rows"][0]
+  assert row["speedup"] == pytest.approx(eager.predicted_speedup(0.2, 1, eager.choose(0.2, 1)))
+  assert row["speedup"] < doc["rows"][0]["speedup"]
+  assert main(["theory", "adaptive", "--lazy-slots", "-1"]) == 2
+  assert "--lazy-slots must be an int >= 0, got -1" in capsys.readouterr().err
   with pytest.raises(SystemExit) as exc:  # argparse refuses it
     main(["generate", "--k", "fast", "--repeats", "1"])
   assert exc.value.code == 2

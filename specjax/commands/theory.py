@@ -57,6 +57,9 @@ def add_parser(subparsers) -> None:
   s.add_argument("--menu", default="0,1,2,4,6", help="chain lengths k (0 = plain step)")
   s.add_argument("--temperature", type=float, default=0.0,
                  help="use the calibrations made at this temperature (default %(default)s)")
+  s.add_argument("--lazy-slots", type=int, default=None, metavar="P",
+                 help="plain steps per draft catch-up pass, as the engine runs a drafter that "
+                 "catches up lazily (default: the loop's bound, 32); 0: a pass every plain step")
   s.add_argument("--alphas", default=_DEFAULT_ALPHAS, help="comma-separated α values")
   s.add_argument("--batches", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
   s.add_argument("--c", type=float, default=0.15,
@@ -379,7 +382,7 @@ def _calibrations(path: str | None, temperature: float) -> dict:
 
 
 def _adaptive(args) -> int:
-  from specjax import adaptive  # lazy: imports JAX
+  from specjax import adaptive, loop  # lazy: imports JAX
 
   alphas = _floats("--alphas", args.alphas)
   for a in alphas:
@@ -389,12 +392,15 @@ def _adaptive(args) -> int:
   for b in batches:
     _check_k("--batches", b)
   menu = _ints("--menu", args.menu)
+  lazy = loop.LAZY_SLOTS if args.lazy_slots is None else args.lazy_slots
+  if lazy < 0:
+    raise ValueError(f"--lazy-slots must be an int >= 0, got {lazy}")
   costs = _calibrations(args.calibration, args.temperature)
   if costs:
-    policy = adaptive.AdaptivePolicy.from_costs(menu, costs)
+    policy = adaptive.AdaptivePolicy.from_costs(menu, costs, lazy_slots=lazy)
     source = f"calibrated at batch {sorted(costs)}, T = {args.temperature:g}"
   else:
-    policy = adaptive.AdaptivePolicy.from_model(menu, c=args.c, v=args.v)
+    policy = adaptive.AdaptivePolicy.from_model(menu, c=args.c, v=args.v, lazy_slots=lazy)
     source = f"uncalibrated: cycle = 1 + {args.v:g}·N + {args.c:g}·D steps"
   rows = policy.table(alphas, batches)
   if args.json:
