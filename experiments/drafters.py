@@ -34,7 +34,9 @@ trained on code only (which includes docstrings and comments), so prose is out o
 training distribution in form, not in vocabulary. With `models="random"` (tests) both are
 fixed snippets.
 
-Measured (`measure.compare`, as in the quickstart): plain and speculative runs alternated
+Measured (`measure.compare`, as in the quickstart): `prompts` held-out prompts of the
+category (8 by default), decoded in consecutive batches of `batch` rows, plain and
+speculative runs alternated
 `repeats` times, decode phase only (each also timed with max_new_tokens = 1 and the prefill
 subtracted), medians (or the fastest calls). Predicted (`specjax.calibration`): the
 compiled loop with this very drafter is timed on the drafter's shapes (its chain, its
@@ -42,7 +44,8 @@ static tree, its dynamic tree, and the chains of `calibration_k` shorter than it
 the fit), cached on disk and shared by the drafter's points of one (category, temperature).
 That gives the cycle of the point's shape in plain target steps; each row's measured reach
 P(n ≥ d) = depth_accepted ÷ cycles gives the tokens a loop iteration emits
-(`calibration.tokens_per_iteration`):
+(`calibration.tokens_per_iteration`, harmonic mean over the batches:
+`tokens_per_iteration_in_batches`):
 
     predicted speedup = τ_loop ÷ cycle_steps(shape),  efficiency = measured ÷ predicted.
 
@@ -109,6 +112,7 @@ def validate(params: dict) -> None:
     measure.check_int(params, name, {"max_ngram": 3, "min_ngram": 1, "head_steps": 8}.get(
         name, lo), lo)
   measure.check_int(params, "seed", 0, 0)
+  measure.check_int(params, "prompts", 8, 1)
   models = measure.check_choice(params, "models", "default", measure.MODELS)
   measure.check_number(params, "temperature", 0.0, 0)
   measure.check_number(params, "oracle_alpha", 0.8, 0, 1)
@@ -294,10 +298,12 @@ def point(variant: str, category: str = "code", temperature: float = 0.0, batch:
           head_steps: int = 8, max_new_tokens: int = 64, prompt_len: int = 64,
           repeats: int = 5, models: str = "default", seed: int = 0,
           calibration_k: tuple = (1,), calibration_repeats: int = 3,
-          recalibrate: bool = False, statistic: str = "median") -> dict:
+          recalibrate: bool = False, statistic: str = "median", prompts: int = 8) -> dict:
   drafter_name, shape = parse_variant(variant)
   target, _, tok, _ = measure.models(models)
-  prompt_ids = measure.prompts(tok, category_texts(models, category), batch, prompt_len)
+  all_ids = measure.workload(tok, category_texts(models, category), batch, prompts,
+                             prompt_len)
+  prompt_ids = all_ids[:batch]  # the calibration's batch (cycle costs hardly vary by prompt)
   build = functools.partial(drafter_and_tree, drafter_name, temperature=temperature,
                             models=models, k=k, tree_widths=tree_widths,
                             skip_layers=skip_layers, max_ngram=max_ngram, min_ngram=min_ngram,
@@ -313,19 +319,20 @@ def point(variant: str, category: str = "code", temperature: float = 0.0, batch:
   for c in sorted(c for c in set(calibration_k) - chain_k if c < max(chain_k)):
     by_key[calibration.shape_key(trees.chain(c))] = (build("chain")[0], trees.chain(c))
   shapes = [t for _, t in by_key.values()]
-  cache_len = max(calibration.default_cache_len(target, d, prompt_ids, [t], max_new_tokens)
+  cache_len = max(calibration.default_cache_len(target, d, all_ids, [t], max_new_tokens)
                   for d, t in by_key.values())
   costs = calibration.calibrate(target, drafter, prompt_ids, shapes,
                                 max_new_tokens=max_new_tokens, repeats=calibration_repeats,
                                 temperature=temperature, seed=seed, cache_len=cache_len,
                                 recalibrate=recalibrate, statistic=statistic,
                                 drafter_for=lambda _d, t: by_key[calibration.shape_key(t)][0])
-  cmp = measure.compare(target, drafter, prompt_ids, tree=tree, max_new_tokens=max_new_tokens,
-                        repeats=repeats, temperature=temperature, seed=seed,
-                        cache_len=cache_len, decode_only=True, loop_costs=costs,
-                        statistic=statistic)
+  cmp = measure.compare(target, drafter, all_ids, batch=batch, tree=tree,
+                        max_new_tokens=max_new_tokens, repeats=repeats,
+                        temperature=temperature, seed=seed, cache_len=cache_len,
+                        decode_only=True, loop_costs=costs, statistic=statistic)
   st = cmp.spec.stats
-  tau_loop = calibration.tokens_per_iteration(_reach_laws(st), batch, max_new_tokens - 1)
+  tau_loop = calibration.tokens_per_iteration_in_batches(_reach_laws(st), batch,
+                                                         max_new_tokens - 1)
   row = measure.speculative_row(cmp, tau_loop, temperature)
   label = _label(drafter_name, shape, tree)
   line = verdict(label, category, batch, temperature, cmp.speedup, row["predicted_speedup"],
@@ -334,7 +341,8 @@ def point(variant: str, category: str = "code", temperature: float = 0.0, batch:
   train_s = head(drafter_name, models, head_steps)[3] if drafter_name in HEAD_KINDS else None
   return {
       "verdict": line, "label": label, "drafter": drafter_name, "shape": shape,
-      "temperature": float(temperature), "batch": batch, "category": category, **row,
+      "temperature": float(temperature), "batch": batch, "category": category,
+      "prompts": len(all_ids), **row,
       "tau_iid": (float(theory.expected_tokens(row["alpha_trial"], tree.size))
                   if shape == "chain" else None),
       "oracle_alpha": oracle_alpha if drafter_name == "oracle" else None,

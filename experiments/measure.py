@@ -185,6 +185,13 @@ def prompts(tok, texts, batch: int, prompt_len: int) -> list[list[int]]:
   return [ids[i * stride:i * stride + prompt_len] for i in range(batch)]
 
 
+def workload(tok, texts, batch: int, count: int, prompt_len: int) -> list[list[int]]:
+  """`count` held-out prompts (`prompts`) rounded up to whole batches of `batch` rows, at
+  least one batch: what a point decodes with `compare(..., batch=batch)`, so points of
+  different batch sizes decode the same prompts."""
+  return prompts(tok, texts, batch * -(-max(count, batch) // batch), prompt_len)
+
+
 def drafter_of(draft, deterministic: bool = False) -> Drafter:
   """A `Drafter` object as is; a draft model as a `ModelDrafter` (top-k candidates when
   `deterministic`)."""
@@ -397,7 +404,8 @@ def compare(target, draft, prompt_ids: Sequence[Sequence[int]], *, tree, max_new
             repeats: int, temperature: float = 0.0, seed: int = 0,
             deterministic: bool = False, cache_len: int | None = None,
             forward_repeats: int | None = None, statistic: str = "median",
-            decode_only: bool = False, loop_costs=None) -> Comparison:
+            decode_only: bool = False, loop_costs=None,
+            batch: int | None = None) -> Comparison:
   """Plain `decoding.generate` and `decoding.speculative_generate` of `tree` (a chain is
   `trees.chain(k)`) with the draft model `draft` (or any `Drafter` object, used as is:
   `deterministic` is then ignored; pass `loop_costs`, the standalone step costs time a
@@ -412,21 +420,36 @@ def compare(target, draft, prompt_ids: Sequence[Sequence[int]], *, tree, max_new
   1 and rate the decode phase only (long contexts, where the prefill dominates a call).
   loop_costs: a `specjax.calibration.LoopCosts` of these models at this batch: the
   prediction uses it (`Comparison.predicted`) and the standalone forwards are not timed.
+  batch: rows per call (default: all prompts in one call). Fewer rows than prompts decode
+  the prompts as consecutive batches of `batch` rows (their number must divide evenly),
+  one after another inside each timed call, and the Generations are concatenated
+  (`decoding.Generation.concat`): a batch-1 figure then covers several prompts, not one.
   """
   if statistic not in ("median", "fastest"):
     raise ValueError(f"statistic must be 'median' or 'fastest', got {statistic!r}")
   prompt_len = max(len(p) for p in prompt_ids)
   if cache_len is None:
     cache_len = decoding.cache_len_for(prompt_len, max_new_tokens, cycle_slots(tree, draft))
+  rows = len(prompt_ids) if batch is None else batch
+  if (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1
+      or len(prompt_ids) % rows):
+    raise ValueError(f"batch must be an int >= 1 dividing the {len(prompt_ids)} prompts, "
+                     f"got {batch!r}")
+  groups = [list(prompt_ids[i:i + rows]) for i in range(0, len(prompt_ids), rows)]
   drafter = drafter_of(draft, deterministic)
   common = dict(sampler=sampling.make_sampler(temperature), seed=seed, cache_len=cache_len)
 
+  def each(call):
+    if len(groups) == 1:
+      return lambda: call(groups[0])
+    return lambda: decoding.Generation.concat([call(g) for g in groups])
+
   def plain(n):
-    return lambda: decoding.generate(target, prompt_ids, max_new_tokens=n, **common)
+    return each(lambda ids: decoding.generate(target, ids, max_new_tokens=n, **common))
 
   def spec(n):
-    return lambda: decoding.speculative_generate(target, drafter, prompt_ids, tree=tree,
-                                                 max_new_tokens=n, **common)
+    return each(lambda ids: decoding.speculative_generate(
+        target, drafter, ids, tree=tree, max_new_tokens=n, **common))
 
   fns = {"plain": plain(max_new_tokens), "spec": spec(max_new_tokens)}
   if decode_only:
@@ -435,7 +458,7 @@ def compare(target, draft, prompt_ids: Sequence[Sequence[int]], *, tree, max_new
   seconds = {name: getattr(t, statistic) for name, t in timed.items()}
   context = prompt_len + max_new_tokens // 2
   costs = None if loop_costs is not None else step_costs(
-      target, draft, len(prompt_ids), tree, context, cache_len, forward_repeats or repeats)
+      target, draft, rows, tree, context, cache_len, forward_repeats or repeats)
   return Comparison(plain=timed["plain"].result, spec=timed["spec"].result,
                     plain_s=seconds["plain"], spec_s=seconds["spec"], costs=costs, tree=tree,
                     cache_len=cache_len, context=context,

@@ -2,8 +2,10 @@
 predict by how much?
 
 One point = (mode, batch, temperature): mode "chain" (k drafts) or "tree" (`tree_widths`).
-The same prompts (held-out code from the embedded corpus) are decoded with plain `generate`
-and with speculative decoding, alternately, `repeats` times (`measure.compare`, decode
+The same `prompts` held-out code prompts of the embedded corpus (8 by default, at least
+`batch`), in consecutive batches of `batch` rows (so batch 1 decodes them one at a time and
+batch 8 all together: one workload, not a single prompt's luck), are decoded with plain
+`generate` and with speculative decoding, alternately, `repeats` times (`measure.compare`, decode
 phase only: each call is also timed with max_new_tokens = 1 and the prefill subtracted);
 medians (or, with statistic="fastest", the fastest calls: load on a shared machine only
 slows a call down) give tokens/s of both and their ratio, the measured speedup.
@@ -19,7 +21,9 @@ acceptance:
     tree:  the measured reach by depth, P(n ≥ d) = depth_accepted ÷ cycles;
 
     τ_loop = the tokens per row per iteration of a batch that runs until its slowest row
-             has emitted its budget (`calibration.tokens_per_iteration`; ≈ E[τ] at batch 1)
+             has emitted its budget (`calibration.tokens_per_iteration`; ≈ E[τ] at batch 1),
+             harmonic mean over the consecutive batches of the workload
+             (`calibration.tokens_per_iteration_in_batches`)
     predicted speedup = τ_loop ÷ cycle_steps(shape),  efficiency = measured ÷ predicted.
 
 `target_dtype` serves the target's weights in float32 (as trained) or bfloat16 (products
@@ -52,6 +56,7 @@ def validate(params: dict) -> None:
   for name, lo in (("batch", 1), ("k", 1), ("max_new_tokens", 2), ("repeats", 1),
                    ("prompt_len", 8), ("calibration_repeats", 1)):
     measure.check_int(params, name, lo, lo)
+  measure.check_int(params, "prompts", 8, 1)
   measure.check_choice(params, "models", "default", measure.MODELS)
   measure.check_choice(params, "target_dtype", "float32", ("float32", "bfloat16"))
   measure.check_number(params, "temperature", 0.0, 0)
@@ -107,12 +112,13 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
           repeats: int = 3, models: str = "default", seed: int = 0,
           calibration_k: tuple = (1, 2), calibration_repeats: int = 3,
           recalibrate: bool = False, statistic: str = "median",
-          target_dtype: str = "float32") -> dict:
+          target_dtype: str = "float32", prompts: int = 8) -> dict:
   target, draft, tok, texts = measure.models(models, target_dtype)
   tree = _tree(mode, k, tree_widths)
-  prompt_ids = measure.prompts(tok, texts, batch, prompt_len)
+  all_ids = measure.workload(tok, texts, batch, prompts, prompt_len)
+  prompt_ids = all_ids[:batch]  # the calibration's batch (cycle costs hardly vary by prompt)
   shapes = _shapes(k, tree_widths, calibration_k)
-  cache_len = calibration.default_cache_len(target, draft, prompt_ids, shapes, max_new_tokens)
+  cache_len = calibration.default_cache_len(target, draft, all_ids, shapes, max_new_tokens)
   # Chains draft sampled candidates. Trees draft distinct top-k ones at T = 0 (the
   # point-mass rule: i.i.d. siblings would all be the argmax and the tree would degenerate
   # into its chain) and i.i.d. samples of q at T > 0, where the point-mass rule would accept
@@ -128,7 +134,8 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
                                 temperature=temperature, seed=seed, cache_len=cache_len,
                                 recalibrate=recalibrate, statistic=statistic,
                                 drafter_for=drafter_for)
-  cmp = measure.compare(target, draft, prompt_ids, tree=tree, max_new_tokens=max_new_tokens,
+  cmp = measure.compare(target, draft, all_ids, batch=batch, tree=tree,
+                        max_new_tokens=max_new_tokens,
                         repeats=repeats, temperature=temperature, seed=seed,
                         deterministic=topk and mode == "tree", cache_len=cache_len,
                         decode_only=True, loop_costs=costs, statistic=statistic)
@@ -141,7 +148,7 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
     tau_pred = summary.tau
   # Each row's own law: a batch loops until its slowest row is done, and rows differ.
   law = calibration.row_length_probs(cmp.spec.stats, tree)
-  tau_loop = calibration.tokens_per_iteration(law, batch, max_new_tokens - 1)
+  tau_loop = calibration.tokens_per_iteration_in_batches(law, batch, max_new_tokens - 1)
   row = measure.speculative_row(
       cmp, tau_loop, temperature,
       cycle_name=lambda key, n, d: key if key.startswith("chain") else f"tree N={n} D={d}")
@@ -151,12 +158,21 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
   measure.say(line)
   decode = (lambda ids: tok.decode(ids)[:SAMPLE_CHARS]) if tok is not None else str
   return {
-      "verdict": line, "label": label, **row, "tau_predicted": tau_pred,
+      "verdict": line, "label": label, **row, "prompts": len(all_ids),
+      "alpha_by_prompt": _alpha_by_row(cmp.spec.stats),
+      "tau_predicted": tau_pred,
       "alpha_used_for_prediction": alpha,
       "sample": {"prompt": decode(prompt_ids[0][-80:]),
                  "plain": decode(cmp.plain.tokens[0]),
                  "speculative": decode(cmp.spec.tokens[0])},
   }
+
+
+def _alpha_by_row(stats) -> list:
+  """Each prompt's acceptance per draft tried (None where it ran no cycle)."""
+  tried = np.asarray(stats["depth_tried"]).sum(axis=1)
+  accepted = np.asarray(stats["depth_accepted"]).sum(axis=1)
+  return [float(a / t) if t else None for a, t in zip(accepted, tried)]
 
 
 # ----------------------------------------------------------------------------- report
@@ -245,6 +261,15 @@ def report(records: list[dict], run_dir) -> str:
            "calibrated cycle cost in plain target steps (docs/cost_model.md, \"Calibrated "
            "loop costs\"); efficiency = measured ÷ predicted.", ""]
   lines += [f"- {r['metrics']['verdict']}" for r in records] + [""]
+  counts = sorted({r["metrics"].get("prompts", r["params"]["batch"]) for r in records})
+  lines += [f"Every point decodes the same {'/'.join(map(str, counts))} held-out code prompts "
+            "in consecutive batches of its batch size (batch 1: one prompt at a time). "
+            "Acceptance by prompt (per draft tried):", ""]
+  for r in records:
+    alphas = r["metrics"].get("alpha_by_prompt") or []
+    lines.append(f"- {_tag(r)}: " + " ".join("-" if a is None else f"{a:.2f}"
+                                              for a in alphas))
+  lines.append("")
   lines += [f"![measured vs predicted speedup]({_plot_speedups(records, run_dir, rep)})",
             f"![acceptance by draft position]({_plot_acceptance(records, run_dir, rep)})"]
   runs = _plot_run_lengths(records, run_dir, rep)

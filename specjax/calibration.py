@@ -314,6 +314,24 @@ def tokens_per_iteration(length_probs: Sequence[float], batch: int, tokens: int,
   return tokens / float(np.mean(needed.max(axis=1)))
 
 
+def tokens_per_iteration_in_batches(length_probs: Sequence[Sequence[float]], batch: int,
+                                    tokens: int, samples: int = 2000, seed: int = 0) -> float:
+  """`tokens_per_iteration` of a workload whose rows ([rows, D + 1] laws, rows a multiple of
+  `batch`) are decoded as consecutive batches of `batch` rows, one batch after another:
+  batch j runs tokens ÷ τ_j iterations, so the workload's tokens per row per iteration is
+  the harmonic mean of the batches' τ_j (what a batch-1 figure over several prompts
+  predicts: the slow prompts weigh more)."""
+  p = np.asarray(length_probs, np.float64)
+  if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+    raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+  if p.ndim != 2 or p.shape[0] < batch or p.shape[0] % batch:
+    raise ValueError(f"length_probs must be one law per row, rows a multiple of batch "
+                     f"{batch}, got shape {p.shape}")
+  taus = [tokens_per_iteration(p[i:i + batch], batch, tokens, samples, seed)
+          for i in range(0, p.shape[0], batch)]
+  return len(taus) / sum(1.0 / t for t in taus)
+
+
 def row_length_probs(stats: Mapping[str, np.ndarray], tree: Tree) -> np.ndarray:
   """Each row's law of accepted path lengths, [B, D + 1], from the loop's own counters
   (`Generation.stats`): for a chain the geometric law at the row's per-trial acceptance

@@ -66,6 +66,37 @@ class Generation:
   stopping: dict[str, np.ndarray] | None = None  # adaptive: per-row stopped / discarded
   plain_steps: np.ndarray | None = None  # adaptive: per-row k = 0 steps (one token each)
 
+  @classmethod
+  def concat(cls, parts: Sequence["Generation"]) -> "Generation":
+    """The rows of several calls of one kind (all plain, or all speculative with one shape)
+    as one Generation: tokens, prompt lengths and per-row statistics concatenated in order
+    (per-cycle logs padded with -1 to the longest), seconds summed. How a workload decoded
+    in several batches is analysed as a whole; adaptive runs (per-iteration choices of one
+    call) are refused."""
+    parts = list(parts)
+    if not parts or not all(isinstance(g, Generation) for g in parts):
+      raise ValueError(f"parts must be a non-empty list of Generations, got {parts!r}")
+    first = parts[0]
+    if any(g.choices is not None for g in parts):
+      raise ValueError("adaptive Generations (per-iteration choices) cannot be concatenated")
+    kinds = {(g.stats is None, g.k, repr(g.tree)) for g in parts}
+    if len(kinds) != 1:
+      raise ValueError(f"parts must all be plain or all speculative with one shape, got "
+                       f"{sorted(map(str, kinds))}")
+    stats = None
+    if first.stats is not None:
+      stats = {}
+      for name in first.stats:
+        arrays = [np.asarray(g.stats[name]) for g in parts]
+        if name == "cycle_log":
+          width = max(a.shape[1] for a in arrays)
+          arrays = [np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=-1)
+                    for a in arrays]
+        stats[name] = np.concatenate(arrays, axis=0)
+    return cls(tokens=[t for g in parts for t in g.tokens],
+               prompt_lengths=[n for g in parts for n in g.prompt_lengths], stats=stats,
+               seconds=sum(g.seconds for g in parts), k=first.k, tree=first.tree)
+
   def _spec_emitted(self) -> np.ndarray:
     """Tokens per row emitted by speculative cycles (the prefill's and plain steps' out)."""
     emitted = np.asarray([len(t) for t in self.tokens]) - 1

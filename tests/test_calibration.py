@@ -93,6 +93,23 @@ def test_per_row_laws_the_slowest_row_sets_the_loop():
     calibration.tokens_per_iteration(rows, batch=4, tokens=10)
 
 
+def test_tokens_per_iteration_in_batches_is_the_harmonic_mean_of_the_batches():
+  """Batches decoded one after another: the slow batch weighs more (harmonic, not
+  arithmetic, mean of their tokens per iteration)."""
+  fast, slow = calibration.chain_length_probs(1.0, 4), calibration.chain_length_probs(0.3, 4)
+  each = [calibration.tokens_per_iteration(law[None], 1, 63) for law in (fast, slow)]
+  both = calibration.tokens_per_iteration_in_batches(np.stack([fast, slow]), 1, 63)
+  assert both == pytest.approx(2 / (1 / each[0] + 1 / each[1]))
+  assert both < 0.99 * (each[0] + each[1]) / 2
+  rows = np.stack([slow, fast, fast, fast])
+  assert calibration.tokens_per_iteration_in_batches(rows, 4, 63) == pytest.approx(
+      calibration.tokens_per_iteration(rows, 4, 63))  # one batch: the batch's own figure
+  with pytest.raises(ValueError, match="rows a multiple of batch 3"):
+    calibration.tokens_per_iteration_in_batches(rows, 3, 63)
+  with pytest.raises(ValueError, match="batch must be an int >= 1"):
+    calibration.tokens_per_iteration_in_batches(rows, 0, 63)
+
+
 def test_tokens_per_iteration():
   alpha, k = 0.8, 4
   law = calibration.chain_length_probs(alpha, k)

@@ -5,6 +5,7 @@ Statistical tests here use a per-test false-alarm rate of 1e-3 (p-value threshol
 (so the suite is deterministic), and each has a negative control showing it can fail.
 """
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -286,6 +287,35 @@ def test_bad_sampler_settings_and_vocab_mismatch(tiny_pair):
   other = model(TINY["gpt2"].replace(vocab_size=60))
   with pytest.raises(ValueError, match=r"draft vocabulary \(60\) must match the target's \(61\)"):
     decoding.speculative_generate(target, other, [[1]], k=2, max_new_tokens=3)
+
+
+def test_generation_concat_is_the_rows_of_its_parts_in_order(tiny_pair):
+  """Two one-prompt calls concatenated read like one call over both prompts: tokens,
+  prompt lengths and per-row counters in order (greedy, so equal to the batched call's),
+  per-cycle logs padded with -1, seconds summed; mixed kinds and adaptive runs refused."""
+  target, draft = tiny_pair
+  prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+  kw = dict(k=3, max_new_tokens=12, cache_len=64)
+  parts = [decoding.speculative_generate(target, draft, [p], **kw) for p in prompts]
+  both = decoding.Generation.concat(parts)
+  batched = decoding.speculative_generate(target, draft, prompts, **kw)
+  assert both.tokens == batched.tokens and both.prompt_lengths == [3, 5]
+  assert both.seconds == pytest.approx(parts[0].seconds + parts[1].seconds)
+  for name in ("cycles", "drafted", "accepted", "hist", "depth_tried", "depth_accepted"):
+    assert np.array_equal(both.stats[name], batched.stats[name]), name
+  assert both.summary().tau == pytest.approx(batched.summary().tau)
+  short = dataclasses.replace(parts[1], stats={**parts[1].stats, "cycle_log":
+                                               parts[1].stats["cycle_log"][:, :2]})
+  padded = decoding.Generation.concat([parts[0], short]).stats["cycle_log"]
+  assert padded.shape[1] == parts[0].stats["cycle_log"].shape[1] and (padded[1, 2:] == -1).all()
+  plain = decoding.generate(target, [prompts[0]], max_new_tokens=12, cache_len=64)
+  assert decoding.Generation.concat([plain, plain]).stats is None
+  with pytest.raises(ValueError, match="all be plain or all speculative with one shape"):
+    decoding.Generation.concat([plain, parts[0]])
+  with pytest.raises(ValueError, match="non-empty list of Generations"):
+    decoding.Generation.concat([])
+  with pytest.raises(ValueError, match="adaptive Generations"):
+    decoding.Generation.concat([dataclasses.replace(parts[0], choices=np.zeros(2, int))])
 
 
 # ----------------------------------------------------------------------------- context limits

@@ -55,12 +55,13 @@ def virtual_clock(monkeypatch):
   monkeypatch.setattr(calibration, "alternate", alternate)
 
 
-def _run(tmp_path, axes: str):
+def _run(tmp_path, axes: str, prompts: int = 1):
+  # one prompt per call by default: the virtual clock prices a call by its slowest row
   return launch.run("drafters", out=str(tmp_path / "dx"), progress=False, bindings=[
       f"sweeps.Sweep.axes = {axes}",
       'sweeps.Sweep.fixed = {"k": 2, "tree_widths": (2, 1), "max_new_tokens": 32, '
       '"prompt_len": 16, "repeats": 1, "models": "random", "head_steps": 3, '
-      '"calibration_k": (), "calibration_repeats": 1}'])
+      f'"calibration_k": (), "calibration_repeats": 1, "prompts": {prompts}}}'])
 
 
 def test_drafters_reduced_end_to_end(tmp_path, monkeypatch, capsys, virtual_clock):
@@ -101,10 +102,11 @@ def test_drafters_reduced_end_to_end(tmp_path, monkeypatch, capsys, virtual_cloc
 def test_drafters_sampled_point_on_prose(tmp_path, monkeypatch, virtual_clock):
   monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))
   s = _run(tmp_path, '{"variant": ["lookup:chain"], "category": ["prose"], '
-                     '"temperature": [1.0]}')
+                     '"temperature": [1.0]}', prompts=3)
   assert (s.total, s.ok) == (1, 1)
   (r,) = runner.read_results(tmp_path / "dx" / runner.RESULTS).values()
   m = r["metrics"]
+  assert m["prompts"] == 3 and sum(m["run_lengths"]) > 0  # three batch-1 calls, pooled
   assert m["identical_to_plain"] is None and m["category"] == "prose"
   assert m["temperature"] == 1.0 and m["tau_iid"] is not None
 

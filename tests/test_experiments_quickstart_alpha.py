@@ -29,7 +29,7 @@ def test_quickstart_reduced_end_to_end(tmp_path, monkeypatch, capsys):
       # the decode-phase differences (64 tokens minus the prefill) out of the load's noise
       f'sweeps.Sweep.fixed = {{"k": 3, "tree_widths": (2, 1, 1), "max_new_tokens": 96, '
       f'"prompt_len": 16, "repeats": 3, "models": "{models}", "calibration_k": (1,), '
-      f'"calibration_repeats": 3, "statistic": "fastest"}}'])
+      f'"calibration_repeats": 3, "statistic": "fastest", "prompts": 2}}'])
   assert (s.total, s.ok, s.failed) == (8, 8, 0)
   records = runner.read_results(tmp_path / "qs" / runner.RESULTS).values()
   for r in records:
@@ -46,6 +46,9 @@ def test_quickstart_reduced_end_to_end(tmp_path, monkeypatch, capsys):
     assert m["verdict"].startswith(f"{label}, batch {p['batch']}, T={p['temperature']:g}: ")
     assert "× measured" in m["verdict"] and "efficiency" in m["verdict"]
     assert sum(m["run_lengths"]) == sum(m["depth_tried"][:1])  # every cycle tries depth 1
+    # the same 2 prompts at both batches: two batch-1 calls, or one batch of 2
+    assert m["prompts"] == 2 and len(m["alpha_by_prompt"]) == 2
+    assert all(a is None or 0.0 <= a <= 1.0 for a in m["alpha_by_prompt"])
   # one calibration per (batch, temperature), shared by both modes (cached on disk)
   cals = {(r["params"]["batch"], r["params"]["temperature"]): r["metrics"]["calibration"]["key"]
           for r in records}
@@ -57,6 +60,7 @@ def test_quickstart_reduced_end_to_end(tmp_path, monkeypatch, capsys):
   assert "8 points finished, 0 failed" in report
   assert "chain k=3, batch 1, T=0: " in report and "### Sample: plain vs speculative" in report
   assert "outputs identical" in report
+  assert "same 2 held-out code prompts" in report and "Acceptance by prompt" in report
   for png in ("quickstart_speedup", "quickstart_acceptance", "quickstart_run_lengths"):
     assert (tmp_path / "qs" / f"{png}.png").stat().st_size > 1000, png
   assert s.table.count("\n") >= 10 and "efficiency" in s.table
@@ -113,6 +117,7 @@ def test_alpha_k_sweep_validation(change, match):
     ({"tree_widths": ()}, "tree_widths must be"),
     ({"recalibrate": "yes"}, "recalibrate must be one of"),
     ({"statistic": "mean"}, "statistic must be one of"),
+    ({"prompts": 0}, "prompts must be an int >= 1"),
 ])
 def test_quickstart_validation(change, match):
   with pytest.raises(ValueError, match=match):
