@@ -4,10 +4,14 @@ menu vs plain decoding, across batch sizes, temperatures and prompt categories.
 One point = (batch, temperature, category, policy). `policy` is "adaptive" (the engine's
 `adaptive.AdaptivePolicy` over `menu`, `speculative_generate(policy=...)`), a fixed shape
 "k=K" (a chain of K drafts, `speculative_generate(k=K)`) or "plain". The point decodes the
-same prompts (`category`: "code" or "prose", held-out documents of the embedded corpora,
-`specjax.data.corpus`) with plain `generate` and with the policy, alternated within every
+same `prompts` prompts (8 by default, at least `batch`; `category`: "code" or "prose",
+held-out documents of the embedded corpora, `specjax.data.corpus`) in consecutive batches of
+`batch` rows (`measure.over_batches`) with plain `generate` and with the policy, alternated within every
 repeat, decode phase only (each call also timed with max_new_tokens = 1 and the prefill
 subtracted): speedup = policy ÷ plain tokens/s ("plain" is 1 by definition).
+
+`target_dtype` serves the target's weights in float32 or bfloat16 (as the quickstart does;
+plain and speculative decoding always run the same weights).
 
 Costs (`costs`): "calibrated" (the default) calibrates the compiled loops at the point's
 batch and temperature on the menu's chains plus one tree (so the fit separates t_draft, the
@@ -66,6 +70,8 @@ def validate(params: dict) -> None:
   measure.check_choice(params, "models", "default", measure.MODELS)
   measure.check_choice(params, "costs", "calibrated", COSTS)
   measure.check_int(params, "calibration_repeats", 3, 1, 1000)
+  measure.check_int(params, "prompts", 8, 1, MAX_BATCH)
+  measure.check_choice(params, "target_dtype", "float32", ("float32", "bfloat16"))
   adaptive.check_threshold(params.get("threshold", 0.0))
   menu = _menu(params.get("menu", adaptive.DEFAULT_CHAINS))
   names = ["adaptive", "plain"] + [adaptive.entry_name(e) for e in menu if e is not None]
@@ -104,19 +110,21 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
           policy: str = "adaptive", menu: Sequence = adaptive.DEFAULT_CHAINS,
           max_new_tokens: int = 64, prompt_len: int = 64, repeats: int = 3, seed: int = 0,
           models: str = "default", costs: str = "calibrated", calibration_repeats: int = 3,
-          threshold: float = 0.0) -> dict:
+          threshold: float = 0.0, prompts: int = 8, target_dtype: str = "float32") -> dict:
   """Plain vs the policy's tokens/s of the decode phase, α, and the calibrated prediction
   (module doc)."""
   params = dict(batch=batch, temperature=temperature, category=category, policy=policy,
                 menu=menu, max_new_tokens=max_new_tokens, prompt_len=prompt_len,
                 repeats=repeats, seed=seed, models=models, costs=costs,
-                calibration_repeats=calibration_repeats, threshold=threshold)
+                calibration_repeats=calibration_repeats, threshold=threshold,
+                prompts=prompts, target_dtype=target_dtype)
   validate(params)
-  target, draft, tok, _ = measure.models(models)
-  prompt_ids = measure.prompts(tok, _texts(models, category), batch, prompt_len)
+  target, draft, tok, _ = measure.models(models, target_dtype)
+  all_ids = measure.workload(tok, _texts(models, category), batch, prompts, prompt_len)
+  prompt_ids = all_ids[:batch]  # the calibration's batch (cycle costs hardly vary by prompt)
   entries = _menu(menu)
   shapes = [e for e in entries if e is not None] or [trees.chain(1)]
-  cache_len = calibration.default_cache_len(target, draft, prompt_ids, shapes + [FIT_TREE],
+  cache_len = calibration.default_cache_len(target, draft, all_ids, shapes + [FIT_TREE],
                                             max_new_tokens)
   if costs == "calibrated":
     loop_costs = calibration.calibrate(target, draft, prompt_ids, shapes + [FIT_TREE],
@@ -132,15 +140,13 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
   common = dict(sampler=sampling.make_sampler(temperature), seed=seed, cache_len=cache_len)
 
   def plain(n):
-    return lambda: decoding.generate(target, prompt_ids, max_new_tokens=n, **common)
+    return measure.over_batches(
+        lambda ids: decoding.generate(target, ids, max_new_tokens=n, **common), all_ids, batch)
 
   def spec(n):
-    if policy == "adaptive":
-      return lambda: decoding.speculative_generate(target, draft, prompt_ids, policy=pol,
-                                                   max_new_tokens=n, **common)
-    k = int(policy.split("=")[1])
-    return lambda: decoding.speculative_generate(target, draft, prompt_ids, k=k,
-                                                 max_new_tokens=n, **common)
+    shape = dict(policy=pol) if policy == "adaptive" else dict(k=int(policy.split("=")[1]))
+    return measure.over_batches(lambda ids: decoding.speculative_generate(
+        target, draft, ids, max_new_tokens=n, **shape, **common), all_ids, batch)
 
   fns = {"plain": plain(max_new_tokens), "plain_prefill": plain(1)}
   if policy != "plain":
@@ -150,7 +156,7 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
   plain_run = timed["plain"].result
   decoded = plain_run.emitted - len(plain_run.tokens)
   plain_tok_s = decoded / max(sec["plain"] - sec["plain_prefill"], 1e-12)
-  out = {"plain_tok_s": plain_tok_s, "cache_len": cache_len,
+  out = {"plain_tok_s": plain_tok_s, "cache_len": cache_len, "prompts": len(all_ids),
          "t_step_ms": None if loop_costs is None else 1e3 * loop_costs.t_step}
   if policy == "plain":
     return {**out, "policy_tok_s": plain_tok_s, "speedup": 1.0, "predicted_speedup": 1.0,

@@ -400,6 +400,22 @@ class Comparison:
     return self.speedup / predicted if predicted > 0 else float("nan")
 
 
+def over_batches(call: Callable[[list], Any], prompt_ids: Sequence[Sequence[int]],
+                 batch: int) -> Callable[[], Any]:
+  """A callable that decodes `prompt_ids` as consecutive batches of `batch` rows, one call of
+  `call(batch_of_prompts) -> Generation` after another, and returns their rows as one
+  Generation (`decoding.Generation.concat`; the call's own result when one batch holds
+  them all). `batch` must divide the number of prompts."""
+  if (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1
+      or len(prompt_ids) % batch):
+    raise ValueError(f"batch must be an int >= 1 dividing the {len(prompt_ids)} prompts, "
+                     f"got {batch!r}")
+  groups = [list(prompt_ids[i:i + batch]) for i in range(0, len(prompt_ids), batch)]
+  if len(groups) == 1:
+    return lambda: call(groups[0])
+  return lambda: decoding.Generation.concat([call(g) for g in groups])
+
+
 def compare(target, draft, prompt_ids: Sequence[Sequence[int]], *, tree, max_new_tokens: int,
             repeats: int, temperature: float = 0.0, seed: int = 0,
             deterministic: bool = False, cache_len: int | None = None,
@@ -431,25 +447,16 @@ def compare(target, draft, prompt_ids: Sequence[Sequence[int]], *, tree, max_new
   if cache_len is None:
     cache_len = decoding.cache_len_for(prompt_len, max_new_tokens, cycle_slots(tree, draft))
   rows = len(prompt_ids) if batch is None else batch
-  if (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1
-      or len(prompt_ids) % rows):
-    raise ValueError(f"batch must be an int >= 1 dividing the {len(prompt_ids)} prompts, "
-                     f"got {batch!r}")
-  groups = [list(prompt_ids[i:i + rows]) for i in range(0, len(prompt_ids), rows)]
   drafter = drafter_of(draft, deterministic)
   common = dict(sampler=sampling.make_sampler(temperature), seed=seed, cache_len=cache_len)
 
-  def each(call):
-    if len(groups) == 1:
-      return lambda: call(groups[0])
-    return lambda: decoding.Generation.concat([call(g) for g in groups])
-
   def plain(n):
-    return each(lambda ids: decoding.generate(target, ids, max_new_tokens=n, **common))
+    return over_batches(lambda ids: decoding.generate(target, ids, max_new_tokens=n, **common),
+                        prompt_ids, rows)
 
   def spec(n):
-    return each(lambda ids: decoding.speculative_generate(
-        target, drafter, ids, tree=tree, max_new_tokens=n, **common))
+    return over_batches(lambda ids: decoding.speculative_generate(
+        target, drafter, ids, tree=tree, max_new_tokens=n, **common), prompt_ids, rows)
 
   fns = {"plain": plain(max_new_tokens), "spec": spec(max_new_tokens)}
   if decode_only:

@@ -68,34 +68,42 @@ class Generation:
 
   @classmethod
   def concat(cls, parts: Sequence["Generation"]) -> "Generation":
-    """The rows of several calls of one kind (all plain, or all speculative with one shape)
-    as one Generation: tokens, prompt lengths and per-row statistics concatenated in order
-    (per-cycle logs padded with -1 to the longest), seconds summed. How a workload decoded
-    in several batches is analysed as a whole; adaptive runs (per-iteration choices of one
-    call) are refused."""
+    """The rows of several calls of one kind (all plain, all speculative with one shape, or
+    all adaptive over one menu) as one Generation: tokens, prompt lengths and per-row
+    statistics concatenated in order (per-cycle logs padded with -1 to the longest),
+    seconds summed; an adaptive run's per-iteration choices are the calls' choices one
+    after another. How a workload decoded in several batches is analysed as a whole."""
     parts = list(parts)
     if not parts or not all(isinstance(g, Generation) for g in parts):
       raise ValueError(f"parts must be a non-empty list of Generations, got {parts!r}")
     first = parts[0]
-    if any(g.choices is not None for g in parts):
-      raise ValueError("adaptive Generations (per-iteration choices) cannot be concatenated")
-    kinds = {(g.stats is None, g.k, repr(g.tree)) for g in parts}
+    kinds = {(g.stats is None, g.k, repr(g.tree), g.choices is None, repr(g.menu))
+             for g in parts}
     if len(kinds) != 1:
-      raise ValueError(f"parts must all be plain or all speculative with one shape, got "
-                       f"{sorted(map(str, kinds))}")
-    stats = None
-    if first.stats is not None:
-      stats = {}
-      for name in first.stats:
-        arrays = [np.asarray(g.stats[name]) for g in parts]
-        if name == "cycle_log":
-          width = max(a.shape[1] for a in arrays)
-          arrays = [np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=-1)
-                    for a in arrays]
-        stats[name] = np.concatenate(arrays, axis=0)
-    return cls(tokens=[t for g in parts for t in g.tokens],
-               prompt_lengths=[n for g in parts for n in g.prompt_lengths], stats=stats,
-               seconds=sum(g.seconds for g in parts), k=first.k, tree=first.tree)
+      raise ValueError(f"parts must all be plain, all speculative with one shape or all "
+                       f"adaptive over one menu, got {sorted(map(str, kinds))}")
+
+    def rows(name: str, arrays):
+      arrays = [np.asarray(a) for a in arrays]
+      if name == "cycle_log":
+        width = max(a.shape[1] for a in arrays)
+        arrays = [np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=-1)
+                  for a in arrays]
+      return np.concatenate(arrays, axis=0)
+
+    def per_row(field: str):
+      d = getattr(first, field)
+      return None if d is None else {n: rows(n, [getattr(g, field)[n] for g in parts])
+                                     for n in d}
+
+    return dataclasses.replace(
+        first, tokens=[t for g in parts for t in g.tokens],
+        prompt_lengths=[n for g in parts for n in g.prompt_lengths], stats=per_row("stats"),
+        seconds=sum(g.seconds for g in parts),
+        choices=None if first.choices is None else rows("choices", [g.choices for g in parts]),
+        stopping=per_row("stopping"),
+        plain_steps=None if first.plain_steps is None else rows(
+            "plain_steps", [g.plain_steps for g in parts]))
 
   def _spec_emitted(self) -> np.ndarray:
     """Tokens per row emitted by speculative cycles (the prefill's and plain steps' out)."""

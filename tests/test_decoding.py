@@ -310,12 +310,18 @@ def test_generation_concat_is_the_rows_of_its_parts_in_order(tiny_pair):
   assert padded.shape[1] == parts[0].stats["cycle_log"].shape[1] and (padded[1, 2:] == -1).all()
   plain = decoding.generate(target, [prompts[0]], max_new_tokens=12, cache_len=64)
   assert decoding.Generation.concat([plain, plain]).stats is None
-  with pytest.raises(ValueError, match="all be plain or all speculative with one shape"):
+  with pytest.raises(ValueError, match="all be plain, all speculative with one shape"):
     decoding.Generation.concat([plain, parts[0]])
   with pytest.raises(ValueError, match="non-empty list of Generations"):
     decoding.Generation.concat([])
-  with pytest.raises(ValueError, match="adaptive Generations"):
-    decoding.Generation.concat([dataclasses.replace(parts[0], choices=np.zeros(2, int))])
+  adaptive_run = dataclasses.replace(parts[0], choices=np.zeros(2, int), menu=["k=0", "k=3"],
+                                     plain_steps=np.array([1]))
+  with pytest.raises(ValueError, match="all adaptive over one menu"):
+    decoding.Generation.concat([adaptive_run, parts[1]])
+  joined = decoding.Generation.concat([adaptive_run, dataclasses.replace(
+      adaptive_run, choices=np.ones(3, int), plain_steps=np.array([4]))])
+  assert joined.choices.tolist() == [0, 0, 1, 1, 1] and joined.plain_steps.tolist() == [1, 4]
+  assert joined.menu == ["k=0", "k=3"]
 
 
 # ----------------------------------------------------------------------------- context limits

@@ -30,6 +30,7 @@ def test_reduced_run_rows_and_report(tmp_path):
     assert math.isfinite(m["speedup"]) and m["speedup"] > 0
     assert math.isfinite(m["predicted_speedup"]) and m["predicted_speedup"] > 0
     assert m["identical_to_plain"] is True
+    assert m["prompts"] == 8  # the default workload: 8 prompts, here 4 batches of 2
   assert by["plain"]["metrics"]["speedup"] == 1.0
   ad = by["adaptive"]["metrics"]
   assert ad["choices"] and set(ad["choices"]) <= {"k=0", "k=2"}
