@@ -6,9 +6,9 @@ One point = (batch, temperature, category, policy). `policy` is "adaptive" (the 
 "k=K" (a chain of K drafts, `speculative_generate(k=K)`) or "plain". The point decodes the
 same `prompts` prompts (8 by default, at least `batch`; `category`: "code" or "prose",
 held-out documents of the embedded corpora, `specjax.data.corpus`) in consecutive batches of
-`batch` rows (`measure.over_batches`) with plain `generate` and with the policy, alternated within every
-repeat, decode phase only (each call also timed with max_new_tokens = 1 and the prefill
-subtracted): speedup = policy ÷ plain tokens/s ("plain" is 1 by definition).
+`batch` rows (`decoding.in_batches`) with plain `generate` and with the policy, alternated
+within every repeat, decode phase only (each call also timed with max_new_tokens = 1 and
+the prefill subtracted): speedup = policy ÷ plain tokens/s ("plain" is 1 by definition).
 
 `target_dtype` serves the target's weights in float32 or bfloat16 (as the quickstart does;
 plain and speculative decoding always run the same weights).
@@ -121,14 +121,13 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
   validate(params)
   target, draft, tok, _ = measure.models(models, target_dtype)
   all_ids = measure.workload(tok, _texts(models, category), batch, prompts, prompt_len)
-  prompt_ids = all_ids[:batch]  # the calibration's batch (cycle costs hardly vary by prompt)
   entries = _menu(menu)
   shapes = [e for e in entries if e is not None] or [trees.chain(1)]
   cache_len = calibration.default_cache_len(target, draft, all_ids, shapes + [FIT_TREE],
                                             max_new_tokens)
   if costs == "calibrated":
-    loop_costs = calibration.calibrate(target, draft, prompt_ids, shapes + [FIT_TREE],
-                                       max_new_tokens=max_new_tokens,
+    loop_costs = calibration.calibrate(target, draft, all_ids, shapes + [FIT_TREE],
+                                       batch=batch, max_new_tokens=max_new_tokens,
                                        repeats=calibration_repeats, temperature=temperature,
                                        seed=seed, cache_len=cache_len)
     pol = adaptive.AdaptivePolicy.from_costs(entries, {batch: loop_costs}, threshold=threshold,
@@ -140,12 +139,12 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
   common = dict(sampler=sampling.make_sampler(temperature), seed=seed, cache_len=cache_len)
 
   def plain(n):
-    return measure.over_batches(
+    return decoding.in_batches(
         lambda ids: decoding.generate(target, ids, max_new_tokens=n, **common), all_ids, batch)
 
   def spec(n):
     shape = dict(policy=pol) if policy == "adaptive" else dict(k=int(policy.split("=")[1]))
-    return measure.over_batches(lambda ids: decoding.speculative_generate(
+    return decoding.in_batches(lambda ids: decoding.speculative_generate(
         target, draft, ids, max_new_tokens=n, **shape, **common), all_ids, batch)
 
   fns = {"plain": plain(max_new_tokens), "plain_prefill": plain(1)}

@@ -303,7 +303,6 @@ def point(variant: str, category: str = "code", temperature: float = 0.0, batch:
   target, _, tok, _ = measure.models(models)
   all_ids = measure.workload(tok, category_texts(models, category), batch, prompts,
                              prompt_len)
-  prompt_ids = all_ids[:batch]  # the calibration's batch (cycle costs hardly vary by prompt)
   build = functools.partial(drafter_and_tree, drafter_name, temperature=temperature,
                             models=models, k=k, tree_widths=tree_widths,
                             skip_layers=skip_layers, max_ngram=max_ngram, min_ngram=min_ngram,
@@ -321,7 +320,7 @@ def point(variant: str, category: str = "code", temperature: float = 0.0, batch:
   shapes = [t for _, t in by_key.values()]
   cache_len = max(calibration.default_cache_len(target, d, all_ids, [t], max_new_tokens)
                   for d, t in by_key.values())
-  costs = calibration.calibrate(target, drafter, prompt_ids, shapes,
+  costs = calibration.calibrate(target, drafter, all_ids, shapes, batch=batch,
                                 max_new_tokens=max_new_tokens, repeats=calibration_repeats,
                                 temperature=temperature, seed=seed, cache_len=cache_len,
                                 recalibrate=recalibrate, statistic=statistic,

@@ -400,22 +400,6 @@ class Comparison:
     return self.speedup / predicted if predicted > 0 else float("nan")
 
 
-def over_batches(call: Callable[[list], Any], prompt_ids: Sequence[Sequence[int]],
-                 batch: int) -> Callable[[], Any]:
-  """A callable that decodes `prompt_ids` as consecutive batches of `batch` rows, one call of
-  `call(batch_of_prompts) -> Generation` after another, and returns their rows as one
-  Generation (`decoding.Generation.concat`; the call's own result when one batch holds
-  them all). `batch` must divide the number of prompts."""
-  if (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1
-      or len(prompt_ids) % batch):
-    raise ValueError(f"batch must be an int >= 1 dividing the {len(prompt_ids)} prompts, "
-                     f"got {batch!r}")
-  groups = [list(prompt_ids[i:i + batch]) for i in range(0, len(prompt_ids), batch)]
-  if len(groups) == 1:
-    return lambda: call(groups[0])
-  return lambda: decoding.Generation.concat([call(g) for g in groups])
-
-
 def compare(target, draft, prompt_ids: Sequence[Sequence[int]], *, tree, max_new_tokens: int,
             repeats: int, temperature: float = 0.0, seed: int = 0,
             deterministic: bool = False, cache_len: int | None = None,
@@ -439,7 +423,7 @@ def compare(target, draft, prompt_ids: Sequence[Sequence[int]], *, tree, max_new
   batch: rows per call (default: all prompts in one call). Fewer rows than prompts decode
   the prompts as consecutive batches of `batch` rows (their number must divide evenly),
   one after another inside each timed call, and the Generations are concatenated
-  (`decoding.Generation.concat`): a batch-1 figure then covers several prompts, not one.
+  (`decoding.in_batches`): a batch-1 figure then covers several prompts, not one.
   """
   if statistic not in ("median", "fastest"):
     raise ValueError(f"statistic must be 'median' or 'fastest', got {statistic!r}")
@@ -451,11 +435,11 @@ def compare(target, draft, prompt_ids: Sequence[Sequence[int]], *, tree, max_new
   common = dict(sampler=sampling.make_sampler(temperature), seed=seed, cache_len=cache_len)
 
   def plain(n):
-    return over_batches(lambda ids: decoding.generate(target, ids, max_new_tokens=n, **common),
-                        prompt_ids, rows)
+    return decoding.in_batches(
+        lambda ids: decoding.generate(target, ids, max_new_tokens=n, **common), prompt_ids, rows)
 
   def spec(n):
-    return over_batches(lambda ids: decoding.speculative_generate(
+    return decoding.in_batches(lambda ids: decoding.speculative_generate(
         target, drafter, ids, tree=tree, max_new_tokens=n, **common), prompt_ids, rows)
 
   fns = {"plain": plain(max_new_tokens), "spec": spec(max_new_tokens)}

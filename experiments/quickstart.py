@@ -12,7 +12,8 @@ slows a call down) give tokens/s of both and their ratio, the measured speedup.
 
 The prediction beside it (`specjax.calibration`, docs/cost_model.md, "Calibrated loop
 costs"): the compiled loops are timed once per (batch, temperature) on a few shapes (chains
-of `calibration_k` and k, and the tree), cached on disk, giving the cycle of this point's
+of `calibration_k` and k, and the tree), decoding the same prompts in the same batches as
+the point (`calibrate(..., batch=)`), cached on disk, giving the cycle of this point's
 shape in plain target steps; the tokens one loop iteration emits come from the measured
 acceptance:
 
@@ -116,7 +117,6 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
   target, draft, tok, texts = measure.models(models, target_dtype)
   tree = _tree(mode, k, tree_widths)
   all_ids = measure.workload(tok, texts, batch, prompts, prompt_len)
-  prompt_ids = all_ids[:batch]  # the calibration's batch (cycle costs hardly vary by prompt)
   shapes = _shapes(k, tree_widths, calibration_k)
   cache_len = calibration.default_cache_len(target, draft, all_ids, shapes, max_new_tokens)
   # Chains draft sampled candidates. Trees draft distinct top-k ones at T = 0 (the
@@ -129,7 +129,7 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
   def drafter_for(model, shape):
     return ModelDrafter.of(model, deterministic=topk and not shape.is_chain)
 
-  costs = calibration.calibrate(target, draft, prompt_ids, shapes,
+  costs = calibration.calibrate(target, draft, all_ids, shapes, batch=batch,
                                 max_new_tokens=max_new_tokens, repeats=calibration_repeats,
                                 temperature=temperature, seed=seed, cache_len=cache_len,
                                 recalibrate=recalibrate, statistic=statistic,
@@ -162,7 +162,7 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
       "alpha_by_prompt": _alpha_by_row(cmp.spec.stats),
       "tau_predicted": tau_pred,
       "alpha_used_for_prediction": alpha,
-      "sample": {"prompt": decode(prompt_ids[0][-80:]),
+      "sample": {"prompt": decode(all_ids[0][-80:]),
                  "plain": decode(cmp.plain.tokens[0]),
                  "speculative": decode(cmp.spec.tokens[0])},
   }

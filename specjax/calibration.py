@@ -407,27 +407,33 @@ def _alternate(fns: Mapping[str, Callable[[], Any]], repeats: int, timer: Callab
 def measure(target, draft, prompt_ids: Sequence[Sequence[int]], shapes: Sequence[Tree], *,
             max_new_tokens: int, repeats: int = 3, temperature: float = 0.0, seed: int = 0,
             cache_len: int | None = None, drafter_for: Callable | None = None,
-            statistic: str = "median",
+            statistic: str = "median", batch: int | None = None,
             timer: Callable[[], float] = time.perf_counter) -> LoopCosts:
   """Times the compiled loops (module doc) and returns the calibration; no caching, no
   validation beyond the engine's (use `calibrate`). Every call reads one cache length
   (`cache_len`, default the largest the engine would pick for the shapes), so what is timed
   is what a run at that cache length costs. statistic: "median" of the alternated calls, or
-  "fastest" (other load on a shared machine only slows a call down)."""
+  "fastest" (other load on a shared machine only slows a call down). batch: rows per call
+  (default all prompts); fewer decode the prompts as consecutive batches inside each timed
+  call (`decoding.in_batches`), a workload of several prompts at a small batch."""
   drafter_for = drafter_for or _default_drafter
   drafters = {shape_key(t): drafter_for(draft, t) for t in shapes}
+  rows = len(prompt_ids) if batch is None else batch
   if cache_len is None:
     cache_len = default_cache_len(target, draft, prompt_ids, shapes, max_new_tokens)
   common = dict(sampler=sampling.make_sampler(temperature), seed=seed, cache_len=cache_len)
   fns: dict[str, Callable[[], Any]] = {}
   for n, tag in ((max_new_tokens, "M"), (1, "1")):
-    fns[f"plain/{tag}"] = (lambda n=n: decoding.generate(target, prompt_ids, max_new_tokens=n,
-                                                         **common))
+    fns[f"plain/{tag}"] = decoding.in_batches(
+        lambda ids, n=n: decoding.generate(target, ids, max_new_tokens=n, **common),
+        prompt_ids, rows)
     for t in shapes:
-      fns[f"{shape_key(t)}/{tag}"] = (
-          lambda n=n, t=t: decoding.speculative_generate(
-              target, drafters[shape_key(t)], prompt_ids, tree=t, max_new_tokens=n, **common))
+      fns[f"{shape_key(t)}/{tag}"] = decoding.in_batches(
+          lambda ids, n=n, t=t: decoding.speculative_generate(
+              target, drafters[shape_key(t)], ids, tree=t, max_new_tokens=n, **common),
+          prompt_ids, rows)
   med, last = _alternate(fns, repeats, timer, statistic)
+  batches = len(prompt_ids) // rows
 
   def decode(name: str, iterations: int) -> float:
     dt = med[f"{name}/M"] - med[f"{name}/1"]
@@ -437,12 +443,12 @@ def measure(target, draft, prompt_ids: Sequence[Sequence[int]], shapes: Sequence
                        f"{med[f'{name}/1']:.3g} s): raise max_new_tokens or repeats")
     return dt / iterations
 
-  t_step = decode("plain", max_new_tokens - 1)
+  t_step = decode("plain", batches * (max_new_tokens - 1))
   cycles = []
   for t in shapes:
     run = last[f"{shape_key(t)}/M"]
-    cycles.append((t, decode(shape_key(t), max(1, int(np.max(run.stats["cycles"]))))))
-  meta = {"batch": len(prompt_ids), "temperature": float(temperature),
+    cycles.append((t, decode(shape_key(t), max(1, decoding.loop_iterations(run, rows)))))
+  meta = {"batch": rows, "prompts": len(prompt_ids), "temperature": float(temperature),
           "max_new_tokens": max_new_tokens, "cache_len": cache_len, "repeats": repeats,
           "statistic": statistic,
           "drafters": {k: _describe_drafter(d) for k, d in drafters.items()}}
@@ -484,7 +490,7 @@ def _weights_digest(obj) -> str:
 
 def fingerprint(target, drafters: Mapping[str, Drafter], prompt_ids, *, temperature: float,
                 max_new_tokens: int, cache_len: int, repeats: int, seed: int,
-                statistic: str = "median") -> dict:
+                statistic: str = "median", batch: int | None = None) -> dict:
   """What a calibration depends on (machine, software, models, workload), as a dict."""
   devices = jax.devices()
   lm = LM.of(target)
@@ -497,7 +503,7 @@ def fingerprint(target, drafters: Mapping[str, Drafter], prompt_ids, *, temperat
                    for k, d in sorted(drafters.items())},
       "prompts": hashlib.sha256(json.dumps([list(map(int, p)) for p in prompt_ids]).encode()
                                 ).hexdigest()[:16],
-      "batch": len(prompt_ids), "temperature": float(temperature),
+      "batch": len(prompt_ids) if batch is None else batch, "temperature": float(temperature),
       "max_new_tokens": max_new_tokens, "cache_len": cache_len, "repeats": repeats,
       "seed": seed, "statistic": statistic,
   }
@@ -514,11 +520,12 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
               repeats: int = 3, temperature: float = 0.0, seed: int = 0,
               cache_len: int | None = None, drafter_for: Callable | None = None,
               recalibrate: bool = False, cache_dir: str | os.PathLike | None = None,
-              statistic: str = "median",
+              statistic: str = "median", batch: int | None = None,
               timer: Callable[[], float] = time.perf_counter) -> LoopCosts:
   """The calibration of `target` with `draft` (a draft model or a `Drafter`) at this batch
-  (len(prompt_ids)) and temperature: cached under `cache_root(cache_dir)` by `fingerprint`,
-  else measured (`measure`) and stored. shapes: default chains k ∈ {1, 2, 4, 6} (add the
+  (`batch` rows per call, default len(prompt_ids); fewer rows decode the prompts as
+  consecutive batches, `measure`) and temperature: cached under `cache_root(cache_dir)` by
+  `fingerprint`, else measured (`measure`) and stored. shapes: default chains k ∈ {1, 2, 4, 6} (add the
   trees you will predict; the fit needs one). recalibrate: measure even when cached.
   drafter_for(draft, tree) -> Drafter: the drafter of each shape (default: the draft
   model, sampled candidates for chains, top-k candidates for trees). statistic: "median"
@@ -544,13 +551,16 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
     raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
   if not isinstance(recalibrate, (bool, np.bool_)):
     raise ValueError(f"recalibrate must be True or False, got {recalibrate!r}")
+  rows = len(prompt_ids) if batch is None else _check_int("batch", batch, 1)
+  if len(prompt_ids) % rows:
+    raise ValueError(f"batch must divide the {len(prompt_ids)} prompts, got {batch!r}")
   if cache_len is None:
     cache_len = default_cache_len(target, draft, prompt_ids, shapes, max_new_tokens)
   cache_len = _check_int("cache_len", cache_len, 2)
   drafters = {shape_key(t): (drafter_for or _default_drafter)(draft, t) for t in shapes}
   fp = fingerprint(target, drafters, prompt_ids, temperature=float(temperature),
                    max_new_tokens=max_new_tokens, cache_len=cache_len, repeats=repeats,
-                   seed=seed, statistic=statistic)
+                   seed=seed, statistic=statistic, batch=rows)
   key = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:24]
   path = cache_root(cache_dir) / f"{key}.json"
   if not recalibrate and path.exists():
@@ -563,7 +573,7 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
   costs = measure(target, draft, prompt_ids, shapes, max_new_tokens=max_new_tokens,
                   repeats=repeats, temperature=temperature, seed=seed, cache_len=cache_len,
                   drafter_for=lambda _d, t: drafters[shape_key(t)], statistic=statistic,
-                  timer=timer)
+                  batch=rows, timer=timer)
   costs = dataclasses.replace(costs, meta={**costs.meta, "fingerprint": fp, "key": key,
                                            "cached": False})
   try:

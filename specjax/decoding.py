@@ -139,6 +139,30 @@ class Generation:
     return metrics.summarize_tree(self.stats, self._spec_emitted())
 
 
+def in_batches(call, prompt_ids: Sequence[Sequence[int]], batch: int):
+  """A callable that decodes `prompt_ids` as consecutive batches of `batch` rows, one
+  `call(batch_of_prompts) -> Generation` after another, and returns their rows as one
+  Generation (`Generation.concat`; the call's own result when one batch holds them all):
+  how a workload of many prompts is decoded, timed and analysed at a small batch. `batch`
+  must divide the number of prompts."""
+  if (isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1
+      or len(prompt_ids) % batch):
+    raise ValueError(f"batch must be an int >= 1 dividing the {len(prompt_ids)} prompts, "
+                     f"got {batch!r}")
+  groups = [list(prompt_ids[i:i + batch]) for i in range(0, len(prompt_ids), batch)]
+  if len(groups) == 1:
+    return lambda: call(groups[0])
+  return lambda: Generation.concat([call(g) for g in groups])
+
+
+def loop_iterations(run: Generation, batch: int) -> int:
+  """Loop iterations a run of consecutive batches of `batch` rows took: the sum over its
+  batches of the most cycles any row of the batch ran (a batch loops until its slowest row
+  is done)."""
+  cycles = np.asarray(run.stats["cycles"]).reshape(-1, batch)
+  return int(cycles.max(axis=1).sum())
+
+
 def _bucket(n: int, cap: int) -> int:
   """The prompt bucket: the power of two >= max(n, MIN_BUCKET), capped at `cap` (what the
   cache / the model's positions allow) when n fits under it, so a bucket never refuses a

@@ -204,6 +204,27 @@ def test_calibrate_recovers_planted_delays_and_caches(fake_engine, random_pair, 
   assert calls["n"] > n and json.loads(files[0].read_text())["version"] == calibration.VERSION
 
 
+def test_calibrate_a_workload_in_consecutive_batches(fake_engine, random_pair, tmp_path):
+  """4 prompts at batch 1: each timed call decodes them one after another, and the costs
+  per step and per loop iteration come out as the planted ones (iterations summed over the
+  batches); it is another calibration than the 4 prompts as one batch."""
+  clock, calls = fake_engine
+  target, draft = random_pair
+  prompts = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]
+  kw = dict(max_new_tokens=31, repeats=2, cache_dir=tmp_path, timer=clock)
+  costs = calibration.calibrate(target, draft, prompts, SHAPES[:5], batch=1, **kw)
+  assert costs.t_step == pytest.approx(T_STEP, rel=1e-6)
+  f = costs.fitted
+  assert (f.t_fixed, f.t_verify, f.t_draft) == pytest.approx((T_FIXED, T_VERIFY, T_DRAFT),
+                                                             rel=1e-6)
+  assert costs.meta["batch"] == 1 and costs.meta["prompts"] == 4
+  assert calls["n"] == 4 * 2 * 6 * 3  # 4 batches per timed call
+  together = calibration.calibrate(target, draft, prompts, SHAPES[:5], **kw)
+  assert together.meta["batch"] == 4 and together.meta["key"] != costs.meta["key"]
+  with pytest.raises(ValueError, match="batch must divide the 4 prompts"):
+    calibration.calibrate(target, draft, prompts, SHAPES[:5], batch=3, **kw)
+
+
 def test_cache_root_follows_specjax_cache_dir(monkeypatch, tmp_path):
   monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
   assert calibration.cache_root() == tmp_path / "calibration"
