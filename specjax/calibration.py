@@ -525,8 +525,8 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
   """The calibration of `target` with `draft` (a draft model or a `Drafter`) at this batch
   (`batch` rows per call, default len(prompt_ids); fewer rows decode the prompts as
   consecutive batches, `measure`) and temperature: cached under `cache_root(cache_dir)` by
-  `fingerprint`, else measured (`measure`) and stored. shapes: default chains k ∈ {1, 2, 4, 6} (add the
-  trees you will predict; the fit needs one). recalibrate: measure even when cached.
+  `fingerprint`, else measured (`measure`) and stored. shapes: default chains k ∈ {1, 2, 4,
+  6} (add the trees you will predict; the fit needs one). recalibrate: measure even when cached.
   drafter_for(draft, tree) -> Drafter: the drafter of each shape (default: the draft
   model, sampled candidates for chains, top-k candidates for trees). statistic: "median"
   or "fastest" call (`measure`).
