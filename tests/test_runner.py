@@ -407,3 +407,25 @@ def test_alpha_k_point_alone_equals_the_point_in_its_vectorised_group(tmp_path):
   alone = alpha_k_sweep.point(**grouped["params"])
   for name in ("alpha_trial", "trials", "tau_cycle", "histogram", "cycles", "tau_mc"):
     assert alone[name] == grouped["metrics"][name], name  # timings aside, bit-identical
+
+
+def test_sweep_frees_compiled_programs_near_the_memory_mapping_limit(tmp_path, monkeypatch):
+  """A long sweep clears JAX's compiled-program caches after a group once the process holds
+  half the kernel's mapping limit (a full sweep in one process once aborted in a compile at
+  the limit), and leaves them alone below it."""
+  import jax
+  real = runner.memory_mappings()
+  assert real is None or 0 < real[0] < real[1]  # this process, under the kernel's limit
+  cleared = []
+  monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(1))
+  points = runner.expand({"x": [1, 2, 3]})
+  run = lambda group: [{"y": p.params["x"]} for p in group]  # noqa: E731
+  monkeypatch.setattr(runner, "memory_mappings", lambda: (1_000, 65_530))
+  assert runner.run_points(points, tmp_path, run, progress=False) == (0, 3, 0)
+  assert cleared == []
+  monkeypatch.setattr(runner, "memory_mappings", lambda: (40_000, 65_530))
+  assert runner.run_points(runner.expand({"x": [4, 5]}), tmp_path, run, progress=False) == (
+      0, 2, 0)
+  assert len(cleared) == 2  # after each of the two groups
+  monkeypatch.setattr(runner, "memory_mappings", lambda: None)  # no /proc: nothing to do
+  assert runner.free_compiled_programs_if_needed() is False and len(cleared) == 2

@@ -457,6 +457,38 @@ class RunSummary:
     return d
 
 
+MAP_FRACTION = 0.5  # free compiled programs once the process holds this share of its limit
+
+
+def memory_mappings() -> tuple[int, int] | None:
+  """(memory mappings this process holds, the kernel's limit `vm.max_map_count`); None where
+  /proc does not tell (not Linux)."""
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      used = sum(1 for _ in f)
+    return used, int(pathlib.Path("/proc/sys/vm/max_map_count").read_text())
+  except (OSError, ValueError):
+    return None
+
+
+def free_compiled_programs_if_needed(fraction: float = MAP_FRACTION) -> bool:
+  """Clears JAX's caches of compiled programs (and collects garbage) when this process holds
+  `fraction` of the kernel's memory-mapping limit or more; returns whether it did. XLA:CPU
+  maps ~15 regions per compiled program and jit caches keep every program, so a long sweep
+  compiling thousands of shapes reached the limit and aborted inside a compile ("Cannot
+  allocate memory"). Programs a later point needs are compiled again (or read from the
+  persistent compilation cache)."""
+  m = memory_mappings()
+  if m is None or m[0] < fraction * m[1]:
+    return False
+  import gc
+
+  import jax
+  jax.clear_caches()
+  gc.collect()
+  return True
+
+
 def run_points(points: list[Point], run_dir: pathlib.Path,
                run_group: Callable[[list[Point]], list[dict]],
                group_key: Callable[[Point], Any] = lambda p: p.index,
@@ -466,7 +498,9 @@ def run_points(points: list[Point], run_dir: pathlib.Path,
   shapes and run in one vectorised call). Returns (skipped, ok, failed).
 
   A group that raises is retried point by point, so one bad point does not take its group
-  down; a point that raises is recorded with its error and the sweep goes on.
+  down; a point that raises is recorded with its error and the sweep goes on. After each
+  group, compiled programs are freed if the process nears its memory-mapping limit
+  (`free_compiled_programs_if_needed`).
   """
   path = run_dir / RESULTS
   done = {i for i, r in read_results(path).items() if r.get("status") == "ok"}
@@ -508,6 +542,7 @@ def run_points(points: list[Point], run_dir: pathlib.Path,
         if on_point_done is not None:
           on_point_done(p, record)
         bar.update(1)
+      free_compiled_programs_if_needed()
   finally:
     bar.close()
   return len(points) - len(todo), ok, failed
