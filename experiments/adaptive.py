@@ -22,9 +22,13 @@ by a drafter that catches up lazily; `specjax.calibration`, cached per machine);
 
 Prediction beside each row (`predicted_speedup`), at the row's measured acceptance α
 (accepted ÷ tried drafts of the first candidate, `tree_summary`'s depth-1 rate or the
-summary's α_trial): a fixed chain: `LoopCosts.predicted_speedup(chain(k), E[τ](α, k))`; the
-adaptive policy: the speedup the policy predicts for the shape it would choose at that α
-and batch (`AdaptivePolicy.predicted_speedup`).
+summary's α_trial). With calibrated costs: a fixed chain: `LoopCosts.predicted_speedup(
+chain(k), τ_loop)`, τ_loop = the tokens per row per loop iteration of this workload at this
+batch from each row's own acceptance (`calibration.row_length_probs`,
+`tokens_per_iteration_in_batches`: a batch runs until its slowest row is done, so at batch
+> 1 τ_loop is well below E[τ](α, k)); the adaptive policy: the same for the shape it would
+choose at that α and batch (k = 0: `AdaptivePolicy.predicted_speedup`). With "model" costs
+both are the policy's own E[τ]-based figures.
 
 Adaptive rows also carry the shape chosen at each loop iteration (`choices`) and the draft-
 stopping counters (`threshold` > 0: cycles cut, accepted drafts discarded: its effect is
@@ -44,7 +48,7 @@ from typing import Sequence
 import numpy as np
 
 from experiments import measure
-from specjax import adaptive, calibration, decoding, sampling, theory, trees
+from specjax import adaptive, calibration, decoding, sampling, trees
 from specjax.drafters.base import LM
 
 CATEGORIES = ("code", "prose")
@@ -164,9 +168,15 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
   tok_s = (run.emitted - len(run.tokens)) / max(sec["spec"] - sec["spec_prefill"], 1e-12)
   alpha = _alpha(run)
   a = min(max(alpha, 0.0), 1.0) if math.isfinite(alpha) else 0.0
+
+  def calibrated(entry, otherwise):
+    if loop_costs is None or entry is None:
+      return otherwise()
+    return calibrated_prediction(loop_costs, run.stats, entry, batch, max_new_tokens - 1)
+
   if policy == "adaptive":
     choice = pol.choose(a, batch)
-    predicted = pol.predicted_speedup(a, batch, choice)
+    predicted = calibrated(pol.menu[choice], lambda: pol.predicted_speedup(a, batch, choice))
     names = [run.menu[i] for i in run.choices]
     out.update(choices=names, predicted_choice=pol.names[choice],
                choice_counts=dict(collections.Counter(names)),
@@ -174,12 +184,22 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
                discarded=int(run.stopping["discarded"].sum()))
   else:
     k = int(policy.split("=")[1])
-    tau = float(theory.expected_tokens(a, k))
-    predicted = (loop_costs.predicted_speedup(trees.chain(k), tau) if loop_costs is not None
-                 else pol.predicted_speedup(a, batch, pol.names.index(policy)))
+    predicted = calibrated(trees.chain(k),
+                           lambda: pol.predicted_speedup(a, batch, pol.names.index(policy)))
   return {**out, "policy_tok_s": tok_s, "speedup": tok_s / plain_tok_s,
           "predicted_speedup": predicted, "alpha": alpha,
           "identical_to_plain": (run.tokens == plain_run.tokens) if temperature == 0 else None}
+
+
+def calibrated_prediction(loop_costs: calibration.LoopCosts, stats, entry, batch: int,
+                          tokens: int) -> float:
+  """Predicted speedup of a menu shape (`entry`, a tree) on a workload decoded in batches of
+  `batch` rows for `tokens` tokens each: τ_loop from each row's measured acceptance (the
+  run's `stats`, `calibration.row_length_probs`) through `tokens_per_iteration_in_batches`
+  (each batch waits for its slowest row), ÷ the calibrated cycle steps of the shape."""
+  laws = calibration.row_length_probs(stats, entry)
+  tau = calibration.tokens_per_iteration_in_batches(laws, batch, tokens)
+  return loop_costs.predicted_speedup(entry, tau)
 
 
 # ----------------------------------------------------------------------------- analysis

@@ -226,12 +226,21 @@ class AdaptivePolicy:
     """From calibrations (`calibration.LoopCosts`): one, or {batch: LoopCosts}. A tree entry
     costs `costs.cycle_seconds(tree)` (measured or fitted); k = 0 costs t_step plus the
     drafter's catch-up pass (the fit's t_draft, 0 without a fit), divided by P = lazy_slots
-    when the drafter catches up lazily (0: eagerly, every step)."""
+    when the drafter catches up lazily (0: eagerly, every step). The prior α₀ is, unless
+    `prior_alpha` is given, the mean first-draft acceptance the calibrations measured
+    (`LoopCosts.meta["alpha"]`; 0.5 when none did): a fresh request starts from what this
+    drafter achieved on the calibration's workload, not from a coin flip, which at α₀ = 0.5
+    often prices speculation below plain decoding and spends the first run of plain steps
+    finding out otherwise."""
     share = 1.0 / _lazy_slots(lazy_slots)
     m = menu(entries)
     table = costs if isinstance(costs, Mapping) else {int(costs.meta.get("batch", 1)): costs}
     if not table:
       raise ValueError("costs must hold at least one calibration, got none")
+    measured = [c.meta.get("alpha") for c in table.values()]
+    measured = [float(x) for x in measured if isinstance(x, (int, float)) and 0 <= x <= 1]
+    if "prior_alpha" not in kwargs and measured:
+      kwargs["prior_alpha"] = sum(measured) / len(measured)
     batches = sorted(table)
     rows, plain = [], []
     for b in batches:

@@ -67,7 +67,7 @@ from specjax import decoding, sampling, trees
 from specjax.drafters.base import LM, Drafter
 from specjax.drafters.model import ModelDrafter
 
-VERSION = 1  # bump when what a cached calibration holds changes
+VERSION = 2  # bump when what a cached calibration holds changes
 DEFAULT_CHAINS = (1, 2, 4, 6)
 
 Tree = Any  # trees.TreeSpec | trees.DynamicTree
@@ -175,7 +175,9 @@ class LoopCosts:
 
   t_step: seconds per plain decode step. cycles: {shape_key: (N, D, seconds per cycle)} of
   every calibrated shape. fitted: the `CycleFit` over them (None when the shapes do not
-  identify it). meta: what was calibrated (batch, temperature, budget, fingerprint...).
+  identify it). meta: what was calibrated (batch, temperature, budget, fingerprint...)
+  and "alpha", the first draft's acceptance over the calibrated chains' runs (None without
+  a chain): what the adaptive policy starts from (`AdaptivePolicy.from_costs`).
   """
 
   t_step: float
@@ -448,7 +450,11 @@ def measure(target, draft, prompt_ids: Sequence[Sequence[int]], shapes: Sequence
   for t in shapes:
     run = last[f"{shape_key(t)}/M"]
     cycles.append((t, decode(shape_key(t), max(1, decoding.loop_iterations(run, rows)))))
+  chains = [last[f"{shape_key(t)}/M"].stats for t in shapes if t.is_chain]
+  tried = sum(float(np.sum(st["depth_tried"][:, 0])) for st in chains)
+  accepted = sum(float(np.sum(st["depth_accepted"][:, 0])) for st in chains)
   meta = {"batch": rows, "prompts": len(prompt_ids), "temperature": float(temperature),
+          "alpha": accepted / tried if tried else None,
           "max_new_tokens": max_new_tokens, "cache_len": cache_len, "repeats": repeats,
           "statistic": statistic,
           "drafters": {k: _describe_drafter(d) for k, d in drafters.items()}}

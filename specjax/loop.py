@@ -416,7 +416,10 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
   speculative entry drafts, and at the start of a k = 0 cycle where some row is already P
   behind, one `drafter.catch_up` pass (under `lax.cond`: skipped when not needed) brings
   every row up to date; its guesses for the skipped tokens are the policy's observations
-  (`_catch_up_observation`). The run lasts until some row would be P behind or a row
+  (`_catch_up_observation`), taken before the cycle's choice: a run of plain steps ends
+  with the policy choosing again from what the skipped tokens showed (choosing first and
+  observing after would let a k = 0 start repeat itself until the budget ran out). Each
+  observation (a catch-up pass, a speculative cycle) is one decay step. The run lasts until some row would be P behind or a row
   finishes: until then the policy would choose k = 0 again (it observed nothing and the
   active rows are the same), so the run saves the per-cycle choice and bookkeeping, which
   cost as much as a small target's step. A cycle that observes nothing leaves the estimate
@@ -543,19 +546,25 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
   plain_entry = [e is None for e in menu]
 
   def body(s: LoopState) -> LoopState:
-    a = s.adapt
-    rates = policy.rates(a.acc, a.tried)
-    choice = policy.pick(rates, ~s.done, b, a.cycle)
-    caught_acc = caught_tried = zero_obs
-    if lazy:  # the catch-up the chosen entry needs first, before (not inside) the entries
-      need = jnp.where(jnp.asarray(plain_entry)[choice], jnp.any(a.behind >= slots),
-                       jnp.any(a.behind > 0))
+    active0 = ~s.done
+    if lazy:  # the catch-up the chosen entry needs, before the choice it informs
+      a = s.adapt
+      first = policy.pick(policy.rates(a.acc, a.tried), active0, b, a.cycle)
+      need = jnp.any(a.behind >= slots) | (~jnp.asarray(plain_entry)[first]
+                                           & jnp.any(a.behind > 0))
       s, caught_acc, caught_tried = maybe_catch_up(s, need)
+      a = s.adapt
+      acc, tried = policy.observe(a.acc, a.tried, caught_acc, caught_tried,
+                                  active0 & (jnp.sum(caught_tried, axis=1) > 0))
+      s = s.replace(adapt=a.replace(acc=acc, tried=tried))
+    a = s.adapt
+    # lazy: unchanged from `first` unless the catch-up observed something, and then every
+    # row is up to date; so a speculative choice never finds the drafter behind
+    choice = policy.pick(policy.rates(a.acc, a.tried), active0, b, a.cycle)
     none = (s, zero_obs, zero_obs, jnp.zeros((b,), bool), zb, zb)  # before any entry ran
     new, acc_obs, tried_obs, active, lost, plain = _run_chosen(choice, branches, none)
-    acc_obs, tried_obs = acc_obs + caught_acc, tried_obs + caught_tried
     a = new.adapt  # with the catch-up bookkeeping
-    # a lazy plain step observes nothing (unless it caught up): the estimate stays as it is
+    # a lazy plain step observes nothing: the estimate stays as it is
     observed = active & (jnp.sum(tried_obs, axis=1) > 0)
     acc, tried = policy.observe(a.acc, a.tried, acc_obs, tried_obs, observed)
     at = jnp.minimum(a.cycle, a.choices.shape[0] - 1)

@@ -9,6 +9,8 @@ one batch shape) to keep compile time down.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -242,6 +244,14 @@ def test_cli_theory_adaptive_from_a_calibration_file_and_bad_k(capsys, tmp_path)
   # k = 0 priced as the engine runs a lazy drafter (one catch-up pass per P plain steps) by
   # default, eagerly with --lazy-slots 0: a plain step costs more, so its speedup is lower
   eager = adaptive.AdaptivePolicy.from_costs((0, 1, 2, 4), costs)
+  # the prior: 0.5 without a measured α, else the calibrations' mean α, unless given
+  assert float(pol.prior_alpha) == 0.5
+  measured = {b: dataclasses.replace(costs, meta={**costs.meta, "alpha": a})
+              for b, a in ((1, 0.8), (8, 0.6))}
+  assert float(adaptive.AdaptivePolicy.from_costs((0, 1), measured).prior_alpha) == (
+      pytest.approx(0.7))
+  assert float(adaptive.AdaptivePolicy.from_costs((0, 1), measured, prior_alpha=0.2)
+               .prior_alpha) == pytest.approx(0.2)
   assert doc["rows"][0]["speedup"] == pytest.approx(pol.predicted_speedup(0.2, 1, 0))
   assert main(["theory", "adaptive", "--calibration", str(path), "--menu", "0,1,2,4",
                "--alphas", "0.2", "--batches", "1", "--lazy-slots", "0", "--json"]) == 0

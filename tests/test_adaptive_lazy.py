@@ -108,6 +108,29 @@ def test_lazy_forced_plain_equals_plain_decoding_in_runs_and_catches_up_only_at_
   assert int(state.adapt.catch_ups) == cycles - 1
 
 
+def test_a_run_of_plain_steps_ends_in_a_choice_informed_by_its_catch_up(pair):
+  """A prior that prices speculation out (α₀ = 0) starts with a k = 0 run of P steps; the
+  catch-up that ends it observes a self-draft accepting every skipped token, and the very
+  next choice is speculative (observing after choosing would repeat k = 0 once more, and
+  with a short budget for ever)."""
+  target, _ = pair
+  slots = max(e.n_nodes for e in adaptive.menu(MENU)[1:]) + 1
+  batch = decoding.prepare_batch(RAGGED, vocab_size=target.config.vocab_size,
+                                 max_len=target.config.max_len, max_new_tokens=BUDGET,
+                                 slots=slots)
+  policy = adaptive.AdaptivePolicy.create(MENU, [1.0, 1.2, 1.4], prior_alpha=0.0)
+  state = loop.adaptive_jit(LM.of(target), ModelDrafter.of(target, deterministic=True),
+                            policy, batch.prompt_BP, batch.prompt_len_B, batch.budget_B,
+                            jnp.asarray(-1), sampling.make_sampler(0.0), jax.random.key(0),
+                            cache_len=batch.cache_len, lazy_slots=P)
+  choices = np.asarray(state.adapt.choices)
+  assert choices[0] == 0, "the prior α₀ = 0 should choose k = 0 first"
+  assert choices[1] != 0, f"the catch-up's observations came too late: {choices[:4]}"
+  toks, lens = np.asarray(state.tokens), np.asarray(batch.prompt_len_B)
+  assert [toks[b, lens[b]:lens[b] + BUDGET].tolist() for b in range(len(RAGGED))] == (
+      _plain(target))
+
+
 def test_lookup_drafter_lazy_greedy_identity(pair):
   """The lookup drafter (stateless) through the same schedule: plain greedy tokens, and its
   catch-up guesses feed the policy's estimate (the acceptance counts move)."""

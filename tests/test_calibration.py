@@ -156,7 +156,10 @@ def fake_engine(monkeypatch):
     calls["n"] += 1
     cycles = -(-(max_new_tokens - 1) // 3)
     clock.now += 2e-3 + cycles * _law(tree)
-    stats = {"cycles": np.full((len(prompts),), cycles, np.int32)}
+    tried = np.zeros((len(prompts), tree.max_depth), np.int32)
+    tried[:, 0] = 4 * cycles
+    stats = {"cycles": np.full((len(prompts),), cycles, np.int32), "depth_tried": tried,
+             "depth_accepted": np.where(tried > 0, 3 * cycles, 0)}  # first-draft α = 3/4
     return decoding.Generation(tokens=[[0] * max_new_tokens for _ in prompts],
                                prompt_lengths=[len(p) for p in prompts], stats=stats,
                                seconds=0, k=tree.size, tree=tree)
@@ -184,6 +187,7 @@ def test_calibrate_recovers_planted_delays_and_caches(fake_engine, random_pair, 
   assert (f.t_fixed, f.t_verify, f.t_draft) == pytest.approx((T_FIXED, T_VERIFY, T_DRAFT),
                                                              rel=1e-6)
   assert costs.meta["batch"] == 2 and costs.meta["cached"] is False
+  assert costs.meta["alpha"] == pytest.approx(0.75)  # the chains' first-draft acceptance
   made = calls["n"]
   assert made == 2 * 6 * 3  # (M and 1) × (plain + 5 shapes) × (warm-up + 2 repeats)
   files = list(tmp_path.glob("*.json"))
@@ -280,7 +284,10 @@ def test_calibrate_times_any_drafter_object(fake_engine, random_pair, tmp_path, 
     cycles = -(-(max_new_tokens - 1) // 3)
     clock.now += 2e-3 + cycles * _law(tree, t_draft=0.0 if isinstance(drafter, LookupDrafter)
                                       else T_DRAFT)
-    stats = {"cycles": np.full((len(prompts),), cycles, np.int32)}
+    tried = np.zeros((len(prompts), tree.max_depth), np.int32)
+    tried[:, 0] = 4 * cycles
+    stats = {"cycles": np.full((len(prompts),), cycles, np.int32), "depth_tried": tried,
+             "depth_accepted": np.where(tried > 0, 3 * cycles, 0)}  # first-draft α = 3/4
     return decoding.Generation(tokens=[[0] * max_new_tokens for _ in prompts],
                                prompt_lengths=[len(p) for p in prompts], stats=stats,
                                seconds=0, k=tree.size, tree=tree)

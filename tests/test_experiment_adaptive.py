@@ -4,6 +4,7 @@ validation without models."""
 
 import math
 
+import numpy as np
 import pytest
 
 from experiments import adaptive as ex
@@ -75,3 +76,24 @@ def test_comparison_and_first_plain_batch_on_synthetic_records():
 def test_validation_before_models(params, match):
   with pytest.raises(ValueError, match=match):
     ex.validate(params)
+
+
+def test_calibrated_prediction_waits_for_the_slowest_row():
+  """Two rows accepting at 1.0 and 0.2 in one batch of 2: the loop runs as long as the slow
+  row needs, so the prediction is the slow row's pace, far below E[τ] at the pooled α; as two
+  batches of 1 it is the harmonic mean of the two rows' τ."""
+  from specjax import calibration, theory, trees
+
+  k, tokens = 4, 63
+  costs = calibration.LoopCosts.from_timings(1.0, [(trees.chain(k), 2.0)])
+  tried = np.array([[10, 10, 10, 10], [40, 8, 2, 1]])
+  accepted = np.array([[10, 10, 10, 10], [8, 2, 1, 0]])
+  stats = {"cycles": np.array([10, 40]), "depth_tried": tried, "depth_accepted": accepted}
+  both = ex.calibrated_prediction(costs, stats, trees.chain(k), 2, tokens)
+  pooled = accepted.sum() / tried.sum()
+  assert both < 0.7 * theory.expected_tokens(pooled, k) / 2.0
+  slow = theory.expected_tokens(11 / 51, k)
+  assert both == pytest.approx(slow / 2.0, rel=0.1)
+  apart = ex.calibrated_prediction(costs, stats, trees.chain(k), 1, tokens)
+  tau_fast, tau_slow = 5.0, slow
+  assert apart == pytest.approx(2 / (1 / tau_fast + 1 / tau_slow) / 2.0, rel=0.1)
