@@ -118,6 +118,7 @@ def validate(params: dict) -> None:
   measure.check_number(params, "oracle_alpha", 0.8, 0, 1)
   measure.check_choice(params, "recalibrate", False, (False, True))
   measure.check_choice(params, "statistic", "median", ("median", "fastest"))
+  measure.check_choice(params, "target_dtype", "float32", ("float32", "bfloat16"))
   _check_ints(params, "calibration_k", (1,), empty=True)  # () = the drafter's shapes only
   widths = _check_ints(params, "tree_widths", (2, 1, 1, 1))
   from specjax.drafters.layer_skip import check_layers
@@ -207,15 +208,17 @@ def head(kind: str, models: str, steps: int):
 
 def drafter_and_tree(drafter: str, shape: str, temperature: float, *, models: str, k: int,
                      tree_widths, skip_layers, max_ngram: int, min_ngram: int,
-                     oracle_alpha: float, head_steps: int):
-  """(Drafter, tree) of one variant (module doc: candidates and budgets)."""
+                     oracle_alpha: float, head_steps: int, target_dtype: str = "float32"):
+  """(Drafter, tree) of one variant (module doc: candidates and budgets). Drafters that run
+  on the target (layer-skip, oracle, EAGLE's and Medusa's shared embedding and LM head) use
+  it served in `target_dtype`; the heads were trained (and bound) on its float32 weights."""
   from specjax.drafters.eagle import EagleDrafter
   from specjax.drafters.layer_skip import LayerSkipDrafter
   from specjax.drafters.lookup import LookupDrafter
   from specjax.drafters.medusa import MedusaDrafter
   from specjax.drafters.model import ModelDrafter
   from specjax.drafters.oracle import OracleDrafter
-  target, draft, _, _ = measure.models(models)
+  target, draft, _, _ = measure.models(models, target_dtype)
   static = _static(tree_widths)
   if shape == "chain":
     tree = trees.chain(k)
@@ -298,15 +301,17 @@ def point(variant: str, category: str = "code", temperature: float = 0.0, batch:
           head_steps: int = 8, max_new_tokens: int = 64, prompt_len: int = 64,
           repeats: int = 5, models: str = "default", seed: int = 0,
           calibration_k: tuple = (1,), calibration_repeats: int = 3,
-          recalibrate: bool = False, statistic: str = "median", prompts: int = 8) -> dict:
+          recalibrate: bool = False, statistic: str = "median", prompts: int = 8,
+          target_dtype: str = "float32") -> dict:
   drafter_name, shape = parse_variant(variant)
-  target, _, tok, _ = measure.models(models)
+  target, _, tok, _ = measure.models(models, target_dtype)
   all_ids = measure.workload(tok, category_texts(models, category), batch, prompts,
                              prompt_len)
   build = functools.partial(drafter_and_tree, drafter_name, temperature=temperature,
                             models=models, k=k, tree_widths=tree_widths,
                             skip_layers=skip_layers, max_ngram=max_ngram, min_ngram=min_ngram,
-                            oracle_alpha=oracle_alpha, head_steps=head_steps)
+                            oracle_alpha=oracle_alpha, head_steps=head_steps,
+                            target_dtype=target_dtype)
   drafter, tree = build(shape)
   # The drafter's shapes, calibrated together (shared by its points of this category and
   # temperature): each with the drafter it runs with in its own point.

@@ -12,6 +12,9 @@ cycle (root excluded) whatever the shape,
 - dynamic: an EAGLE-2 `DynamicTree(N, depth, width)` grown from the draft's cumulative
   confidence every cycle (width grown until width + (depth-1)·width² >= N).
 
+Every point decodes the same `prompts` held-out prompts (8 by default, rounded up to whole
+batches) in consecutive batches of `batch` rows (`measure.workload`, `decoding.in_batches`),
+as the quickstart does; `target_dtype` serves the target in float32 or bfloat16.
 Candidates are the draft's top-k (deterministic, point-mass rule) unless deterministic=False;
 the greedy identity with plain decoding is checked at T = 0. Plain and speculative decoding
 of the same prompts are timed side by side (`measure.compare`), decode phase only (each call
@@ -72,6 +75,8 @@ def validate(params: dict) -> None:
   measure.check_int(params, "calibration_repeats", 3, 1)
   measure.check_choice(params, "statistic", "median", loop_calibration.STATISTICS)
   measure.check_choice(params, "recalibrate", False, (False, True))
+  measure.check_int(params, "prompts", 8, 1)
+  measure.check_choice(params, "target_dtype", "float32", ("float32", "bfloat16"))
   if not isinstance(params.get("deterministic", True), bool):
     raise ValueError(f"deterministic must be True or False, got {params['deterministic']!r}")
   widths = params.get("calib_widths", (4, 2, 2))
@@ -109,15 +114,18 @@ def _cache_len(prompt_len: int, max_new_tokens: int, tree, draft) -> int:
 @functools.lru_cache(maxsize=None)
 def calibration(models: str, temperature: float, calib_widths: tuple, batch: int,
                 prompt_len: int, max_new_tokens: int, deterministic: bool,
-                seed: int) -> tuple[float, ...]:
-  """Sequoia's rank probabilities from one run of the wide tree `branching(calib_widths)`:
+                seed: int, prompts: int = 8,
+                target_dtype: str = "float32") -> tuple[float, ...]:
+  """Sequoia's rank probabilities from one run of the wide tree `branching(calib_widths)`
+  over the point's workload (all its prompts as one batch: only counts are read):
   p_r = a_r Π_{s<r} (1 − a_s) with a_r the measured acceptance of tried rank-r candidates
   (`metrics.rank_probs_from_counts`). Computed once per process for each setting."""
-  target, draft, tok, texts = measure.models(models)
+  target, draft, tok, texts = measure.models(models, target_dtype)
   tree = trees.branching(calib_widths)
   gen = decoding.speculative_generate(
       target, ModelDrafter.of(draft, deterministic=deterministic),
-      measure.prompts(tok, texts, batch, prompt_len), tree=tree, max_new_tokens=max_new_tokens,
+      measure.workload(tok, texts, batch, prompts, prompt_len), tree=tree,
+      max_new_tokens=max_new_tokens,
       sampler=sampling.make_sampler(temperature), seed=seed,
       cache_len=_cache_len(prompt_len, max_new_tokens, tree, draft))
   probs = np.minimum(np.asarray(gen.tree_summary().rank_probs, np.float64), 1.0)
@@ -142,29 +150,32 @@ def point(shape: str, budget: int, temperature: float = 0.0, batch: int = 1,
           calib_widths: tuple = (4, 2, 2), branch_width: int = 2, dynamic_depth: int = 5,
           dynamic_width: int = 3, deterministic: bool = True, models: str = "default",
           seed: int = 0, calibration_repeats: int = 3, statistic: str = "median",
-          recalibrate: bool = False) -> dict:
-  target, draft, tok, texts = measure.models(models)
+          recalibrate: bool = False, prompts: int = 8, target_dtype: str = "float32") -> dict:
+  target, draft, tok, texts = measure.models(models, target_dtype)
   rank_probs = None
   if shape == "optimal":
     rank_probs = calibration(models, float(temperature), tuple(calib_widths), batch,
-                             prompt_len, max_new_tokens, deterministic, seed)
+                             prompt_len, max_new_tokens, deterministic, seed, prompts,
+                             target_dtype)
   tree = make_tree(shape, budget, rank_probs, branch_width, dynamic_depth, dynamic_width)
-  prompt_ids = measure.prompts(tok, texts, batch, prompt_len)
+  prompt_ids = measure.workload(tok, texts, batch, prompts, prompt_len)
   cache_len = _cache_len(prompt_len, max_new_tokens, tree, draft)
   costs = loop_calibration.calibrate(
-      target, draft, prompt_ids, [tree], max_new_tokens=max_new_tokens,
+      target, draft, prompt_ids, [tree], batch=batch, max_new_tokens=max_new_tokens,
       repeats=calibration_repeats, temperature=temperature, seed=seed, cache_len=cache_len,
       recalibrate=recalibrate, statistic=statistic,
       drafter_for=lambda model, _t: ModelDrafter.of(model, deterministic=deterministic))
-  cmp = measure.compare(target, draft, prompt_ids, tree=tree, max_new_tokens=max_new_tokens,
+  cmp = measure.compare(target, draft, prompt_ids, batch=batch, tree=tree,
+                        max_new_tokens=max_new_tokens,
                         repeats=repeats, temperature=temperature, seed=seed,
                         deterministic=deterministic, cache_len=cache_len, decode_only=True,
                         loop_costs=costs, statistic=statistic)
   sc = measure.step_costs(target, draft, batch, tree, cmp.context, cache_len, 3 * repeats)
   ts = cmp.spec.tree_summary()
   st = cmp.spec.stats
-  # Each row's own reach by depth: the loop runs until its slowest row is done.
-  tau_loop = loop_calibration.tokens_per_iteration(
+  # Each row's own reach by depth: a batch runs until its slowest row is done, and the
+  # workload's batches one after another (harmonic mean over them).
+  tau_loop = loop_calibration.tokens_per_iteration_in_batches(
       loop_calibration.row_length_probs(st, tree), batch, max_new_tokens - 1)
   predicted = cmp.predicted(tau_loop)
   standalone = ts.tau / sc.cycle
@@ -190,6 +201,7 @@ def point(shape: str, budget: int, temperature: float = 0.0, batch: int = 1,
       "pretty": tree.pretty() if static else str(tree),
       "rank_probs": list(rank_probs) if rank_probs is not None else None,
       "cache_len": cmp.cache_len, "backend": jax.default_backend(),
+      "prompts": len(prompt_ids),
   }
 
 

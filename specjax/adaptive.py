@@ -36,8 +36,20 @@ the fit), one pass per P steps when it catches up lazily (`lazy_slots` = P, the 
 computes: finished rows still flow through the static-shape computation, so they cost the
 same; they only stop counting as tokens.
 
-Choice: argmax over entries of Σ_{active rows} E[τ_b](entry) ÷ cycle seconds(entry) (ties
-to the earlier entry): predicted tokens per second. `forced` (int32 [S], -1 = free) forces
+Choice: argmax over entries of the predicted tokens per second (ties to the earlier entry),
+in one of two senses (`objective`, a runtime value):
+
+- "batch" (the default): the batch's tokens ÷ the time until its last row is done. specjax
+  decodes static batches (a finished row is not refilled), so that time is set by the row
+  that needs longest: an entry is scored by min over active rows b of
+  min(E[τ_b], r_b) ÷ r_b ÷ cycle seconds, r_b = the row's remaining budget (the pace at
+  which its slowest row finishes). Rows that accept more finishing earlier buy nothing.
+- "tokens": Σ_{active rows} E[τ_b](entry) ÷ cycle seconds(entry), the rate at which tokens
+  appear right now: the right objective when finished rows are replaced at once
+  (continuous batching).
+
+With rows that all accept alike and have the same budget left (the host's `choose`), both
+pick the same entry. `forced` (int32 [S], -1 = free) forces
 entry forced[c mod S] at cycle c (tests alternate shapes with it).
 
 Dynamic draft stopping: `threshold` (a float32 array, 0 = off). Within a cycle the chain
@@ -65,6 +77,7 @@ from specjax.trees import TreeSpec
 Array = jax.Array
 
 DEFAULT_CHAINS = (0, 1, 2, 4, 6)
+OBJECTIVES = ("batch", "tokens")  # AdaptivePolicy.objective (module doc)
 
 
 def menu(entries: Sequence[Any] = DEFAULT_CHAINS) -> tuple[TreeSpec | None, ...]:
@@ -156,7 +169,8 @@ class AdaptivePolicy:
   plain: float32 [NB] seconds of a step of plain decoding there (the reference of
   `predicted_speedup`; a k = 0 entry costs it plus the drafter's catch-up).
   decay: λ in [0, 1) per cycle. prior_alpha α₀, prior_weight w. threshold: draft stopping
-  (0 = off). forced: int32 [S] forced entry per cycle (mod S), -1 = free choice.
+  (0 = off). forced: int32 [S] forced entry per cycle (mod S), -1 = free choice. batch_pace:
+  1.0 for the "batch" objective, 0.0 for "tokens" (module doc).
   """
 
   menu: tuple = struct.field(pytree_node=False)
@@ -168,6 +182,7 @@ class AdaptivePolicy:
   prior_weight: Array
   threshold: Array
   forced: Array
+  batch_pace: Array
 
   # ----------------------------------------------------------------------- construction
 
@@ -175,10 +190,12 @@ class AdaptivePolicy:
   def create(cls, entries: Sequence[Any], seconds, batches: Sequence[int] = (1,), *,
              plain=None, decay: float = 0.9, prior_alpha: float = 0.5,
              prior_weight: float = 1.0, threshold: float = 0.0,
-             forced: Sequence[int] | None = None) -> "AdaptivePolicy":
+             forced: Sequence[int] | None = None,
+             objective: str = "batch") -> "AdaptivePolicy":
     """From explicit costs: seconds [len(batches), len(menu)] (or [len(menu)] for one batch)
     seconds per cycle (any positive unit: only ratios matter). plain: [len(batches)] a plain
-    decoding step in the same unit (default: the k = 0 entry's cost, else the cheapest)."""
+    decoding step in the same unit (default: the k = 0 entry's cost, else the cheapest).
+    objective: "batch" or "tokens" (module doc)."""
     m = menu(entries)
     b = np.asarray(batches, np.float64)
     if b.ndim != 1 or b.size == 0 or np.any(~np.isfinite(b)) or np.any(b < 1) or np.any(
@@ -204,6 +221,8 @@ class AdaptivePolicy:
     _float("prior_alpha", prior_alpha, 0.0, 1.0)
     _float("prior_weight", prior_weight, 0.0, lo_open=True)
     check_threshold(threshold)
+    if objective not in OBJECTIVES:
+      raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if forced is None:
       f = np.asarray([-1], np.int32)
     else:
@@ -218,7 +237,8 @@ class AdaptivePolicy:
                prior_alpha=jnp.asarray(prior_alpha, jnp.float32),
                prior_weight=jnp.asarray(prior_weight, jnp.float32),
                threshold=jnp.asarray(threshold, jnp.float32),
-               forced=jnp.asarray(f, jnp.int32))
+               forced=jnp.asarray(f, jnp.int32),
+               batch_pace=jnp.asarray(objective == "batch", jnp.float32))
 
   @classmethod
   def from_costs(cls, entries: Sequence[Any], costs: Mapping[int, Any] | Any, *,
@@ -276,8 +296,13 @@ class AdaptivePolicy:
                                    "threshold": float(self.threshold),
                                    "forced": None if int(self.forced[0]) == -1 and
                                    self.forced.size == 1 else np.asarray(self.forced).tolist(),
+                                   "objective": self.objective,
                                    **kwargs})
     return new
+
+  @property
+  def objective(self) -> str:
+    return "batch" if float(self.batch_pace) > 0 else "tokens"
 
   # ----------------------------------------------------------------------- static facts
 
@@ -353,17 +378,29 @@ class AdaptivePolicy:
     cols = [xp.interp(x, xs, secs[:, e]) for e in range(secs.shape[1])]
     return xp.stack(cols, axis=-1)
 
-  def scores(self, rates_BR, active_B, batch, xp=jnp):
-    """Predicted tokens per second of each entry [E] (or [Q, E] for batches [Q]):
-    Σ_active E[τ] ÷ cycle seconds."""
+  def scores(self, rates_BR, active_B, batch, xp=jnp, remaining_B=None):
+    """Predicted tokens per second of each entry [E] (or [Q, E] for batches [Q]) under the
+    policy's objective (module doc): Σ_active E[τ] ÷ cycle seconds ("tokens", or without
+    `remaining_B`), or the pace of the row that finishes last ("batch"), scaled to be
+    comparable across entries: min_active min(E[τ_b], r_b) ÷ r_b ÷ cycle seconds."""
     tau_BE = self.expected_tokens(rates_BR, xp)
-    tokens = xp.sum(tau_BE * xp.asarray(active_B)[:, None].astype(xp.float32), axis=0)
-    return tokens / self.cycle_seconds(batch, xp)
+    act = xp.asarray(active_B)[:, None]
+    secs = self.cycle_seconds(batch, xp)
+    tokens = xp.sum(tau_BE * act.astype(xp.float32), axis=0) / secs
+    if remaining_B is None:
+      return tokens
+    r = xp.maximum(xp.asarray(remaining_B, xp.float32), 1.0)[:, None]
+    pace = xp.min(xp.where(act, xp.minimum(tau_BE, r) / r, xp.inf), axis=0)
+    pace = xp.where(xp.any(act), pace, 0.0) / secs
+    return xp.where(self.batch_pace > 0, pace, tokens)
 
-  def pick(self, rates_BR: Array, active_B: Array, batch, cycle: Array) -> Array:
+  def pick(self, rates_BR: Array, active_B: Array, batch, cycle: Array,
+           remaining_B: Array | None = None) -> Array:
     """The entry index (int32) this cycle: forced[cycle mod S] if >= 0, else the argmax of
-    `scores` (first entry among ties). Pure jnp: the loop's choice."""
-    best = jnp.argmax(self.scores(rates_BR, active_B, batch)).astype(jnp.int32)
+    `scores` (first entry among ties; `remaining_B`: each row's budget left, for the "batch"
+    objective). Pure jnp: the loop's choice."""
+    best = jnp.argmax(self.scores(rates_BR, active_B, batch, jnp, remaining_B)).astype(
+        jnp.int32)
     f = self.forced[jnp.mod(cycle, self.forced.shape[0])]
     return jnp.where(f >= 0, f, best)
 

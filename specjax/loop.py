@@ -419,12 +419,13 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
   (`_catch_up_observation`), taken before the cycle's choice: a run of plain steps ends
   with the policy choosing again from what the skipped tokens showed (choosing first and
   observing after would let a k = 0 start repeat itself until the budget ran out). Each
-  observation (a catch-up pass, a speculative cycle) is one decay step. The run lasts until some row would be P behind or a row
-  finishes: until then the policy would choose k = 0 again (it observed nothing and the
-  active rows are the same), so the run saves the per-cycle choice and bookkeeping, which
-  cost as much as a small target's step. A cycle that observes nothing leaves the estimate
-  unchanged (no decay). Other drafters (or P = 0) catch up eagerly, one step per cycle, as
-  above. `adapt.plain_steps` counts the plain steps (tokens) of each row either way.
+  observation (a catch-up pass, a speculative cycle) is one decay step. The run lasts until
+  some row would be P behind or a row finishes: until then the policy would choose k = 0
+  again (it observed nothing and the active rows are the same), so the run saves the
+  per-cycle choice and bookkeeping, which cost as much as a small target's step. A cycle
+  that observes nothing leaves the estimate unchanged (no decay). Other drafters (or P = 0)
+  catch up eagerly, one step per cycle, as above. `adapt.plain_steps` counts the plain
+  steps (tokens) of each row either way.
   """
   TRACE_COUNTS["adaptive"] += 1
   b = prompt_BP.shape[0]
@@ -547,9 +548,10 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
 
   def body(s: LoopState) -> LoopState:
     active0 = ~s.done
+    left = budget_B - (s.length + 1 - prompt_len_B)  # each row's budget left
     if lazy:  # the catch-up the chosen entry needs, before the choice it informs
       a = s.adapt
-      first = policy.pick(policy.rates(a.acc, a.tried), active0, b, a.cycle)
+      first = policy.pick(policy.rates(a.acc, a.tried), active0, b, a.cycle, left)
       need = jnp.any(a.behind >= slots) | (~jnp.asarray(plain_entry)[first]
                                            & jnp.any(a.behind > 0))
       s, caught_acc, caught_tried = maybe_catch_up(s, need)
@@ -560,7 +562,7 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
     a = s.adapt
     # lazy: unchanged from `first` unless the catch-up observed something, and then every
     # row is up to date; so a speculative choice never finds the drafter behind
-    choice = policy.pick(policy.rates(a.acc, a.tried), active0, b, a.cycle)
+    choice = policy.pick(policy.rates(a.acc, a.tried), active0, b, a.cycle, left)
     none = (s, zero_obs, zero_obs, jnp.zeros((b,), bool), zb, zb)  # before any entry ran
     new, acc_obs, tried_obs, active, lost, plain = _run_chosen(choice, branches, none)
     a = new.adapt  # with the catch-up bookkeeping

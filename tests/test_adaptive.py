@@ -76,7 +76,35 @@ def test_policy_tree_expected_tokens_match_theory_and_batch_cost_moves_the_choic
   np.testing.assert_allclose(mid[1], 1.3 + (2.5 - 1.3) * np.log(8) / np.log(64), rtol=1e-5)
 
 
+def test_batch_objective_follows_the_row_that_finishes_last():
+  """Two rows of one static batch, one accepting at 0.95 and one at 0.1, 40 tokens left
+  each: by the rate tokens appear (the "tokens" objective) k = 4 wins on the fast row's
+  account, but the batch is done when the slow row is, and for it k = 4 cycles cost more
+  than they bring: the "batch" objective keeps plain steps. With equal rows both agree."""
+  ks = (0, 1, 4)
+  costs = [1.0, 1.3, 1.6]
+  batch_pol = adaptive.AdaptivePolicy.create(ks, costs)
+  token_pol = batch_pol.replace_runtime(objective="tokens")
+  assert (batch_pol.objective, token_pol.objective) == ("batch", "tokens")
+  rates = jnp.asarray([[0.95], [0.1]])
+  active, left = jnp.asarray([True, True]), jnp.asarray([40, 40])
+  pick = lambda pol, r, a: int(pol.pick(r, a, 2, jnp.asarray(0), left))  # noqa: E731
+  assert pick(token_pol, rates, active) == 2
+  assert pick(batch_pol, rates, active) == 0
+  # the slow row done: the fast one alone sets the pace, speculation pays again
+  assert pick(batch_pol, rates, jnp.asarray([True, False])) == 2
+  same = jnp.asarray([[0.8], [0.8]])
+  assert pick(batch_pol, same, active) == pick(token_pol, same, active) == batch_pol.choose(
+      0.8, 2)
+  # a row about to finish cannot use a deep chain: min(E[τ], tokens left)
+  one = lambda n: int(batch_pol.pick(jnp.asarray([[0.95]]), jnp.asarray([True]), 1,  # noqa
+                                     jnp.asarray(0), jnp.asarray([n])))
+  assert one(40) == 2 and one(1) == 0
+
+
 @pytest.mark.parametrize("make, match", [
+    (lambda: adaptive.AdaptivePolicy.create((0, 1), [1.0, 1.2], objective="speed"),
+     r"objective must be one of \('batch', 'tokens'\), got 'speed'"),
     (lambda: adaptive.menu([]), "empty menu"),
     (lambda: adaptive.menu([1, -2]), "menu\\[1\\]"),
     (lambda: adaptive.menu([trees.DynamicTree(width=2, depth=2, budget=3)]), "dynamic"),

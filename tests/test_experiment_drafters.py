@@ -55,13 +55,14 @@ def virtual_clock(monkeypatch):
   monkeypatch.setattr(calibration, "alternate", alternate)
 
 
-def _run(tmp_path, axes: str, prompts: int = 1):
+def _run(tmp_path, axes: str, prompts: int = 1, target_dtype: str = "float32"):
   # one prompt per call by default: the virtual clock prices a call by its slowest row
   return launch.run("drafters", out=str(tmp_path / "dx"), progress=False, bindings=[
       f"sweeps.Sweep.axes = {axes}",
       'sweeps.Sweep.fixed = {"k": 2, "tree_widths": (2, 1), "max_new_tokens": 32, '
       '"prompt_len": 16, "repeats": 1, "models": "random", "head_steps": 3, '
-      f'"calibration_k": (), "calibration_repeats": 1, "prompts": {prompts}}}'])
+      f'"calibration_k": (), "calibration_repeats": 1, "prompts": {prompts}, '
+      f'"target_dtype": "{target_dtype}"}}'])
 
 
 def test_drafters_reduced_end_to_end(tmp_path, monkeypatch, capsys, virtual_clock):
@@ -111,7 +112,23 @@ def test_drafters_sampled_point_on_prose(tmp_path, monkeypatch, virtual_clock):
   assert m["temperature"] == 1.0 and m["tau_iid"] is not None
 
 
+def test_drafters_on_a_bf16_served_target(tmp_path, monkeypatch, virtual_clock):
+  """The target served in bfloat16 (heads trained on its float32 weights, the EAGLE and
+  Medusa drafters reading the bf16 target's embedding, LM head and features): every drafter
+  kind that runs on the target still reproduces plain bf16 decoding at T = 0."""
+  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))
+  variants = ["medusa:tree", "eagle:chain", "layer_skip:chain"]
+  axes = (f'{{"variant": {variants}, "category": ["code"], "temperature": [0.0]}}'
+          .replace("'", '"'))
+  s = _run(tmp_path, axes, target_dtype="bfloat16")
+  assert (s.total, s.ok, s.failed) == (3, 3, 0)
+  for r in runner.read_results(tmp_path / "dx" / runner.RESULTS).values():
+    assert r["params"]["target_dtype"] == "bfloat16"
+    assert r["metrics"]["identical_to_plain"] is True, r["params"]["variant"]
+
+
 @pytest.mark.parametrize("change, match", [
+    ({"target_dtype": "float16"}, r"target_dtype must be one of \('float32', 'bfloat16'\)"),
     ({"variant": "lookup:dynamic"}, r"variant must be one of .*'eagle:dynamic'"),
     ({"variant": "medusa"}, "variant must be one of"),
     ({"category": "poetry"}, r"category must be one of \('code', 'prose'\), got 'poetry'"),

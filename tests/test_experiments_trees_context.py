@@ -46,7 +46,7 @@ def _run_trees(tmp_path, shapes, monkeypatch):
       .replace("'", '"'),
       'sweeps.Sweep.fixed = {"max_new_tokens": 32, "prompt_len": 16, "repeats": 2, '
       '"calib_widths": (2, 2), "models": "random", "calibration_repeats": 2, '
-      '"statistic": "fastest"}'], out=str(out), progress=False)
+      '"statistic": "fastest", "prompts": 2}'], out=str(out), progress=False)
   assert (s.total, s.ok, s.failed) == (len(shapes), len(shapes), 0)
   by_shape = {r["params"]["shape"]: r["metrics"] for r in _records(out)}
   for shape, m in by_shape.items():
@@ -61,7 +61,7 @@ def _run_trees(tmp_path, shapes, monkeypatch):
     assert 1.0 <= m["tau_loop_predicted"] <= m["depth"] + 1 and m["cycle_steps"] > 0
     assert m["calibration_cached"] is False and m["t_step_ms"] > 0
     assert m["predicted_speedup_standalone"] > 0 and m["verify_ms"] > 0  # the extra column
-    assert m["cache_len"] == 64
+    assert m["cache_len"] == 64 and m["prompts"] == 2  # two batch-1 calls per timing
     assert 1 <= len(m["depth_acceptance"]) == m["depth"]
   report = (out / "report.md").read_text()
   for png in ("tree_shapes_tau.png", "tree_shapes_speedup.png", "tree_shapes_depth.png"):
