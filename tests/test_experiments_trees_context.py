@@ -28,7 +28,7 @@ def test_config_parses_and_plans_without_loading_models(name, monkeypatch):
   monkeypatch.setattr(measure, "models", refuse)
   sweep, _ = launch.load_sweep(f"configs/{name}.gin")
   points = launch.plan(sweep)
-  assert len(points) == (24 if name == "tree_shapes" else 4)
+  assert len(points) == (32 if name == "tree_shapes" else 4)
   assert all(sweep.memory_fn(p.params) > 0 for p in points)
 
 
