@@ -24,9 +24,8 @@ Prediction beside each row (`predicted_speedup`), at the row's measured acceptan
 (accepted ÷ tried drafts of the first candidate, `tree_summary`'s depth-1 rate or the
 summary's α_trial). With calibrated costs: a fixed chain: `LoopCosts.predicted_speedup(
 chain(k), τ_loop)`, τ_loop = the tokens per row per loop iteration of this workload at this
-batch from each row's own acceptance (`calibration.row_length_probs`,
-`tokens_per_iteration_in_batches`: a batch runs until its slowest row is done, so at batch
-> 1 τ_loop is well below E[τ](α, k)); the adaptive policy: the same for the shape it would
+batch from each row's own acceptance (`calibration.run_tokens_per_iteration`: a batch runs
+until its slowest row is done, so at batch > 1 τ_loop is well below E[τ](α, k)); the adaptive policy: the same for the shape it would
 choose at that α and batch (k = 0: `AdaptivePolicy.predicted_speedup`). With "model" costs
 both are the policy's own E[τ]-based figures.
 
@@ -194,11 +193,10 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
 def calibrated_prediction(loop_costs: calibration.LoopCosts, stats, entry, batch: int,
                           tokens: int) -> float:
   """Predicted speedup of a menu shape (`entry`, a tree) on a workload decoded in batches of
-  `batch` rows for `tokens` tokens each: τ_loop from each row's measured acceptance (the
-  run's `stats`, `calibration.row_length_probs`) through `tokens_per_iteration_in_batches`
-  (each batch waits for its slowest row), ÷ the calibrated cycle steps of the shape."""
-  laws = calibration.row_length_probs(stats, entry)
-  tau = calibration.tokens_per_iteration_in_batches(laws, batch, tokens)
+  `batch` rows for `tokens` tokens each: τ_loop from each row's measured acceptance
+  (`calibration.run_tokens_per_iteration`: each batch waits for its slowest row) ÷ the
+  calibrated cycle steps of the shape."""
+  tau = calibration.run_tokens_per_iteration(stats, entry, batch, tokens)
   return loop_costs.predicted_speedup(entry, tau)
 
 

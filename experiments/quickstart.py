@@ -147,8 +147,8 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
     alpha = summary.alpha
     tau_pred = summary.tau
   # Each row's own law: a batch loops until its slowest row is done, and rows differ.
-  law = calibration.row_length_probs(cmp.spec.stats, tree)
-  tau_loop = calibration.tokens_per_iteration_in_batches(law, batch, max_new_tokens - 1)
+  tau_loop = calibration.run_tokens_per_iteration(cmp.spec.stats, tree, batch,
+                                                  max_new_tokens - 1)
   row = measure.speculative_row(
       cmp, tau_loop, temperature,
       cycle_name=lambda key, n, d: key if key.startswith("chain") else f"tree N={n} D={d}")

@@ -175,8 +175,7 @@ def point(shape: str, budget: int, temperature: float = 0.0, batch: int = 1,
   st = cmp.spec.stats
   # Each row's own reach by depth: a batch runs until its slowest row is done, and the
   # workload's batches one after another (harmonic mean over them).
-  tau_loop = loop_calibration.tokens_per_iteration_in_batches(
-      loop_calibration.row_length_probs(st, tree), batch, max_new_tokens - 1)
+  tau_loop = loop_calibration.run_tokens_per_iteration(st, tree, batch, max_new_tokens - 1)
   predicted = cmp.predicted(tau_loop)
   standalone = ts.tau / sc.cycle
   static = isinstance(tree, trees.TreeSpec)

@@ -356,6 +356,15 @@ def row_length_probs(stats: Mapping[str, np.ndarray], tree: Tree) -> np.ndarray:
   return np.stack(laws)
 
 
+def run_tokens_per_iteration(stats: Mapping[str, np.ndarray], tree: Tree, batch: int,
+                             tokens: int) -> float:
+  """τ_loop of a measured run (`Generation.stats`) of `tree` over prompts decoded in
+  consecutive batches of `batch` rows for `tokens` tokens each: every row's own law
+  (`row_length_probs`) through `tokens_per_iteration_in_batches` (each batch waits for its
+  slowest row). What a calibrated prediction divides by the cycle's steps."""
+  return tokens_per_iteration_in_batches(row_length_probs(stats, tree), batch, tokens)
+
+
 # ----------------------------------------------------------------------------- measuring
 
 
