@@ -19,9 +19,8 @@ rank-r sibling once ranks < r were rejected. A speculative cycle observes the re
 per-rank counts; a k = 0 cycle observes the acceptance probability the drafter's one-token
 catch-up draft would have had (`loop._draft_acceptance`), so a policy that switched itself off keeps
 learning and switches back on. With lazy catch-up (`loop.adaptive_loop`) a k = 0 step
-observes nothing and leaves the estimate as it is; the catch-up pass after each run of plain
-steps (P ÷ 8 steps after a speculative cycle, doubling up to P) observes all the skipped
-tokens at once from the drafter's guesses.
+observes nothing and leaves the estimate as it is; the catch-up pass (at most P steps later)
+observes all the skipped tokens at once from the drafter's guesses.
 
 Expected tokens of an entry (Sequoia's positional model, `theory.tree_expected_tokens`):
 the rank-r child of an accepted node is the accepted one with probability

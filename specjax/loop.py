@@ -311,8 +311,8 @@ class AdaptState:
   token each), the draft-stopping counters per row: cycles it cut (stopped) and accepted
   drafts it discarded (discarded), and the lazy catch-up bookkeeping (`adaptive_loop`): per
   row the tokens emitted by plain steps the drafter has not seen (behind, <= P) and the
-  target's probability of each (behind_p, for the acceptance estimate), the number of
-  catch-up passes run (catch_ups) and the length of the next run of plain steps (run)."""
+  target's probability of each (behind_p, for the acceptance estimate), and the number of
+  catch-up passes run (catch_ups)."""
 
   acc: Array  # float32 [B, R]
   tried: Array  # float32 [B, R]
@@ -324,7 +324,6 @@ class AdaptState:
   behind: Array  # int32 [B] lazy catch-up: tokens emitted since the drafter was last synced
   behind_p: Array  # float32 [B, P] the target's probability of each of them (its warped law)
   catch_ups: Array  # int32 [] lazy catch-up passes run
-  run: Array  # int32 [] plain steps the next k = 0 run may take (doubling up to P)
 
 
 def _pad_result(result: acceptance.TreeResult, depth: int, width: int) -> acceptance.TreeResult:
@@ -352,18 +351,8 @@ def _draft_acceptance(proposal, p_BV) -> Array:
 # longest run of plain steps one k = 0 cycle makes. The per-cycle choice and bookkeeping cost
 # about a small target's step, so P sets how visible they stay where plain decoding is best
 # (embedded pair, batch 1, CPU, forced k = 0 vs plain: P = 8 ~0.92x, 16 ~0.95x, 32 ~0.98x);
-# the price is a wider catch-up pass (P + 1 tokens through the draft) once per run.
+# the price is a wider catch-up pass (P + 1 tokens through the draft) once per P steps.
 LAZY_SLOTS = 32
-
-
-def first_lazy_run(slots: int) -> int:
-  """Plain steps of a first k = 0 run (after a speculative cycle or at the start): P / 8, at
-  least 1. Each further k = 0 run in a row doubles it up to P (`adaptive_loop`): a k = 0 chosen
-  on a transient low estimate costs a few plain steps before the policy looks again, not P
-  (the adaptive sweep's batch 8-64 rows chose k = 0 after two cycles and ran up to 32 of
-  their 64 tokens plainly), while a k = 0 that stays right reaches runs of P within
-  log2(8) = 3 runs."""
-  return max(1, int(slots) // 8)
 
 
 def _catch_up_observation(guess, tokens_BS, length_B, behind_B, p_BP, ranks: int):
@@ -423,18 +412,18 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
 
   Lazy catch-up (drafters with `lazy_catch_up`, when lazy_slots = P > 0, static): a k = 0
   cycle is a run of plain steps, each exactly `generate_loop`'s (same key use), that leave
-  the drafter behind; `adapt.behind` counts per row the tokens it has not seen. At the start
-  of every cycle after such a run, one `drafter.catch_up` pass (under `lax.cond`: skipped
-  when no row is behind) brings every row up to date; its guesses for the skipped tokens are
-  the policy's observations (`_catch_up_observation`), taken before the cycle's choice: a
-  run of plain steps ends with the policy choosing again from what the skipped tokens
-  showed. Each observation (a catch-up pass, a speculative cycle) is one decay step. A run
-  lasts `adapt.run` steps (`first_lazy_run(P)` after a speculative cycle, doubling with each
-  k = 0 run in a row up to P) or until a row finishes; within it the policy would choose
-  k = 0 again every step (it observes nothing and the active rows are the same), so the run
-  saves the per-cycle choice and bookkeeping, which cost as much as a small target's step.
-  Short first runs bound what a k = 0 chosen on a transient estimate costs. A cycle that
-  observes nothing leaves the estimate unchanged (no decay). Other drafters (or P = 0)
+  the drafter behind; `adapt.behind` counts per row the tokens it has not seen. Before a
+  speculative entry drafts, and at the start of a k = 0 cycle where some row is already P
+  behind, one `drafter.catch_up` pass (under `lax.cond`: skipped when not needed) brings
+  every row up to date; its guesses for the skipped tokens are the policy's observations
+  (`_catch_up_observation`), taken before the cycle's choice: a run of plain steps ends
+  with the policy choosing again from what the skipped tokens showed (choosing first and
+  observing after would let a k = 0 start repeat itself until the budget ran out). Each
+  observation (a catch-up pass, a speculative cycle) is one decay step. The run lasts until
+  some row would be P behind or a row finishes: until then the policy would choose k = 0
+  again (it observed nothing and the active rows are the same), so the run saves the
+  per-cycle choice and bookkeeping, which cost as much as a small target's step. A cycle
+  that observes nothing leaves the estimate unchanged (no decay). Other drafters (or P = 0)
   catch up eagerly, one step per cycle, as above. `adapt.plain_steps` counts the plain
   steps (tokens) of each row either way.
   """
@@ -461,7 +450,6 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
                      "does not keep the features of skipped plain steps); its lazy_catch_up "
                      "must be False")
   slots = max(int(lazy_slots), 0)
-  first_run = first_lazy_run(slots)
   zero_obs = jnp.zeros((b, ranks), jnp.float32)
 
   def catch_up(s: LoopState):
@@ -499,12 +487,12 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
                             cache=kv.set_lengths(cache, length))
 
   def lazy_plain_branch(s: LoopState):
-    """A run of plain steps (a nested while_loop): `adapt.run` of them (the drafter is up to
-    date when it starts, so at most P), ending after the step in which a row finishes.
-    Within the run the policy would choose k = 0 again every step (it observes nothing and
-    the active rows are the same), so the run saves the per-cycle choice and bookkeeping,
-    not a decision."""
-    room = jnp.minimum(s.adapt.run, slots - jnp.max(s.adapt.behind))
+    """A run of plain steps (a nested while_loop): as many as the bound allows (P − the
+    furthest row's lag, after a catch-up when some row is P behind), ending after the step in
+    which a row finishes. Within the run the policy would choose k = 0 again every step (it
+    observes nothing and the active rows are the same), so the run saves the per-cycle
+    choice and bookkeeping, not a decision."""
+    room = slots - jnp.max(s.adapt.behind)
     done0, length0 = s.done, s.length
 
     def more(c):
@@ -561,13 +549,19 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
   def body(s: LoopState) -> LoopState:
     active0 = ~s.done
     left = budget_B - (s.length + 1 - prompt_len_B)  # each row's budget left
-    if lazy:  # after a run of plain steps: catch up, and observe before choosing again
-      s, caught_acc, caught_tried = maybe_catch_up(s, jnp.any(s.adapt.behind > 0))
+    if lazy:  # the catch-up the chosen entry needs, before the choice it informs
+      a = s.adapt
+      first = policy.pick(policy.rates(a.acc, a.tried), active0, b, a.cycle, left)
+      need = jnp.any(a.behind >= slots) | (~jnp.asarray(plain_entry)[first]
+                                           & jnp.any(a.behind > 0))
+      s, caught_acc, caught_tried = maybe_catch_up(s, need)
       a = s.adapt
       acc, tried = policy.observe(a.acc, a.tried, caught_acc, caught_tried,
                                   active0 & (jnp.sum(caught_tried, axis=1) > 0))
       s = s.replace(adapt=a.replace(acc=acc, tried=tried))
-    a = s.adapt  # lazy: every row up to date, so a speculative choice never finds it behind
+    a = s.adapt
+    # lazy: unchanged from `first` unless the catch-up observed something, and then every
+    # row is up to date; so a speculative choice never finds the drafter behind
     choice = policy.pick(policy.rates(a.acc, a.tried), active0, b, a.cycle, left)
     none = (s, zero_obs, zero_obs, jnp.zeros((b,), bool), zb, zb)  # before any entry ran
     new, acc_obs, tried_obs, active, lost, plain = _run_chosen(choice, branches, none)
@@ -576,9 +570,7 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
     observed = active & (jnp.sum(tried_obs, axis=1) > 0)
     acc, tried = policy.observe(a.acc, a.tried, acc_obs, tried_obs, observed)
     at = jnp.minimum(a.cycle, a.choices.shape[0] - 1)
-    run = jnp.where(jnp.asarray(plain_entry)[choice], jnp.minimum(2 * a.run, slots),
-                    first_run) if lazy else a.run
-    adapt = a.replace(acc=acc, tried=tried, cycle=a.cycle + 1, run=run,
+    adapt = a.replace(acc=acc, tried=tried, cycle=a.cycle + 1,
                       choices=a.choices.at[at].set(choice),
                       plain_steps=a.plain_steps + plain,
                       stopped=a.stopped + (lost > 0).astype(jnp.int32),
@@ -595,8 +587,7 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
                                     choices=jnp.full((cache_len,), -1, jnp.int32),
                                     plain_steps=zb, stopped=zb, discarded=zb, behind=zb,
                                     behind_p=jnp.ones((b, slots), jnp.float32),
-                                    catch_ups=jnp.zeros((), jnp.int32),
-                                    run=jnp.asarray(first_run, jnp.int32)))
+                                    catch_ups=jnp.zeros((), jnp.int32)))
   return jax.lax.while_loop(_not_finished, body, init)
 
 
