@@ -225,7 +225,7 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
 
 
 def side_by_side_metrics(adaptive_speedup: float, fixed: dict[str, float],
-                 choice_counts: dict[str, int]) -> dict:
+                         choice_counts: dict[str, int]) -> dict:
   """The adaptive point's own comparison, from timings alternated in one point: each fixed
   shape's speedup (`fixed`, over plain), the best of them and plain, adaptive ÷ max(best
   fixed, plain) (the issue's goal, `GOAL`), and adaptive ÷ the shape it chose most (the cost
