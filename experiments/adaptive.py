@@ -25,9 +25,10 @@ Prediction beside each row (`predicted_speedup`), at the row's measured acceptan
 summary's α_trial). With calibrated costs: a fixed chain: `LoopCosts.predicted_speedup(
 chain(k), τ_loop)`, τ_loop = the tokens per row per loop iteration of this workload at this
 batch from each row's own acceptance (`calibration.run_tokens_per_iteration`: a batch runs
-until its slowest row is done, so at batch > 1 τ_loop is well below E[τ](α, k)); the adaptive policy: the same for the shape it would
-choose at that α and batch (k = 0: `AdaptivePolicy.predicted_speedup`). With "model" costs
-both are the policy's own E[τ]-based figures.
+until its slowest row is done, so at batch > 1 τ_loop is well below E[τ](α, k)); the
+adaptive policy: the same for the shape it would choose at that α and batch (k = 0:
+`AdaptivePolicy.predicted_speedup`). With "model" costs both are the policy's own
+E[τ]-based figures.
 
 Side by side (`side_by_side`, on by default): an adaptive point also times every fixed shape
 of its menu, alternated with adaptive and plain in the same repeats, and reports their
@@ -161,10 +162,13 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
     return decoding.in_batches(lambda ids: decoding.speculative_generate(
         target, draft, ids, max_new_tokens=n, **shape, **common), all_ids, batch)
 
+  def entry_of(name):  # a fixed policy's menu shape
+    return next(e for e in entries if e is not None and adaptive.entry_name(e) == name)
+
   def shape_of(name):
     if name == "adaptive":
       return dict(policy=pol)
-    entry = next(e for e in entries if e is not None and adaptive.entry_name(e) == name)
+    entry = entry_of(name)
     return dict(k=entry.size) if entry.is_chain else dict(tree=entry)
 
   fns = {"plain": plain(max_new_tokens), "plain_prefill": plain(1)}
@@ -216,8 +220,7 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
           tok_s / plain_tok_s, {n: rate(n) / plain_tok_s for n in beside},
           out["choice_counts"]))
   else:
-    k = int(policy.split("=")[1])
-    predicted = calibrated(trees.chain(k),
+    predicted = calibrated(entry_of(policy),
                            lambda: pol.predicted_speedup(a, batch, pol.names.index(policy)))
   return {**out, "policy_tok_s": tok_s, "speedup": tok_s / plain_tok_s,
           "predicted_speedup": predicted, "alpha": alpha,

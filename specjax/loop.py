@@ -461,8 +461,15 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
     adapt = a.replace(behind=jnp.zeros_like(a.behind), catch_ups=a.catch_ups + 1)
     return s.replace(draft=draft, adapt=adapt), acc_obs, tried_obs
 
-  def maybe_catch_up(s: LoopState, needed):
-    return jax.lax.cond(needed, catch_up, lambda s: (s, zero_obs, zero_obs), s)
+  def catch_up_and_choose(s: LoopState, active0, left):
+    """A catch-up, its observations (one decay step for the rows it observed) and the
+    choice they inform: (state, entry index)."""
+    s, acc_obs, tried_obs = catch_up(s)
+    a = s.adapt
+    acc, tried = policy.observe(a.acc, a.tried, acc_obs, tried_obs,
+                                active0 & (jnp.sum(tried_obs, axis=1) > 0))
+    s = s.replace(adapt=a.replace(acc=acc, tried=tried))
+    return s, policy.pick(policy.rates(acc, tried), active0, b, a.cycle, left)
 
   def lazy_plain_step(c):
     """One plain step, `generate_loop`'s body (same key use), that leaves the drafter one
@@ -549,20 +556,15 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
   def body(s: LoopState) -> LoopState:
     active0 = ~s.done
     left = budget_B - (s.length + 1 - prompt_len_B)  # each row's budget left
-    if lazy:  # the catch-up the chosen entry needs, before the choice it informs
-      a = s.adapt
-      first = policy.pick(policy.rates(a.acc, a.tried), active0, b, a.cycle, left)
-      need = jnp.any(a.behind >= slots) | (~jnp.asarray(plain_entry)[first]
-                                           & jnp.any(a.behind > 0))
-      s, caught_acc, caught_tried = maybe_catch_up(s, need)
-      a = s.adapt
-      acc, tried = policy.observe(a.acc, a.tried, caught_acc, caught_tried,
-                                  active0 & (jnp.sum(caught_tried, axis=1) > 0))
-      s = s.replace(adapt=a.replace(acc=acc, tried=tried))
     a = s.adapt
-    # lazy: unchanged from `first` unless the catch-up observed something, and then every
-    # row is up to date; so a speculative choice never finds the drafter behind
     choice = policy.pick(policy.rates(a.acc, a.tried), active0, b, a.cycle, left)
+    if lazy:  # the catch-up the choice needs, then the choice again from what it observed
+      need = jnp.any(a.behind >= slots) | (~jnp.asarray(plain_entry)[choice]
+                                           & jnp.any(a.behind > 0))
+      # after a catch-up every row is up to date: a speculative choice never finds the
+      # drafter behind
+      s, choice = jax.lax.cond(need, lambda s: catch_up_and_choose(s, active0, left),
+                               lambda s: (s, choice), s)
     none = (s, zero_obs, zero_obs, jnp.zeros((b,), bool), zb, zb)  # before any entry ran
     new, acc_obs, tried_obs, active, lost, plain = _run_chosen(choice, branches, none)
     a = new.adapt  # with the catch-up bookkeeping
