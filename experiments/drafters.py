@@ -10,7 +10,9 @@ the shape it drafts (`VARIANTS`), all on the same target (the embedded default,
                                          best static tree of N nodes for the heads' measured
                                          per-position acceptance
     eagle:chain, eagle:tree,             the EAGLE head; the dynamic tree is EAGLE-2's
-    eagle:dynamic                        (`trees.DynamicTree(N, depth, width)`)
+    eagle:dynamic                        (`trees.DynamicTree(N, depth, width, confidence)`,
+                                         scored at `dynamic_confidence`: by default 0.25
+                                         at T = 0 and 1 at T > 0, `confidence_for`)
     model:chain, model:tree              the separate distilled draft model (`ModelDrafter`)
     oracle:chain, oracle:tree            the controlled-α drafter at the stated `oracle_alpha`
                                          (a reference for acceptance: it drafts with the
@@ -131,8 +133,12 @@ def validate(params: dict) -> None:
   elif drafter == "layer_skip" and n_layers < 2:
     raise ValueError(f"layer_skip needs a target of >= 2 layers, the {models!r} one has "
                      f"{n_layers}")
+  confidence = measure.check_number(params, "dynamic_confidence", None, 0, lo_open=True,
+                                    allow_none=True,
+                                    note=" (the dynamic tree's scoring temperature; None: "
+                                         f"{T0_CONFIDENCE} at T = 0, 1 at T > 0)")
   if shape == "dynamic":
-    _dynamic(widths)
+    _dynamic(widths, 1.0 if confidence is None else confidence)
 
 
 def default_skip(n_layers: int) -> int:
@@ -144,12 +150,27 @@ def _static(widths) -> trees.TreeSpec:
   return trees.branching(tuple(widths))
 
 
-def _dynamic(widths) -> trees.DynamicTree:
-  """The EAGLE-2 tree at the static tree's budget N, depth and widest level."""
+# The dynamic tree's scoring temperature at T = 0 when none is given: a head trained to
+# match the target's T = 1 law underrates its top choice for an argmax test (EAGLE head,
+# base target, N = 8: tau 3.82 at 1, 4.46 at 0.5 and 0.25 on code; 4.17 / 4.42 on prose).
+T0_CONFIDENCE = 0.25
+
+
+def confidence_for(dynamic_confidence: float | None, temperature: float) -> float:
+  """The dynamic tree's scoring temperature of a point (None: T0_CONFIDENCE at T = 0, the
+  draft's own law at T > 0, where acceptance follows the target's T = 1 law)."""
+  if dynamic_confidence is not None:
+    return float(dynamic_confidence)
+  return T0_CONFIDENCE if temperature == 0 else 1.0
+
+
+def _dynamic(widths, confidence: float = 1.0) -> trees.DynamicTree:
+  """The EAGLE-2 tree at the static tree's budget N, depth and widest level, scored at the
+  draft-softmax temperature `confidence`."""
   static = _static(widths)
   try:
     return trees.DynamicTree(budget=static.size, depth=static.max_depth,
-                             width=max(widths))
+                             width=max(widths), confidence=confidence)
   except ValueError as e:
     raise ValueError(f"tree_widths {tuple(widths)}: the dynamic tree of the same budget, depth "
                      f"and width does not exist ({e})") from None
@@ -195,20 +216,21 @@ def head(kind: str, models: str, steps: int):
   from specjax.data.batches import TokenData
   from specjax.data.corpus import load_corpus
   from specjax.training.config import TrainConfig
-  from specjax.training.defaults import DEFAULT_HEADS
+  from specjax.training.defaults import default_head_spec
   from specjax.training.heads import kind_from_spec, train_head
   target, _, tok, _ = measure.models(models)
   data = TokenData.from_corpus(load_corpus("code", max_bytes=60_000), tok)
   tc = TrainConfig(steps=steps, batch_size=4, seq_len=32, lr=1e-2, warmup_steps=1,
                    eval_every=0, ckpt_every=0, eval_windows=8)
-  result = train_head(kind_from_spec(kind, DEFAULT_HEADS[kind][0]), target.config,
+  result = train_head(kind_from_spec(kind, default_head_spec(kind, target.config)), target.config,
                       nnx.state(target, nnx.Param), tc, data, tok, progress=False)
   return result.kind, result.params, result.acceptance, result.seconds
 
 
 def drafter_and_tree(drafter: str, shape: str, temperature: float, *, models: str, k: int,
                      tree_widths, skip_layers, max_ngram: int, min_ngram: int,
-                     oracle_alpha: float, head_steps: int, target_dtype: str = "float32"):
+                     oracle_alpha: float, head_steps: int, target_dtype: str = "float32",
+                     dynamic_confidence: float | None = None):
   """(Drafter, tree) of one variant (module doc: candidates and budgets). Drafters that run
   on the target (layer-skip, oracle, EAGLE's and Medusa's shared embedding and LM head) use
   it served in `target_dtype`; the heads were trained (and bound) on its float32 weights."""
@@ -223,7 +245,8 @@ def drafter_and_tree(drafter: str, shape: str, temperature: float, *, models: st
   if shape == "chain":
     tree = trees.chain(k)
   else:
-    tree = static if shape == "tree" else _dynamic(tree_widths)
+    tree = (static if shape == "tree" else
+            _dynamic(tree_widths, confidence_for(dynamic_confidence, temperature)))
   topk = temperature == 0 and shape != "chain"
   if drafter == "lookup":
     return LookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram), tree
@@ -251,7 +274,9 @@ def memory(params: dict) -> int:
   target for the oracle, none for lookup and Medusa), from the preset configs: nothing is
   loaded."""
   from specjax import decoding
+  from specjax.drafters.eagle import head_config
   from specjax.models import cache as kv
+  from specjax.training.defaults import default_head_spec
   drafter, _ = parse_variant(params.get("variant"))
   models, batch = params.get("models", "default"), params.get("batch", 1)
   widths = params.get("tree_widths", (2, 1, 1, 1))
@@ -260,7 +285,7 @@ def memory(params: dict) -> int:
                              slots + 1)
   target_cfg, draft_cfg = measure.model_configs(models)
   own = {"lookup": None, "medusa": None, "model": draft_cfg, "oracle": target_cfg,
-         "eagle": target_cfg.replace(n_layers=1),
+         "eagle": head_config(target_cfg, default_head_spec("eagle", target_cfg).get("width")),
          "layer_skip": target_cfg.replace(n_layers=params.get("skip_layers") or default_skip(
              target_cfg.n_layers))}[drafter]
   target_bytes = kv.cache_bytes(target_cfg, batch, n)
@@ -302,7 +327,7 @@ def point(variant: str, category: str = "code", temperature: float = 0.0, batch:
           repeats: int = 5, models: str = "default", seed: int = 0,
           calibration_k: tuple = (1,), calibration_repeats: int = 3,
           recalibrate: bool = False, statistic: str = "median", prompts: int = 8,
-          target_dtype: str = "float32") -> dict:
+          target_dtype: str = "float32", dynamic_confidence: float | None = None) -> dict:
   drafter_name, shape = parse_variant(variant)
   target, _, tok, _ = measure.models(models, target_dtype)
   all_ids = measure.workload(tok, category_texts(models, category), batch, prompts,
@@ -311,7 +336,7 @@ def point(variant: str, category: str = "code", temperature: float = 0.0, batch:
                             models=models, k=k, tree_widths=tree_widths,
                             skip_layers=skip_layers, max_ngram=max_ngram, min_ngram=min_ngram,
                             oracle_alpha=oracle_alpha, head_steps=head_steps,
-                            target_dtype=target_dtype)
+                            target_dtype=target_dtype, dynamic_confidence=dynamic_confidence)
   drafter, tree = build(shape)
   # The drafter's shapes, calibrated together (shared by its points of this category and
   # temperature): each with the drafter it runs with in its own point.

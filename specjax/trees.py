@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Sequence
 
 import jax
@@ -308,15 +309,29 @@ class DynamicTree:
   with the highest cumulative log-probability (ancestors always before descendants) are
   verified. Candidates are deterministic and distinct among siblings (point-mass rule).
   Shapes are static: budget + 1 verified nodes, max depth `depth`, max width `width`.
+
+  `confidence`: the temperature of the draft softmax the scores are taken from (1: the
+  draft's own law, EAGLE-2's choice, right when the sampler draws at T = 1). Below 1 it
+  sharpens them: at T = 0 a draft token is accepted only when it is the target's argmax, so
+  a draft trained to match the target's T = 1 law underrates its top choice and overrates
+  the runners-up (the tree comes out wide and shallow). It only moves which candidates are
+  verified (they stay point masses), so the output law is exact at every value.
   """
 
   budget: int
   depth: int
   width: int
+  confidence: float = 1.0
 
   def __post_init__(self):
     for name in ("budget", "depth", "width"):
       object.__setattr__(self, name, _check_count(name, getattr(self, name)))
+    c = self.confidence
+    if isinstance(c, bool) or not isinstance(c, (int, float, np.floating)) or not (
+        math.isfinite(c) and c > 0):
+      raise ValueError(f"confidence must be a finite number > 0 (the scoring temperature), "
+                       f"got {c!r}")
+    object.__setattr__(self, "confidence", float(c))
     if self.budget > self.pool_size:
       raise ValueError(f"budget must be <= width + (depth - 1) * width^2 = {self.pool_size} "
                        f"(the candidates a {self.depth}-deep, {self.width}-wide expansion "
@@ -382,7 +397,8 @@ class DynamicTree:
                         max_depth=self.max_depth, is_chain=False)
 
   def __str__(self) -> str:
-    return (f"DynamicTree(budget={self.budget}, depth={self.depth}, width={self.width}; "
+    conf = "" if self.confidence == 1.0 else f", confidence={self.confidence:g}"
+    return (f"DynamicTree(budget={self.budget}, depth={self.depth}, width={self.width}{conf}; "
             f"{self.pool_size} candidates scored per cycle)")
 
 

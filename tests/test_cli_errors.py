@@ -103,6 +103,8 @@ CASES = [
     ("inspect-missing", ["inspect", "{tmp}/none"], "{tmp}/none", None),
     ("train-out-is-file", ["train", "target", "--out", "{tmp}/bad.json"],
      "--out {tmp}/bad.json exists and is not a directory", "bad_json"),
+    ("train-eagle-width", ["train", "eagle", "--target", "{tmp}/none", "--width", "0",
+                           "--out", "{tmp}/head"], "width must be None", None),  # before loading
 ]
 
 

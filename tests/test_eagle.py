@@ -17,7 +17,7 @@ from specjax import decoding, loop, sampling, trees
 from specjax.data.corpus import load_corpus
 from specjax.drafters.base import LM
 from specjax.drafters.eagle import (EagleDrafter, EagleHeads, default_layers, embed,
-                                    head_logits)
+                                    head_logits, init_head)
 from specjax.training.heads import HeadTrainer, load_head, train_head
 from specjax_testing import (FALSE_ALARM, PROMPT, RAGGED, TC, TCFG, TOK, assert_greedy_identity,
                              exact_joint, first_three, joint_pvalue, model)
@@ -293,3 +293,37 @@ def test_default_eagle_head_is_built_on_first_use_then_cached(monkeypatch, tmp_p
   d = EagleDrafter.of(target, again.params, again.kind.feature_layers(TCFG))
   assert decoding.speculative_generate(target, d, [[5, 6, 7]], k=2, max_new_tokens=6).tokens \
       == decoding.generate(target, [[5, 6, 7]], max_new_tokens=6).tokens
+
+
+def test_a_narrow_head_drafts_exactly_and_round_trips(data, byte_target, tmp_path):
+  """width < d_model: the head's layer is narrower and its output is mapped back to d_model
+  for the target's LM head (folded once into one W x V product when drafting). Greedy
+  identity on a ragged batch for every tree kind, the folded drafting logits equal the
+  unfolded `head_logits`, and the width survives a save / restore."""
+  target = byte_target[0]
+  kind = EagleHeads(steps=2, width=16)
+  head = train_head(kind, TCFG, byte_target[1], TC, data, TOK,
+                    out_dir=tmp_path / "h", progress=False)
+  d = EagleDrafter.of(target, head.params, kind.feature_layers(TCFG), deterministic=True)
+  assert d.config.d_model == 16 and d.head.module().out is not None
+  assert d.lm.shape == (16, TCFG.vocab_size)
+  h = jax.random.normal(jax.random.key(0), (2, 3, 16))
+  np.testing.assert_allclose(d._logits(d.head.module(), h),
+                             head_logits(d.head.module(), target, h), rtol=1e-5, atol=1e-5)
+  for tree in TREES + [trees.DynamicTree(6, 3, 2, confidence=0.3)]:
+    assert_greedy_identity(target, d, tree, new_tokens=12)
+  loaded = load_head(tmp_path / "h", target=(TCFG, byte_target[1]))
+  assert loaded.kind == kind
+  again = EagleDrafter.of(target, loaded.params, kind.feature_layers(TCFG))
+  assert again.config.d_model == 16
+
+
+def test_a_bad_width_is_refused_naming_what_is_allowed(byte_target):
+  target = byte_target[0]
+  hd = TCFG.head_dim
+  for width in (hd + 1, 0, TCFG.d_model + hd):
+    with pytest.raises(ValueError, match=rf"width must be a multiple of the target's head_dim "
+                                         rf"\({hd}\) up to its d_model \({TCFG.d_model}\)"):
+      EagleDrafter.of(target, init_head(TCFG, default_layers(TCFG.n_layers), width=width))
+  with pytest.raises(ValueError, match="width must be None .* or an int >= 1, got 'x'"):
+    EagleHeads(width="x")

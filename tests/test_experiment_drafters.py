@@ -142,11 +142,23 @@ def test_drafters_on_a_bf16_served_target(tmp_path, monkeypatch, virtual_clock):
      "the dynamic tree of the same budget"),
     ({"calibration_k": [0]}, "calibration_k must be a list of ints >= 1"),
     ({"models": "huge"}, "models must be one of"),
+    ({"dynamic_confidence": 0.0}, r"dynamic_confidence must be None or a finite number > 0 \(the "
+                                  r"dynamic tree's scoring temperature"),
 ])
 def test_validation(change, match):
   params = {"variant": "lookup:chain", "models": "random", **change}
   with pytest.raises(ValueError, match=match):
     drafters.validate(params)
+
+
+def test_the_dynamic_trees_scoring_temperature_follows_the_sampler_unless_given():
+  assert drafters.confidence_for(None, 0.0) == drafters.T0_CONFIDENCE < 1.0
+  assert drafters.confidence_for(None, 0.7) == 1.0
+  assert drafters.confidence_for(0.5, 0.0) == drafters.confidence_for(0.5, 1.0) == 0.5
+  tree = drafters.drafter_and_tree("eagle", "dynamic", 0.0, models="random", k=2,
+                                   tree_widths=(2, 1), skip_layers=None, max_ngram=3,
+                                   min_ngram=1, oracle_alpha=0.8, head_steps=1)[1]
+  assert tree.confidence == drafters.T0_CONFIDENCE
 
 
 def test_memory_counts_each_drafters_own_cache():

@@ -238,16 +238,18 @@ def test_static_tree_proposals_match_cache_free_scoring(proposal_setup):
   assert det.q is None and smp.q.shape == (3, ODD.n_nodes, 61)
 
 
-def test_dynamic_tree_proposal_matches_reference_expansion(proposal_setup):
-  """EAGLE-2 selection re-done in numpy from cache-free draft log-probabilities."""
+@pytest.mark.parametrize("confidence", [1.0, 0.3])
+def test_dynamic_tree_proposal_matches_reference_expansion(proposal_setup, confidence):
+  """EAGLE-2 selection re-done in numpy from cache-free draft log-probabilities (of the
+  draft softmax at the tree's scoring temperature `confidence`)."""
   lm, propose, logits_after = proposal_setup
-  tree = DynamicTree(budget=8, depth=3, width=2)  # 8 of 2 + 4 + 4: some at depth 3
+  tree = DynamicTree(budget=8, depth=3, width=2, confidence=confidence)  # some at depth 3
   prop = propose(ModelDrafter(lm, deterministic=True), tree, GREEDY)
   parents, depth = np.asarray(prop.parents), np.asarray(prop.depth)
   K = tree.width
 
   def logp(seqs):
-    lg = logits_after(seqs)
+    lg = logits_after(seqs) / confidence
     return lg - logsumexp(lg, axis=1, keepdims=True)
 
   for b in range(3):

@@ -190,6 +190,9 @@ def test_malformed_parents_raise_value_error_naming_parents(parents, match):
     (lambda: DynamicTree(4, 0, 2), "depth must be an int >= 1, got 0"),
     (lambda: DynamicTree(4, 2, 0), "width must be an int >= 1, got 0"),
     (lambda: DynamicTree(11, 2, 2), "budget must be <= width"),
+    (lambda: DynamicTree(4, 2, 2, confidence=0.0), "confidence must be a finite number > 0"),
+    (lambda: DynamicTree(4, 2, 2, confidence=float("nan")), "confidence must be a finite"),
+    (lambda: DynamicTree(4, 2, 2, confidence="low"), r"confidence .* got 'low'"),
 ])
 def test_bad_builder_arguments_raise_value_error(build, match):
   with pytest.raises(ValueError, match=match):

@@ -6,7 +6,7 @@
   specjax train measure  --target CKPT --draft CKPT --corpus code [--k 4]
   specjax train medusa   --target CKPT|default --heads 4 --steps 60 --out DIR
                          (draft heads on a frozen target; `specjax generate --draft medusa:DIR`)
-  specjax train eagle    --target CKPT|default --ttt-steps 3 --steps 120 --out DIR
+  specjax train eagle    --target CKPT|default --ttt-steps 3 --width 128 --steps 120 --out DIR
                          (an EAGLE head; `specjax generate --draft eagle:DIR`)
 
 A run that is interrupted (Ctrl-C, SIGTERM) saves a checkpoint; rerunning the same command
@@ -136,6 +136,9 @@ def _eagle_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--layers", default=None, metavar="I,J,K",
                  help="target layers the head reads (default: first block, middle block, "
                       "final norm)")
+  p.add_argument("--width", type=int, default=None,
+                 help="the head's decoder-layer width, a multiple of the target's head_dim "
+                      "(default: the target's d_model)")
 
 
 def _eagle_kind(args):
@@ -147,7 +150,8 @@ def _eagle_kind(args):
     except ValueError:
       raise ValueError(f"--layers must be comma-separated layer indices, got "
                        f"{args.layers!r}") from None
-  return EagleHeads(steps=args.ttt_steps, decay=args.decay, layers=layers)
+  return EagleHeads(steps=args.ttt_steps, decay=args.decay, layers=layers,
+                    width=args.width)
 
 
 HEAD_KINDS = {

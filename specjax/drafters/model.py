@@ -25,8 +25,8 @@ and sets the committed length to L' - 1 (the new root is L').
 
 Dynamic trees (EAGLE-2): the root's top-`width` tokens form level 1; each later level feeds
 the `width` newest candidates with the highest cumulative draft log-probability (log q
-summed along the path, q the draft's softmax at temperature 1: a confidence, independent of
-the sampler) and scores their top-`width` children. The `budget` best candidates overall are
+summed along the path, q the draft's softmax at temperature `DynamicTree.confidence`, 1 by
+default: a confidence, independent of the sampler) and scores their top-`width` children. The `budget` best candidates overall are
 verified, ancestors first (a child's score never exceeds its parent's, ties go to the older
 node), numbered in creation order (topological).
 
@@ -285,7 +285,8 @@ class LevelDrafter(Drafter):
     b = length.shape[0]
     rows = jnp.arange(b)[:, None]
     root_logits_BV, root_h_BH, cache = self._root(state, ctx)
-    logp, tok = jax.lax.top_k(jax.nn.log_softmax(root_logits_BV, axis=-1), K)  # [B, K]
+    scale = 1.0 / tree.confidence  # scores from the draft softmax at that temperature
+    logp, tok = jax.lax.top_k(jax.nn.log_softmax(root_logits_BV * scale, axis=-1), K)  # [B, K]
     neg = jnp.full((b, P), -jnp.inf, jnp.float32)
     pool_tok = jnp.zeros((b, P), jnp.int32).at[:, 1:1 + K].set(tok.astype(jnp.int32))
     pool_score = neg.at[:, 0].set(0.0).at[:, 1:1 + K].set(logp)
@@ -320,7 +321,7 @@ class LevelDrafter(Drafter):
             reg_h, parent_slot.reshape((b, K) + (1,) * (reg_h.ndim - 2)), axis=1)
         logits_BKV, h_BKH, cache = self._step(feed, parent_h, pos, cache, mask)
         reg_h = reg_h.at[rows, jnp.broadcast_to(slots, (b, K))].set(h_BKH)
-        logp, kid_tok = jax.lax.top_k(jax.nn.log_softmax(logits_BKV, axis=-1), K)  # [B, K, K]
+        logp, kid_tok = jax.lax.top_k(jax.nn.log_softmax(logits_BKV * scale, axis=-1), K)
         score = (jnp.take_along_axis(pool_score, f_idx, axis=1)[:, :, None] + logp)
         score = score.reshape(b, K * K)
         base_idx = 1 + K + t * K * K
