@@ -66,8 +66,9 @@ import numpy as np
 from specjax import decoding, sampling, trees
 from specjax.drafters.base import LM, Drafter
 from specjax.drafters.model import ModelDrafter
+from specjax.models.transformer import padding_policy
 
-VERSION = 2  # bump when what a cached calibration holds changes
+VERSION = 3  # bump when what a cached calibration holds changes (3: bf16 one-row padding probed)
 DEFAULT_CHAINS = (1, 2, 4, 6)
 
 Tree = Any  # trees.TreeSpec | trees.DynamicTree
@@ -513,7 +514,8 @@ def fingerprint(target, drafters: Mapping[str, Drafter], prompt_ids, *, temperat
       "version": VERSION, "machine": platform.machine(), "processor": platform.processor(),
       "node": platform.node(), "cpus": os.cpu_count(), "jax": jax.__version__,
       "backend": jax.default_backend(), "devices": [d.device_kind for d in devices],
-      "target": repr(lm.config), "target_weights": _weights_digest(lm.params),
+      "pad_one_row_bf16": padding_policy(), "target": repr(lm.config),
+      "target_weights": _weights_digest(lm.params),
       "drafters": {k: [_describe_drafter(d), repr(d.config), _weights_digest(d)]
                    for k, d in sorted(drafters.items())},
       "prompts": hashlib.sha256(json.dumps([list(map(int, p)) for p in prompt_ids]).encode()

@@ -26,9 +26,9 @@ and sets the committed length to L' - 1 (the new root is L').
 Dynamic trees (EAGLE-2): the root's top-`width` tokens form level 1; each later level feeds
 the `width` newest candidates with the highest cumulative draft log-probability (log q
 summed along the path, q the draft's softmax at temperature `DynamicTree.confidence`, 1 by
-default: a confidence, independent of the sampler) and scores their top-`width` children. The `budget` best candidates overall are
-verified, ancestors first (a child's score never exceeds its parent's, ties go to the older
-node), numbered in creation order (topological).
+default: a confidence, independent of the sampler) and scores their top-`width` children.
+The `budget` best candidates overall are verified, ancestors first (a child's score never
+exceeds its parent's, ties go to the older node), numbered in creation order (topological).
 
 Sharing. The level-by-level drafting (static and dynamic trees) lives in `LevelDrafter`,
 written against two hooks: `_root` (open the cycle, score the root's children) and `_step`
