@@ -26,10 +26,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
+import time
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from specjax.models import cache as kv
@@ -258,7 +261,6 @@ PAD_ENV = "SPECJAX_PAD_ONE_ROW_BF16"
 def padding_policy() -> str:
   """"1" / "0" when $SPECJAX_PAD_ONE_ROW_BF16 forces the one-row bf16 padding on / off,
   "measured" when `pad_one_row_bf16` measures it per product shape (the default)."""
-  import os
   env = os.environ.get(PAD_ENV)
   if env is None:
     return "measured"
@@ -270,8 +272,8 @@ def padding_policy() -> str:
 @functools.lru_cache(maxsize=None)
 def pad_one_row_bf16(spec: str, x_ndim: int, d: int, w_shape: tuple[int, ...]) -> bool:
   """Whether a one-row bf16 product `einsum(spec, x, w)` (x of rank x_ndim, last axis d) is
-  padded to two rows
-  (docs/xla_notes.md, trap 3). Forced by $SPECJAX_PAD_ONE_ROW_BF16 = 1 or 0; never on
+  padded to two rows (docs/xla_notes.md, trap 3). Forced by $SPECJAX_PAD_ONE_ROW_BF16 = 1 or
+  0 (read once per process and shape, like the measurement); never on
   GPU/TPU; on XLA:CPU measured once per process and product shape, because CPUs disagree
   and so do shapes: on the first host a one-row bf16 product ran ~10x slower than two
   rows; on this one (AMX) a [1, 256] x [256, 1024] product takes 10.6 us against 31-39 us
@@ -289,10 +291,7 @@ def pad_one_row_bf16(spec: str, x_ndim: int, d: int, w_shape: tuple[int, ...]) -
 def _one_row_bf16_is_slow(spec: str, x_ndim: int, d: int, w_shape: tuple[int, ...],
                           n: int = 16, repeats: int = 5) -> bool:
   """Times n one-row and n two-row bf16 products of this spec and weight shape (float32
-  accumulation; fastest of `repeats`, a few milliseconds for the base target's shapes)."""
-  import time
-
-  import numpy as np
+  accumulation; fastest of `repeats`; ~0.2 s with its two compiles)."""
   w = jnp.asarray(np.random.default_rng(0).standard_normal(w_shape), jnp.bfloat16)
 
   def run(x, w):
