@@ -3,8 +3,8 @@ chains, static trees and EAGLE-2 dynamic trees with the level machinery of `mode
 
 The head. With f_t = the target's residual streams at a low, a middle and a high layer at
 position t (`feature_layers`, captured in the passes the target makes anyway), e(x) the
-target's token embedding and lm_head the target's LM head (both shared, no copy), and
-`norm` the head's own final norm:
+target's token embedding (shared) and lm_head the target's LM head (folded with `out` into
+one matrix when a drafter is built, see below), and `norm` the head's own final norm:
 
     u_t   = fuse(concat_C f_t)                      (C·D -> W, one linear layer: EAGLE-3's fc)
     x_t   = combine(concat[n1(u_t), n2(e(x_{t+1}))])  (W + D -> W, EAGLE's [feature,
