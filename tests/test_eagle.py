@@ -327,3 +327,14 @@ def test_a_bad_width_is_refused_naming_what_is_allowed(byte_target):
       EagleDrafter.of(target, init_head(TCFG, default_layers(TCFG.n_layers), width=width))
   with pytest.raises(ValueError, match="width must be None .* or an int >= 1, got 'x'"):
     EagleHeads(width="x")
+
+
+def test_the_default_heads_width_falls_back_to_full_width_where_the_target_cannot_take_it():
+  from specjax.training.defaults import DEFAULT_HEADS, default_head_spec
+  from specjax.training.presets import get_preset
+  width = DEFAULT_HEADS["eagle"][0]["width"]
+  base = get_preset("base").target
+  assert base.d_model > width and default_head_spec("eagle", base)["width"] == width
+  assert "width" not in default_head_spec("eagle", get_preset("tiny").target)  # d 96 < 128
+  assert "width" not in default_head_spec("eagle", base.replace(d_model=width, n_heads=2,
+                                                                n_kv_heads=2))  # = d_model

@@ -278,12 +278,17 @@ DEFAULT_HEADS: dict[str, tuple[dict, TrainConfig]] = {
 
 def default_head_spec(kind: str, target: ModelConfig) -> dict:
   """The `kind` heads' spec for a target of this shape: DEFAULT_HEADS's, with an EAGLE width
-  that the target cannot take (not below its d_model, or not a multiple of its head_dim)
-  dropped to full width."""
+  dropped (full width) where it is the target's d_model or a width the target cannot take
+  (`eagle.head_config`'s rule)."""
   spec = dict(DEFAULT_HEADS[kind][0])
   width = spec.get("width")
   if width is not None:
-    if width >= target.d_model or width % target.head_dim:
+    from specjax.drafters.eagle import head_config
+    try:
+      narrower = head_config(target, width).d_model < target.d_model
+    except ValueError:
+      narrower = False
+    if not narrower:
       spec.pop("width")
   return spec
 
