@@ -60,8 +60,6 @@ timed here (random models, `head_steps` steps).
 from __future__ import annotations
 
 import functools
-import json
-import time
 
 import numpy as np
 
@@ -190,43 +188,6 @@ def category_texts(models: str, category: str):
   return [d.text for d in load_corpus(category).validation[:64]]
 
 
-def _default_head(kind: str):
-  """The default target's cached heads and their training seconds (the manifest's
-  build_seconds, else the time of this load, which built them)."""
-  from specjax.training import defaults
-  start = time.perf_counter()
-  head = defaults.load_default_heads(kind, progress=False)
-  elapsed = time.perf_counter() - start
-  entry = defaults.heads_entry_dir(kind, defaults.DEFAULT_PRESET, "code", head.target.fingerprint)
-  try:
-    seconds = float(json.loads((entry / defaults.MANIFEST).read_text())["build_seconds"])
-  except (OSError, KeyError, TypeError, ValueError):
-    seconds = elapsed
-  return head.kind, head.params, head.acceptance, seconds
-
-
-@functools.lru_cache(maxsize=8)
-def head(kind: str, models: str, steps: int):
-  """(kind object, params, acceptance, training seconds) of `kind` heads for the target of
-  `models`: the cached default heads, or trained here for `steps` steps (random models)."""
-  if models == "default":
-    return _default_head(kind)
-  from flax import nnx
-
-  from specjax.data.batches import TokenData
-  from specjax.data.corpus import load_corpus
-  from specjax.training.config import TrainConfig
-  from specjax.training.defaults import default_head_spec
-  from specjax.training.heads import kind_from_spec, train_head
-  target, _, tok, _ = measure.models(models)
-  data = TokenData.from_corpus(load_corpus("code", max_bytes=60_000), tok)
-  tc = TrainConfig(steps=steps, batch_size=4, seq_len=32, lr=1e-2, warmup_steps=1,
-                   eval_every=0, ckpt_every=0, eval_windows=8)
-  result = train_head(kind_from_spec(kind, default_head_spec(kind, target.config)), target.config,
-                      nnx.state(target, nnx.Param), tc, data, tok, progress=False)
-  return result.kind, result.params, result.acceptance, result.seconds
-
-
 def drafter_and_tree(drafter: str, shape: str, temperature: float, *, models: str, k: int,
                      tree_widths, skip_layers, max_ngram: int, min_ngram: int,
                      oracle_alpha: float, head_steps: int, target_dtype: str = "float32",
@@ -234,7 +195,6 @@ def drafter_and_tree(drafter: str, shape: str, temperature: float, *, models: st
   """(Drafter, tree) of one variant (module doc: candidates and budgets). Drafters that run
   on the target (layer-skip, oracle, EAGLE's and Medusa's shared embedding and LM head) use
   it served in `target_dtype`; the heads were trained (and bound) on its float32 weights."""
-  from specjax.drafters.eagle import EagleDrafter
   from specjax.drafters.layer_skip import LayerSkipDrafter
   from specjax.drafters.lookup import LookupDrafter
   from specjax.drafters.medusa import MedusaDrafter
@@ -257,15 +217,14 @@ def drafter_and_tree(drafter: str, shape: str, temperature: float, *, models: st
     return ModelDrafter.of(draft, deterministic=topk), tree
   if drafter == "oracle":
     return OracleDrafter.of(target, oracle_alpha), tree
-  kind, params, acceptance, _ = head(drafter, models, head_steps)
-  if drafter == "medusa":
-    if shape == "chain":
-      return MedusaDrafter.of(target, params), trees.chain(min(k, kind.heads))
-    medusa_tree = (acceptance.tree(static.size, max_depth=kind.heads) if acceptance is not None
-                   else trees.chain(min(static.size, kind.heads)))
-    return MedusaDrafter.of(target, params), medusa_tree
-  return (EagleDrafter.of(target, params, kind.feature_layers(target.config),
-                          deterministic=topk or shape == "dynamic"), tree)
+  if drafter == "eagle":
+    return measure.eagle_drafter(target, models, topk or shape == "dynamic", head_steps), tree
+  kind, params, acceptance, _ = measure.head(drafter, models, head_steps)
+  if shape == "chain":
+    return MedusaDrafter.of(target, params), trees.chain(min(k, kind.heads))
+  medusa_tree = (acceptance.tree(static.size, max_depth=kind.heads) if acceptance is not None
+                 else trees.chain(min(static.size, kind.heads)))
+  return MedusaDrafter.of(target, params), medusa_tree
 
 
 def memory(params: dict) -> int:
@@ -274,9 +233,7 @@ def memory(params: dict) -> int:
   target for the oracle, none for lookup and Medusa), from the preset configs: nothing is
   loaded."""
   from specjax import decoding
-  from specjax.drafters.eagle import head_config
   from specjax.models import cache as kv
-  from specjax.training.defaults import default_head_spec
   drafter, _ = parse_variant(params.get("variant"))
   models, batch = params.get("models", "default"), params.get("batch", 1)
   widths = params.get("tree_widths", (2, 1, 1, 1))
@@ -285,7 +242,7 @@ def memory(params: dict) -> int:
                              slots + 1)
   target_cfg, draft_cfg = measure.model_configs(models)
   own = {"lookup": None, "medusa": None, "model": draft_cfg, "oracle": target_cfg,
-         "eagle": head_config(target_cfg, default_head_spec("eagle", target_cfg).get("width")),
+         "eagle": measure.eagle_config(models),
          "layer_skip": target_cfg.replace(n_layers=params.get("skip_layers") or default_skip(
              target_cfg.n_layers))}[drafter]
   target_bytes = kv.cache_bytes(target_cfg, batch, n)
@@ -367,7 +324,8 @@ def point(variant: str, category: str = "code", temperature: float = 0.0, batch:
   line = verdict(label, category, batch, temperature, cmp.speedup, row["predicted_speedup"],
                  row["efficiency"], row["tau"])
   measure.say(line)
-  train_s = head(drafter_name, models, head_steps)[3] if drafter_name in HEAD_KINDS else None
+  train_s = (measure.head(drafter_name, models, head_steps)[3] if drafter_name in HEAD_KINDS
+             else None)
   return {
       "verdict": line, "label": label, "drafter": drafter_name, "shape": shape,
       "temperature": float(temperature), "batch": batch, "category": category,

@@ -144,6 +144,56 @@ def draft_model(name: str, which: str):
   return Transformer(cfg, rngs=nnx.Rngs(1))
 
 
+def _default_head(kind: str):
+  """The default target's cached heads and their training seconds (the manifest's
+  build_seconds, else the time of this load, which built them, with progress bars)."""
+  import json
+
+  from specjax.training import defaults
+  start = time.perf_counter()
+  head = defaults.load_default_heads(kind, progress=True)
+  elapsed = time.perf_counter() - start
+  entry = defaults.heads_entry_dir(kind, defaults.DEFAULT_PRESET, "code", head.target.fingerprint)
+  try:
+    seconds = float(json.loads((entry / defaults.MANIFEST).read_text())["build_seconds"])
+  except (OSError, KeyError, TypeError, ValueError):
+    seconds = elapsed
+  return head.kind, head.params, head.acceptance, seconds
+
+
+@functools.lru_cache(maxsize=8)
+def head(kind: str, which: str, steps: int = 8):
+  """(kind object, params, acceptance, training seconds) of `kind` heads ("eagle",
+  "medusa") for the target of `models(which)`: the cached default heads (built on first
+  use), or trained here for `steps` steps (random models: tests)."""
+  if which == "default":
+    return _default_head(kind)
+  from flax import nnx
+
+  from specjax.data.batches import TokenData
+  from specjax.data.corpus import load_corpus
+  from specjax.training.config import TrainConfig
+  from specjax.training.defaults import default_head_spec
+  from specjax.training.heads import kind_from_spec, train_head
+  target, _, tok, _ = models(which)
+  data = TokenData.from_corpus(load_corpus("code", max_bytes=60_000), tok)
+  tc = TrainConfig(steps=steps, batch_size=4, seq_len=32, lr=1e-2, warmup_steps=1,
+                   eval_every=0, ckpt_every=0, eval_windows=8)
+  result = train_head(kind_from_spec(kind, default_head_spec(kind, target.config)), target.config,
+                      nnx.state(target, nnx.Param), tc, data, tok, progress=False)
+  return result.kind, result.params, result.acceptance, result.seconds
+
+
+def eagle_drafter(target, which: str, deterministic: bool, steps: int = 8):
+  """The EAGLE drafter of `head("eagle", which, steps)` over `target` (served in any dtype:
+  the head reads its features and shares its embedding and LM head). deterministic: top-k
+  candidates (trees at T = 0) instead of samples of the head's law."""
+  from specjax.drafters.eagle import EagleDrafter
+  kind, params, _, _ = head("eagle", which, steps)
+  return EagleDrafter.of(target, params, kind.feature_layers(target.config),
+                         deterministic=deterministic)
+
+
 def model_configs(which: str):
   """(target, draft) ModelConfigs of `models(which)`, without loading anything."""
   if which == "default":
@@ -152,6 +202,15 @@ def model_configs(which: str):
   from specjax.models.presets import PRESETS
   cfg = PRESETS["tiny-llama"]
   return cfg, cfg.replace(n_layers=1)
+
+
+def eagle_config(which: str):
+  """The ModelConfig of the default EAGLE head's decoder layer for the target of
+  `models(which)` (its KV cache), without loading anything."""
+  from specjax.drafters.eagle import head_config
+  from specjax.training.defaults import default_head_spec
+  target_cfg = model_configs(which)[0]
+  return head_config(target_cfg, default_head_spec("eagle", target_cfg).get("width"))
 
 
 def cache_bytes(which: str, batch: int, cache_len: int) -> tuple[int, int]:

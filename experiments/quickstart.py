@@ -1,8 +1,13 @@
 """The quickstart: does speculative decoding pay on these models, and does the cost model
 predict by how much?
 
-One point = (mode, batch, temperature): mode "chain" (k drafts) or "tree" (`tree_widths`).
-The same `prompts` held-out code prompts of the embedded corpus (8 by default, at least
+One point = (mode, batch, temperature): mode "chain" (k drafts) or "tree" (`tree_widths`),
+drafted by `drafter`: "eagle", the target's EAGLE head (for the default target, the cached
+default head, trained on first use: `training.defaults.load_default_heads`; for random
+models, one trained here for `head_steps` steps), or "model", the separate draft model
+(the distilled draft of the embedded pair). The main job drafts with the EAGLE head: on
+the embedded target it accepts far more than the 1-layer draft model at about its cost
+per cycle (BUILD_NOTES.md, "Drafters experiment"). The same `prompts` held-out code prompts of the embedded corpus (8 by default, at least
 `batch`), in consecutive batches of `batch` rows (so batch 1 decodes them one at a time and
 batch 8 all together: one workload, not a single prompt's luck), are decoded with plain
 `generate` and with speculative decoding, alternately, `repeats` times (`measure.compare`, decode
@@ -49,13 +54,18 @@ from specjax import calibration, theory, trees
 from specjax.drafters.model import ModelDrafter
 
 MODES = ("chain", "tree")
+# "eagle": the EAGLE head of the target (the default target's is trained on first use and
+# cached, like the pair); "model": the separate draft model distilled from the target.
+DRAFTERS = ("eagle", "model")
+DRAFTER_NAMES = {"eagle": "EAGLE head", "model": "draft model"}
 SAMPLE_CHARS = 240
 
 
 def validate(params: dict) -> None:
   measure.check_choice(params, "mode", None, MODES)
+  measure.check_choice(params, "drafter", "model", DRAFTERS)
   for name, lo in (("batch", 1), ("k", 1), ("max_new_tokens", 2), ("repeats", 1),
-                   ("prompt_len", 8), ("calibration_repeats", 1)):
+                   ("prompt_len", 8), ("calibration_repeats", 1), ("head_steps", 1)):
     measure.check_int(params, name, lo, lo)
   measure.check_int(params, "prompts", 8, 1)
   measure.check_choice(params, "models", "default", measure.MODELS)
@@ -85,20 +95,26 @@ def _shapes(k: int, tree_widths, calibration_k) -> list:
 
 
 def memory(params: dict) -> int:
-  """KV bytes of one point (target + draft caches of plain and speculative runs), from the
-  models' preset configs: no model is loaded. Calibration runs one loop at a time at the
-  same cache length."""
+  """KV bytes of one point (the target's cache in the plain and speculative runs, the
+  drafter's own: the draft model's or the EAGLE head's layer), from the models' preset
+  configs: no model is loaded. Calibration runs one loop at a time at the same cache
+  length."""
   from specjax import decoding
+  from specjax.models import cache as kv
   k, widths = params.get("k", 4), params.get("tree_widths", (2, 1, 1, 1))
   slots = max(t.n_nodes for t in _shapes(k, widths, params.get("calibration_k", (1, 2))))
   n = decoding.cache_len_for(params.get("prompt_len", 64), params.get("max_new_tokens", 64),
                              slots + 1)
-  return 2 * sum(measure.cache_bytes(params.get("models", "default"), params.get("batch", 1),
-                                     n))
+  which, batch = params.get("models", "default"), params.get("batch", 1)
+  target_cfg, draft_cfg = measure.model_configs(which)
+  own = measure.eagle_config(which) if params.get("drafter") == "eagle" else draft_cfg
+  return 2 * kv.cache_bytes(target_cfg, batch, n) + kv.cache_bytes(own, batch, n)
 
 
-def _label(mode: str, k: int, tree_widths) -> str:
-  return f"chain k={k}" if mode == "chain" else f"tree {tuple(tree_widths)}"
+def _label(mode: str, k: int, tree_widths, drafter: str = "model") -> str:
+  """"chain k=4" (the draft model) or "EAGLE head chain k=4"."""
+  shape = f"chain k={k}" if mode == "chain" else f"tree {tuple(tree_widths)}"
+  return shape if drafter == "model" else f"{DRAFTER_NAMES[drafter]} {shape}"
 
 
 def verdict(label: str, batch: int, temperature: float, speedup: float,
@@ -113,12 +129,12 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
           repeats: int = 3, models: str = "default", seed: int = 0,
           calibration_k: tuple = (1, 2), calibration_repeats: int = 3,
           recalibrate: bool = False, statistic: str = "median",
-          target_dtype: str = "float32", prompts: int = 8) -> dict:
+          target_dtype: str = "float32", prompts: int = 8, drafter: str = "model",
+          head_steps: int = 8) -> dict:
   target, draft, tok, texts = measure.models(models, target_dtype)
   tree = _tree(mode, k, tree_widths)
   all_ids = measure.workload(tok, texts, batch, prompts, prompt_len)
   shapes = _shapes(k, tree_widths, calibration_k)
-  cache_len = calibration.default_cache_len(target, draft, all_ids, shapes, max_new_tokens)
   # Chains draft sampled candidates. Trees draft distinct top-k ones at T = 0 (the
   # point-mass rule: i.i.d. siblings would all be the argmax and the tree would degenerate
   # into its chain) and i.i.d. samples of q at T > 0, where the point-mass rule would accept
@@ -127,14 +143,20 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
   topk = temperature == 0
 
   def drafter_for(model, shape):
-    return ModelDrafter.of(model, deterministic=topk and not shape.is_chain)
+    deterministic = topk and not shape.is_chain
+    if drafter == "eagle":
+      return measure.eagle_drafter(target, models, deterministic, head_steps)
+    return ModelDrafter.of(model, deterministic=deterministic)
 
+  cache_len = max(calibration.default_cache_len(target, drafter_for(draft, t), all_ids, [t],
+                                                max_new_tokens) for t in shapes)
   costs = calibration.calibrate(target, draft, all_ids, shapes, batch=batch,
                                 max_new_tokens=max_new_tokens, repeats=calibration_repeats,
                                 temperature=temperature, seed=seed, cache_len=cache_len,
                                 recalibrate=recalibrate, statistic=statistic,
                                 drafter_for=drafter_for)
-  cmp = measure.compare(target, draft, all_ids, batch=batch, tree=tree,
+  cmp = measure.compare(target, draft if drafter == "model" else drafter_for(draft, tree),
+                        all_ids, batch=batch, tree=tree,
                         max_new_tokens=max_new_tokens,
                         repeats=repeats, temperature=temperature, seed=seed,
                         deterministic=topk and mode == "tree", cache_len=cache_len,
@@ -152,13 +174,13 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
   row = measure.speculative_row(
       cmp, tau_loop, temperature,
       cycle_name=lambda key, n, d: key if key.startswith("chain") else f"tree N={n} D={d}")
-  label = _label(mode, k, tree_widths)
+  label = _label(mode, k, tree_widths, drafter)
   line = verdict(label, batch, temperature, cmp.speedup, row["predicted_speedup"],
                  row["efficiency"])
   measure.say(line)
   decode = (lambda ids: tok.decode(ids)[:SAMPLE_CHARS]) if tok is not None else str
   return {
-      "verdict": line, "label": label, **row, "prompts": len(all_ids),
+      "verdict": line, "label": label, "drafter": drafter, **row, "prompts": len(all_ids),
       "alpha_by_prompt": _alpha_by_row(cmp.spec.stats),
       "tau_predicted": tau_pred,
       "alpha_used_for_prediction": alpha,
@@ -180,7 +202,8 @@ def _alpha_by_row(stats) -> list:
 
 def _tag(r: dict) -> str:
   p = r["params"]
-  return f"{p['mode']} b{p['batch']} T{p.get('temperature', 0.0):g}"
+  who = "EAGLE " if p.get("drafter", "model") == "eagle" else ""
+  return f"{who}{p['mode']} b{p['batch']} T{p.get('temperature', 0.0):g}"
 
 
 def _plot_speedups(records, run_dir, rep) -> str:
@@ -279,7 +302,8 @@ def report(records: list[dict], run_dir) -> str:
   seen = set()
   for r in records:
     cal = r["metrics"].get("calibration", {})
-    key = (r["params"]["batch"], r["params"].get("temperature", 0.0))
+    key = (r["params"]["batch"], r["params"].get("temperature", 0.0),
+           r["params"].get("drafter", "model"))
     if key in seen or not cal:
       continue
     seen.add(key)
@@ -288,7 +312,7 @@ def report(records: list[dict], run_dir) -> str:
     fit_text = "" if fit is None else (
         f"; fit {fit['t_fixed']:.2f} + {fit['t_verify']:.2f}·(N+1) + {fit['t_draft']:.2f}·D "
         f"(rms {100 * fit['rel_rms']:.1f}%)")
-    lines.append(f"- batch {key[0]}, T={key[1]:g} (t_step {r['metrics']['t_step_ms']:.3f} ms"
+    lines.append(f"- {DRAFTER_NAMES[key[2]]}, batch {key[0]}, T={key[1]:g} (t_step {r['metrics']['t_step_ms']:.3f} ms"
                  f"{', cached' if cal.get('cached') else ''}): {shapes}{fit_text}")
   lines += ["", "### Sample: plain vs speculative", ""]
   smallest = min(r["params"]["batch"] for r in records)

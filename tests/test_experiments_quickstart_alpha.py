@@ -66,6 +66,32 @@ def test_quickstart_reduced_end_to_end(tmp_path, monkeypatch, capsys):
   assert s.table.count("\n") >= 10 and "efficiency" in s.table
 
 
+def test_quickstart_drafts_with_an_eagle_head(tmp_path, monkeypatch):
+  """drafter "eagle": the target's EAGLE head (trained here for a few steps on the random
+  target) drafts the chain and the tree; greedy output identical to plain, rows and labels
+  name the drafter, its calibration is its own."""
+  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))
+  s = launch.run("quickstart", out=str(tmp_path / "qs"), progress=False, bindings=[
+      'sweeps.Sweep.axes = {"mode": ["chain", "tree"], "drafter": ["eagle", "model"]}',
+      'sweeps.Sweep.fixed = {"k": 3, "tree_widths": (2, 1, 1), "max_new_tokens": 32, '
+      '"prompt_len": 16, "repeats": 1, "models": "random", "calibration_k": (1,), '
+      '"calibration_repeats": 1, "statistic": "fastest", "prompts": 2, "batch": 1, '
+      '"temperature": 0.0, "head_steps": 2}'])
+  assert (s.total, s.ok, s.failed) == (4, 4, 0)
+  records = runner.read_results(tmp_path / "qs" / runner.RESULTS).values()
+  for r in records:
+    m, p = r["metrics"], r["params"]
+    assert m["identical_to_plain"] is True, r
+    assert m["drafter"] == p["drafter"]
+    shape = "chain k=3" if p["mode"] == "chain" else "tree (2, 1, 1)"
+    label = f"EAGLE head {shape}" if p["drafter"] == "eagle" else shape
+    assert m["verdict"].startswith(f"{label}, batch 1, T=0: "), m["verdict"]
+  keys = {r["params"]["drafter"]: r["metrics"]["calibration"]["key"] for r in records}
+  assert keys["eagle"] != keys["model"]  # a drafter's calibration is its own
+  report = (tmp_path / "qs" / "report.md").read_text()
+  assert "- EAGLE head, batch 1, T=0" in report and "- draft model, batch 1, T=0" in report
+
+
 def test_alpha_k_sweep_runs_vectorised_and_tracks_the_dial(tmp_path, monkeypatch):
   monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))  # a fresh calibration
   s = launch.run("alpha_k_sweep", out=str(tmp_path / "ak"), progress=False,
@@ -118,6 +144,8 @@ def test_alpha_k_sweep_validation(change, match):
     ({"recalibrate": "yes"}, "recalibrate must be one of"),
     ({"statistic": "mean"}, "statistic must be one of"),
     ({"prompts": 0}, "prompts must be an int >= 1"),
+    ({"drafter": "medusa"}, "drafter must be one of"),
+    ({"head_steps": 0}, "head_steps must be an int >= 1"),
 ])
 def test_quickstart_validation(change, match):
   with pytest.raises(ValueError, match=match):
