@@ -18,7 +18,9 @@ batch and temperature on the menu's chains plus one tree (so the fit separates t
 price of the k = 0 branch's drafter catch-up, paid once per `loop.LAZY_SLOTS` plain steps
 by a drafter that catches up lazily; `specjax.calibration`, cached per machine);
 "model" prices shapes from the draft's share of the target's matmul weights
-(`decoding.default_policy`; fast, for smoke runs). The adaptive policy's costs are those.
+(`decoding.default_policy`; fast, for smoke runs). The adaptive policy's costs are those:
+with `cycles` = "fit" (the default) each menu entry priced by the calibration's fitted
+cycle, with "measured" by its own timing (`AdaptivePolicy.from_costs`).
 
 Prediction beside each row (`predicted_speedup`), at the row's measured acceptance α
 (accepted ÷ tried drafts of the first candidate, `tree_summary`'s depth-1 rate or the
@@ -82,6 +84,7 @@ def validate(params: dict) -> None:
   measure.check_int(params, "seed", 0, 0, 2**31 - 1)
   measure.check_choice(params, "models", "default", measure.MODELS)
   measure.check_choice(params, "costs", "calibrated", COSTS)
+  measure.check_choice(params, "cycles", "fit", adaptive.CYCLES)
   measure.check_int(params, "calibration_repeats", 3, 1, 1000)
   measure.check_int(params, "prompts", 8, 1, MAX_BATCH)
   measure.check_choice(params, "target_dtype", "float32", ("float32", "bfloat16"))
@@ -126,14 +129,15 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
           max_new_tokens: int = 64, prompt_len: int = 64, repeats: int = 3, seed: int = 0,
           models: str = "default", costs: str = "calibrated", calibration_repeats: int = 3,
           threshold: float = 0.0, prompts: int = 8, target_dtype: str = "float32",
-          side_by_side: bool = True) -> dict:
+          side_by_side: bool = True, cycles: str = "fit") -> dict:
   """Plain vs the policy's tokens/s of the decode phase, α, and the calibrated prediction
   (module doc)."""
   params = dict(batch=batch, temperature=temperature, category=category, policy=policy,
                 menu=menu, max_new_tokens=max_new_tokens, prompt_len=prompt_len,
                 repeats=repeats, seed=seed, models=models, costs=costs,
                 calibration_repeats=calibration_repeats, threshold=threshold,
-                prompts=prompts, target_dtype=target_dtype, side_by_side=side_by_side)
+                prompts=prompts, target_dtype=target_dtype, side_by_side=side_by_side,
+                cycles=cycles)
   validate(params)
   target, draft, tok, _ = measure.models(models, target_dtype)
   all_ids = measure.workload(tok, _texts(models, category), batch, prompts, prompt_len)
@@ -147,7 +151,8 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
                                        repeats=calibration_repeats, temperature=temperature,
                                        seed=seed, cache_len=cache_len)
     pol = adaptive.AdaptivePolicy.from_costs(entries, {batch: loop_costs}, threshold=threshold,
-                                             lazy_slots=decoding.lazy_slots_of(draft))
+                                             lazy_slots=decoding.lazy_slots_of(draft),
+                                             cycles=cycles)
   else:
     loop_costs = None
     pol = decoding.default_policy(LM.of(target), decoding.as_drafter(draft), entries,

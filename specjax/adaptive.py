@@ -78,6 +78,7 @@ Array = jax.Array
 
 DEFAULT_CHAINS = (0, 1, 2, 4, 6)
 OBJECTIVES = ("batch", "tokens")  # AdaptivePolicy.objective (module doc)
+CYCLES = ("fit", "measured")  # AdaptivePolicy.from_costs: where an entry's cycle cost comes from
 
 
 def menu(entries: Sequence[Any] = DEFAULT_CHAINS) -> tuple[TreeSpec | None, ...]:
@@ -141,6 +142,13 @@ def _lazy_slots(lazy_slots) -> int:
 def check_threshold(threshold) -> float:
   """The draft-stopping threshold: a finite number in [0, 1] (0 = never stop)."""
   return _float("threshold", threshold, 0.0, 1.0)
+
+
+def _entry_seconds(costs, entry: TreeSpec, cycles: str) -> float:
+  """Seconds per cycle of a speculative entry from a calibration (`from_costs`)."""
+  if cycles == "fit" and costs.fitted is not None:
+    return costs.fitted.seconds(entry.size, entry.max_depth)
+  return costs.cycle_seconds(entry)
 
 
 def _entry_tables(entries, width: int):
@@ -242,9 +250,16 @@ class AdaptivePolicy:
 
   @classmethod
   def from_costs(cls, entries: Sequence[Any], costs: Mapping[int, Any] | Any, *,
-                 lazy_slots: int = 0, **kwargs) -> "AdaptivePolicy":
+                 lazy_slots: int = 0, cycles: str = "fit", **kwargs) -> "AdaptivePolicy":
     """From calibrations (`calibration.LoopCosts`): one, or {batch: LoopCosts}. A tree entry
-    costs `costs.cycle_seconds(tree)` (measured or fitted); k = 0 costs t_step plus the
+    costs, with cycles="fit" (the default), the calibration's fitted cycle
+    t_fixed + t_verify·(N + 1) + t_draft·D (`calibration.CycleFit`; a shape's own
+    measurement where the calibrated shapes do not identify a fit), or with
+    cycles="measured" `costs.cycle_seconds(tree)` (its own measurement if it was
+    calibrated). Why the fit: the choice is mostly between neighbouring chain lengths, and
+    one shape's own timing on a loaded CPU moves by 10-25% between calibrations (a chain of
+    6 once timed cheaper than a chain of 4, and the policy followed it); the fit pools
+    every calibrated shape, so it is steadier and grows with N and D. k = 0 costs t_step plus the
     drafter's catch-up pass (the fit's t_draft, 0 without a fit), divided by P = lazy_slots
     when the drafter catches up lazily (0: eagerly, every step). The prior α₀ is, unless
     `prior_alpha` is given, the mean first-draft acceptance the calibrations measured
@@ -253,6 +268,8 @@ class AdaptivePolicy:
     often prices speculation below plain decoding and spends the first run of plain steps
     finding out otherwise."""
     share = 1.0 / _lazy_slots(lazy_slots)
+    if cycles not in CYCLES:
+      raise ValueError(f"cycles must be one of {CYCLES}, got {cycles!r}")
     m = menu(entries)
     table = costs if isinstance(costs, Mapping) else {int(costs.meta.get("batch", 1)): costs}
     if not table:
@@ -266,7 +283,8 @@ class AdaptivePolicy:
     for b in batches:
       c = table[b]
       t_draft = c.fitted.t_draft if c.fitted is not None else 0.0
-      rows.append([c.t_step + share * t_draft if e is None else c.cycle_seconds(e) for e in m])
+      rows.append([c.t_step + share * t_draft if e is None else _entry_seconds(c, e, cycles)
+                   for e in m])
       plain.append(c.t_step)
     return cls.create(m, rows, batches, plain=plain, **kwargs)
 

@@ -250,6 +250,34 @@ def _joint_models():
 # ----------------------------------------------------------------------------- command line
 
 
+def test_policy_prices_entries_from_the_calibration_fit_by_default():
+  """A chain of 6 timed cheaper than a chain of 4 (one noisy calibration): priced by the fit
+  over all five shapes (the default), each entry costs t_fixed + t_verify·(N+1) + t_draft·D
+  and costs grow with k, so at α = 0.5-0.6 k = 4 wins; priced by each shape's own timing
+  (cycles="measured") the noise makes k = 6 look best there."""
+  from specjax import calibration
+  costs = calibration.LoopCosts.from_timings(
+      1.0, [(trees.chain(1), 1.30), (trees.chain(2), 1.42), (trees.chain(4), 1.66),
+            (trees.chain(6), 1.50), (trees.branching((2, 1)), 1.75)])
+  fit = costs.fitted
+  pol = adaptive.AdaptivePolicy.from_costs((0, 1, 2, 4, 6), costs)
+  raw = adaptive.AdaptivePolicy.from_costs((0, 1, 2, 4, 6), costs, cycles="measured")
+  np.testing.assert_allclose(np.asarray(pol.seconds)[0, 1:],
+                             [fit.seconds(e.size, e.max_depth) for e in pol.menu[1:]], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(raw.seconds)[0, 1:], [1.30, 1.42, 1.66, 1.50], rtol=1e-6)
+  assert np.all(np.diff(np.asarray(pol.seconds)[0, 1:]) > 0)
+  for a in (0.5, 0.6):
+    assert pol.names[pol.choose(a, 1)] == "k=4" and raw.names[raw.choose(a, 1)] == "k=6"
+  # without a fit (chains only do not identify it) the shapes' own timings are used
+  chains = calibration.LoopCosts.from_timings(1.0, [(trees.chain(1), 1.3), (trees.chain(4), 1.9)])
+  assert chains.fitted is None
+  np.testing.assert_allclose(
+      np.asarray(adaptive.AdaptivePolicy.from_costs((0, 1, 4), chains).seconds)[0, 1:],
+      [1.3, 1.9], rtol=1e-6)
+  with pytest.raises(ValueError, match="cycles must be one of"):
+    adaptive.AdaptivePolicy.from_costs((0, 1), costs, cycles="median")
+
+
 def test_cli_theory_adaptive_from_a_calibration_file_and_bad_k(capsys, tmp_path):
   """`specjax theory adaptive` answers from a calibration file with the policy's host path;
   `specjax generate --k` takes an int or 'auto' only."""

@@ -104,6 +104,7 @@ def test_side_by_side_ratios_and_the_goal_judged_on_them():
     ({"menu": ()}, "empty menu"),
     ({"threshold": -1.0}, "threshold"),
     ({"costs": "guess"}, "costs"),
+    ({"cycles": "median"}, "cycles must be one of"),
 ])
 def test_validation_before_models(params, match):
   with pytest.raises(ValueError, match=match):
