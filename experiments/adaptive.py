@@ -85,6 +85,7 @@ def validate(params: dict) -> None:
   measure.check_choice(params, "models", "default", measure.MODELS)
   measure.check_choice(params, "costs", "calibrated", COSTS)
   measure.check_choice(params, "cycles", "fit", adaptive.CYCLES)
+  measure.check_number(params, "prior_weight", adaptive.DEFAULT_PRIOR_WEIGHT, 0, lo_open=True)
   measure.check_int(params, "calibration_repeats", 3, 1, 1000)
   measure.check_int(params, "prompts", 8, 1, MAX_BATCH)
   measure.check_choice(params, "target_dtype", "float32", ("float32", "bfloat16"))
@@ -129,7 +130,8 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
           max_new_tokens: int = 64, prompt_len: int = 64, repeats: int = 3, seed: int = 0,
           models: str = "default", costs: str = "calibrated", calibration_repeats: int = 3,
           threshold: float = 0.0, prompts: int = 8, target_dtype: str = "float32",
-          side_by_side: bool = True, cycles: str = "fit") -> dict:
+          side_by_side: bool = True, cycles: str = "fit",
+          prior_weight: float = adaptive.DEFAULT_PRIOR_WEIGHT) -> dict:
   """Plain vs the policy's tokens/s of the decode phase, α, and the calibrated prediction
   (module doc)."""
   params = dict(batch=batch, temperature=temperature, category=category, policy=policy,
@@ -137,7 +139,7 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
                 repeats=repeats, seed=seed, models=models, costs=costs,
                 calibration_repeats=calibration_repeats, threshold=threshold,
                 prompts=prompts, target_dtype=target_dtype, side_by_side=side_by_side,
-                cycles=cycles)
+                cycles=cycles, prior_weight=prior_weight)
   validate(params)
   target, draft, tok, _ = measure.models(models, target_dtype)
   all_ids = measure.workload(tok, _texts(models, category), batch, prompts, prompt_len)
@@ -152,7 +154,7 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
                                        seed=seed, cache_len=cache_len)
     pol = adaptive.AdaptivePolicy.from_costs(entries, {batch: loop_costs}, threshold=threshold,
                                              lazy_slots=decoding.lazy_slots_of(draft),
-                                             cycles=cycles)
+                                             cycles=cycles, prior_weight=prior_weight)
   else:
     loop_costs = None
     pol = decoding.default_policy(LM.of(target), decoding.as_drafter(draft), entries,

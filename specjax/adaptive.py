@@ -79,6 +79,12 @@ Array = jax.Array
 DEFAULT_CHAINS = (0, 1, 2, 4, 6)
 OBJECTIVES = ("batch", "tokens")  # AdaptivePolicy.objective (module doc)
 CYCLES = ("fit", "measured")  # AdaptivePolicy.from_costs: where an entry's cycle cost comes from
+# The prior's weight w in trials (module doc). With w = 1 one rejected first draft took a
+# row's estimate from α₀ ≈ 0.8 to ≈ 0.4, often pricing speculation below plain decoding
+# (a run of up to P plain steps) or a shorter chain for the next cycles; with w = 8 the
+# same side-by-side sweep (batch 1-8, T 0 and 1, code and prose, the embedded pair) came
+# closer to the best fixed shape at 12 of 16 points (median 0.92 vs 0.88; BUILD_NOTES.md).
+DEFAULT_PRIOR_WEIGHT = 8.0
 
 
 def menu(entries: Sequence[Any] = DEFAULT_CHAINS) -> tuple[TreeSpec | None, ...]:
@@ -197,7 +203,7 @@ class AdaptivePolicy:
   @classmethod
   def create(cls, entries: Sequence[Any], seconds, batches: Sequence[int] = (1,), *,
              plain=None, decay: float = 0.9, prior_alpha: float = 0.5,
-             prior_weight: float = 1.0, threshold: float = 0.0,
+             prior_weight: float = DEFAULT_PRIOR_WEIGHT, threshold: float = 0.0,
              forced: Sequence[int] | None = None,
              objective: str = "batch") -> "AdaptivePolicy":
     """From explicit costs: seconds [len(batches), len(menu)] (or [len(menu)] for one batch)

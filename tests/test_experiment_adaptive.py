@@ -105,6 +105,7 @@ def test_side_by_side_ratios_and_the_goal_judged_on_them():
     ({"threshold": -1.0}, "threshold"),
     ({"costs": "guess"}, "costs"),
     ({"cycles": "median"}, "cycles must be one of"),
+    ({"prior_weight": 0.0}, "prior_weight"),
 ])
 def test_validation_before_models(params, match):
   with pytest.raises(ValueError, match=match):
