@@ -7,7 +7,9 @@ default head, trained on first use: `training.defaults.load_default_heads`; for 
 models, one trained here for `head_steps` steps), or "model", the separate draft model
 (the distilled draft of the embedded pair). The main job drafts with the EAGLE head: on
 the embedded target it accepts far more than the 1-layer draft model at about its cost
-per cycle (BUILD_NOTES.md, "Drafters experiment"). The same `prompts` held-out code prompts of the embedded corpus (8 by default, at least
+per cycle (BUILD_NOTES.md, "Drafters experiment").
+
+The same `prompts` held-out code prompts of the embedded corpus (8 by default, at least
 `batch`), in consecutive batches of `batch` rows (so batch 1 decodes them one at a time and
 batch 8 all together: one workload, not a single prompt's luck), are decoded with plain
 `generate` and with speculative decoding, alternately, `repeats` times (`measure.compare`, decode
@@ -312,7 +314,8 @@ def report(records: list[dict], run_dir) -> str:
     fit_text = "" if fit is None else (
         f"; fit {fit['t_fixed']:.2f} + {fit['t_verify']:.2f}·(N+1) + {fit['t_draft']:.2f}·D "
         f"(rms {100 * fit['rel_rms']:.1f}%)")
-    lines.append(f"- {DRAFTER_NAMES[key[2]]}, batch {key[0]}, T={key[1]:g} (t_step {r['metrics']['t_step_ms']:.3f} ms"
+    lines.append(f"- {DRAFTER_NAMES[key[2]]}, batch {key[0]}, T={key[1]:g} "
+                 f"(t_step {r['metrics']['t_step_ms']:.3f} ms"
                  f"{', cached' if cal.get('cached') else ''}): {shapes}{fit_text}")
   lines += ["", "### Sample: plain vs speculative", ""]
   smallest = min(r["params"]["batch"] for r in records)

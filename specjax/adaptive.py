@@ -29,7 +29,8 @@ root path, and E[τ] = 1 + Σ_nodes P(node). For a chain this is Σ_{i≤k} α^i
 
 Cost: seconds per cycle of each entry at the compiled batch, interpolated (linear in
 log batch, clamped) from a table over calibrated batch sizes (`from_costs`, one
-`calibration.LoopCosts` per batch). A k = 0 cycle costs a plain step plus the drafter's
+`calibration.LoopCosts` per batch; each entry priced by the calibration's fitted cycle by
+default). A k = 0 cycle costs a plain step plus the drafter's
 catch-up: one draft pass per step when the drafter catches up eagerly (t_step + t_draft of
 the fit), one pass per P steps when it catches up lazily (`lazy_slots` = P, the loop's bound
 `loop.LAZY_SLOTS` for a drafter with `lazy_catch_up`: t_step + t_draft / P). The loop evaluates cost at the static batch it
@@ -262,10 +263,11 @@ class AdaptivePolicy:
     t_fixed + t_verify·(N + 1) + t_draft·D (`calibration.CycleFit`; a shape's own
     measurement where the calibrated shapes do not identify a fit), or with
     cycles="measured" `costs.cycle_seconds(tree)` (its own measurement if it was
-    calibrated). Why the fit: the choice is mostly between neighbouring chain lengths, and
-    one shape's own timing on a loaded CPU moves by 10-25% between calibrations (a chain of
-    6 once timed cheaper than a chain of 4, and the policy followed it); the fit pools
-    every calibrated shape, so it is steadier and grows with N and D. k = 0 costs t_step plus the
+    calibrated). Why the fit: one shape's own timing on a loaded CPU moves by 10-25%
+    between calibrations (a chain of 6 has timed cheaper than a chain of 4), while the fit
+    pools every calibrated shape and grows with N and D. On the side-by-side adaptive sweep
+    it made no measurable difference by itself (BUILD_NOTES.md); it removes a source of
+    noise the choice does not need. k = 0 costs t_step plus the
     drafter's catch-up pass (the fit's t_draft, 0 without a fit), divided by P = lazy_slots
     when the drafter catches up lazily (0: eagerly, every step). The prior α₀ is, unless
     `prior_alpha` is given, the mean first-draft acceptance the calibrations measured

@@ -20,8 +20,8 @@ moved aside and rebuilt, never used.
 Default draft heads (`load_default_heads("medusa")`, one `DEFAULT_HEADS` entry per kind) are
 trained for the default target on first use (the EAGLE head by the quickstart's first run,
 which drafts with it; Medusa by `--draft medusa:default` or the drafters experiment) and
-cached the same way under <cache>/heads/<preset>-<corpus>-<kind>-<key>, the key hashing the kind's spec, its
-schedule, the pair entry and the target's parameter fingerprint.
+cached the same way under <cache>/heads/<preset>-<corpus>-<kind>-<key>, the key hashing the
+kind's spec, its schedule, the pair entry and the target's parameter fingerprint.
 """
 
 from __future__ import annotations
