@@ -157,11 +157,9 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
                                 temperature=temperature, seed=seed, cache_len=cache_len,
                                 recalibrate=recalibrate, statistic=statistic,
                                 drafter_for=drafter_for)
-  cmp = measure.compare(target, draft if drafter == "model" else drafter_for(draft, tree),
-                        all_ids, batch=batch, tree=tree,
-                        max_new_tokens=max_new_tokens,
-                        repeats=repeats, temperature=temperature, seed=seed,
-                        deterministic=topk and mode == "tree", cache_len=cache_len,
+  cmp = measure.compare(target, drafter_for(draft, tree), all_ids, batch=batch, tree=tree,
+                        max_new_tokens=max_new_tokens, repeats=repeats,
+                        temperature=temperature, seed=seed, cache_len=cache_len,
                         decode_only=True, loop_costs=costs, statistic=statistic)
   summary = cmp.spec.summary()
   if mode == "chain":
