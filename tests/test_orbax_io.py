@@ -112,6 +112,27 @@ def test_missing_and_partial_checkpoints(tmp_path):
   assert orbax_io.latest_step(tmp_path / "c") == 5
 
 
+def test_latest_step_lists_again_when_a_writer_deletes_a_step_meanwhile(tmp_path, monkeypatch):
+  """A trainer keeping the last N steps deletes an old one while another process lists the
+  directory (orbax raises FileNotFoundError for it): the listing is retried, and a directory
+  that keeps failing still raises."""
+  orbax_io.save(tmp_path, 7, params=_state())
+  real = orbax_io.Checkpointer.latest_step
+  failures = {"left": 2}
+
+  def flaky(self):
+    if failures["left"]:
+      failures["left"] -= 1
+      raise FileNotFoundError(str(tmp_path / "4"))
+    return real(self)
+
+  monkeypatch.setattr(orbax_io.Checkpointer, "latest_step", flaky)
+  assert orbax_io.latest_step(tmp_path) == 7 and failures["left"] == 0
+  failures["left"] = orbax_io.LISTING_ATTEMPTS
+  with pytest.raises(FileNotFoundError):
+    orbax_io.latest_step(tmp_path)
+
+
 def test_bad_arguments(tmp_path):
   with pytest.raises(ValueError, match="keep must be"):
     orbax_io.Checkpointer(tmp_path, keep=0)

@@ -273,9 +273,23 @@ def read_meta(directory: str | pathlib.Path, step: int | None = None) -> dict:
     return ckpt.read_meta(step)
 
 
+LISTING_ATTEMPTS = 5
+
+
 def latest_step(directory: str | pathlib.Path) -> int | None:
-  """The newest complete step in `directory`, or None (also for a missing directory)."""
-  if not pathlib.Path(directory).is_dir():
-    return None
-  with Checkpointer(directory, keep=None, read_only=True) as ckpt:
-    return ckpt.latest_step()
+  """The newest complete step in `directory`, or None (also for a missing directory).
+
+  Safe to call while another process trains into `directory`: a writer that keeps the last
+  N steps deletes an old step while this listing may be reading it (orbax then raises
+  FileNotFoundError for the vanished step); the listing is taken again, up to
+  LISTING_ATTEMPTS times."""
+  for attempt in range(LISTING_ATTEMPTS):
+    if not pathlib.Path(directory).is_dir():
+      return None
+    try:
+      with Checkpointer(directory, keep=None, read_only=True) as ckpt:
+        return ckpt.latest_step()
+    except FileNotFoundError:
+      if attempt == LISTING_ATTEMPTS - 1:
+        raise
+  return None
