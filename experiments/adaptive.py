@@ -34,9 +34,11 @@ E[τ]-based figures.
 
 Side by side (`side_by_side`, on by default): an adaptive point also times every fixed shape
 of its menu, alternated with adaptive and plain in the same repeats, and reports their
-speedups (`fixed_side_by_side`), adaptive ÷ max(best of them, plain) (`ratio_side_by_side`)
-and adaptive ÷ the shape it chose most often (`vs_most_chosen_side_by_side`: the cost of being
-adaptive). On a noisy machine the same shape's speedup moves by tens of percent between
+speedups (`fixed_side_by_side`) beside their calibrated predictions
+(`fixed_predicted_side_by_side`, each from its own run's acceptance), adaptive ÷ max(best of
+them, plain) (`ratio_side_by_side`) and adaptive ÷ the shape it chose most often
+(`vs_most_chosen_side_by_side`: the cost of being adaptive). On a noisy machine the same
+shape's speedup moves by tens of percent between
 points taken minutes apart; timings alternated within one point share that drift, so these
 ratios are the ones the goals are judged on (the fixed-shape points remain, for their
 predictions and efficiencies).
@@ -226,6 +228,10 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
       out.update(side_by_side_metrics(
           tok_s / plain_tok_s, {n: rate(n) / plain_tok_s for n in beside},
           out["choice_counts"]))
+      if loop_costs is not None:  # each fixed shape's own calibrated prediction, beside it
+        out["fixed_predicted_side_by_side"] = {
+            n: calibrated_prediction(loop_costs, timed[n].result.stats, entry_of(n), batch,
+                                     max_new_tokens - 1) for n in beside}
   else:
     predicted = calibrated(entry_of(policy),
                            lambda: pol.predicted_speedup(a, batch, pol.names.index(policy)))

@@ -9,23 +9,39 @@ costs, decay, prior, threshold or forced schedule reuses the compiled loop.
 Menu. Entries are `None` (k = 0: a plain decoding step) or static `trees.TreeSpec`s (a chain
 of k drafts is `trees.chain(k)`): `menu((0, 1, 2, 4, 6))`, optionally with one or two trees.
 
-Acceptance estimate, per row b and sibling rank r: exponentially weighted counts of the
-rank-r candidates tried and accepted (`acc`, `tried`, decay λ per cycle),
+Acceptance estimate, per row b: exponentially weighted counts of candidates tried and
+accepted (`acc`, `tried`, decay λ per cycle), turned into rates
 
-    a_r(b) = (acc_r(b) + w·α₀) / (tried_r(b) + w)
+    a(b) = (acc(b) + w·prior) / (tried(b) + w)
 
-(prior α₀ with weight w). a_0 is the per-trial α of a chain; a_r is the acceptance of the
-rank-r sibling once ranks < r were rejected. A speculative cycle observes the result's
-per-rank counts; a k = 0 cycle observes the acceptance probability the drafter's one-token
-catch-up draft would have had (`loop._draft_acceptance`), so a policy that switched itself off keeps
-learning and switches back on. With lazy catch-up (`loop.adaptive_loop`) a k = 0 step
-observes nothing and leaves the estimate as it is; the catch-up pass (at most P steps later)
-observes all the skipped tokens at once from the drafter's guesses.
+(prior with weight w), in two groups of columns (`columns` = R + D):
 
-Expected tokens of an entry (Sequoia's positional model, `theory.tree_expected_tokens`):
-the rank-r child of an accepted node is the accepted one with probability
-p_r = a_r·Π_{j<r}(1 − a_j), a node is on the accepted path with the product of p along its
-root path, and E[τ] = 1 + Σ_nodes P(node). For a chain this is Σ_{i≤k} α^i. k = 0: 1.
+- per sibling rank r < R (all depths pooled): a_r is the acceptance of the rank-r sibling
+  once ranks < r were rejected; a_0 is the per-trial α of a chain. Prior α₀.
+- per depth d = 1..D (`max_depth`), the first (rank-0) candidate only: a0_d = P(the depth-d
+  first candidate is accepted | the path reached depth d − 1). Prior α₀_d (`prior_depth`,
+  from the calibration's chains: `calibration.LoopCosts.meta["depth_alpha"]`).
+
+Why per depth: acceptance is not the same at every draft position. The embedded distilled
+draft at T = 0 on prose accepts its first draft 0.91 of the time, its second (given the
+first) 0.24 and the third to sixth 0.90-0.97 (a chain of 6 over 8 held-out prompts); a
+single α makes a chain of 2 look far better than a chain of 1, which it is not there
+(docs/cost_model.md, "Adaptive speculation").
+
+A speculative cycle observes the result's per-rank counts and, per depth, whether the
+first candidate was tried and accepted; a k = 0 cycle observes the acceptance probability
+the drafter's one-token catch-up draft would have had (`loop._draft_acceptance`: rank 0,
+depth 1), so a policy that switched itself off keeps learning and switches back on. With
+lazy catch-up (`loop.adaptive_loop`) a k = 0 step observes nothing and leaves the estimate
+as it is; the catch-up pass (at most P steps later) observes all the skipped tokens at once
+from the drafter's guesses.
+
+Expected tokens of an entry (Sequoia's positional model, `theory.tree_expected_tokens`,
+with the first candidate's rate per depth): the rank-0 child of an accepted depth-(d − 1)
+node is accepted with probability a0_d, its rank-r sibling (r >= 1) with
+p_r = (1 − a0_d)·a_r·Π_{1<=j<r}(1 − a_j); a node is on the accepted path with the product
+of these along its root path, and E[τ] = 1 + Σ_nodes P(node). For a chain this is
+1 + Σ_{i<=k} Π_{d<=i} a0_d (Σ_{i<=k} α^i when every depth accepts at α). k = 0: 1.
 
 Cost: seconds per cycle of each entry at the compiled batch, interpolated (linear in
 log batch, clamped) from a table over calibrated batch sizes (`from_costs`, one
@@ -151,6 +167,36 @@ def check_threshold(threshold) -> float:
   return _float("threshold", threshold, 0.0, 1.0)
 
 
+def _prior_depth(prior, depths: int) -> np.ndarray:
+  """The depth prior as [depths] probabilities: a number for every depth, or a list (its last
+  value repeated past its end, cut at `depths`)."""
+  if isinstance(prior, (int, float, np.floating, np.integer)) and not isinstance(prior, bool):
+    values = np.asarray([float(prior)])
+  else:
+    try:
+      values = np.asarray(prior, np.float64).ravel()
+    except (TypeError, ValueError):
+      values = np.asarray([np.nan])
+  if values.size == 0 or np.any(~np.isfinite(values)) or np.any(values < 0) or np.any(
+      values > 1):
+    raise ValueError(f"prior_depth must be probabilities in [0, 1] (the first candidate's "
+                     f"acceptance at depths 1, 2, ...), got {prior!r}")
+  out = np.full(depths, values[-1])
+  out[:min(values.size, depths)] = values[:depths]
+  return out
+
+
+def _depth_profile(value) -> list[float] | None:
+  """A calibration's meta["depth_alpha"] when usable (probabilities, at least one), else None."""
+  try:
+    v = np.asarray(value, np.float64).ravel()
+  except (TypeError, ValueError):
+    return None
+  if value is None or v.size == 0 or np.any(~np.isfinite(v)) or np.any(v < 0) or np.any(v > 1):
+    return None
+  return v.tolist()
+
+
 def _entry_seconds(costs, entry: TreeSpec, cycles: str) -> float:
   """Seconds per cycle of a speculative entry from a calibration (`from_costs`)."""
   if cycles == "fit" and costs.fitted is not None:
@@ -159,10 +205,12 @@ def _entry_seconds(costs, entry: TreeSpec, cycles: str) -> float:
 
 
 def _entry_tables(entries, width: int):
-  """Static tables of each entry: node rank [E, N], ancestor-or-self mask [E, N, N] over the
-  drafted nodes (padded: rank 0, no ancestors, masked out by `valid`), valid [E, N]."""
+  """Static tables of each entry: node rank [E, N], node depth [E, N] (1 = a root child),
+  ancestor-or-self mask [E, N, N] over the drafted nodes (padded: rank 0, depth 1, no
+  ancestors, masked out by `valid`), valid [E, N]."""
   n = max([1] + [e.size for e in entries if e is not None])
   rank = np.zeros((len(entries), n), np.int32)
+  depth = np.ones((len(entries), n), np.int32)
   anc = np.zeros((len(entries), n, n), np.float32)
   valid = np.zeros((len(entries), n), np.float32)
   for i, e in enumerate(entries):
@@ -170,9 +218,10 @@ def _entry_tables(entries, width: int):
       continue
     s = e.size
     rank[i, :s] = np.minimum(e.ranks[1:], width - 1)
+    depth[i, :s] = e.depth[1:]
     anc[i, :s, :s] = e.ancestors[1:, 1:]
     valid[i, :s] = 1.0
-  return rank, anc, valid
+  return rank, depth, anc, valid
 
 
 @struct.dataclass
@@ -183,8 +232,9 @@ class AdaptivePolicy:
   batch sizes, ascending. seconds: float32 [NB, E] seconds per cycle of each entry there.
   plain: float32 [NB] seconds of a step of plain decoding there (the reference of
   `predicted_speedup`; a k = 0 entry costs it plus the drafter's catch-up).
-  decay: λ in [0, 1) per cycle. prior_alpha α₀, prior_weight w. threshold: draft stopping
-  (0 = off). forced: int32 [S] forced entry per cycle (mod S), -1 = free choice. batch_pace:
+  decay: λ in [0, 1) per cycle. prior_alpha α₀ (every sibling rank), prior_depth [D] α₀_d
+  (the first candidate at each depth 1..max(1, max_depth)), prior_weight w. threshold:
+  draft stopping (0 = off). forced: int32 [S] forced entry per cycle (mod S), -1 = free choice. batch_pace:
   1.0 for the "batch" objective, 0.0 for "tokens" (module doc).
   """
 
@@ -194,6 +244,7 @@ class AdaptivePolicy:
   plain: Array
   decay: Array
   prior_alpha: Array
+  prior_depth: Array
   prior_weight: Array
   threshold: Array
   forced: Array
@@ -204,13 +255,16 @@ class AdaptivePolicy:
   @classmethod
   def create(cls, entries: Sequence[Any], seconds, batches: Sequence[int] = (1,), *,
              plain=None, decay: float = 0.9, prior_alpha: float = 0.5,
+             prior_depth: Sequence[float] | None = None,
              prior_weight: float = DEFAULT_PRIOR_WEIGHT, threshold: float = 0.0,
              forced: Sequence[int] | None = None,
              objective: str = "batch") -> "AdaptivePolicy":
     """From explicit costs: seconds [len(batches), len(menu)] (or [len(menu)] for one batch)
     seconds per cycle (any positive unit: only ratios matter). plain: [len(batches)] a plain
     decoding step in the same unit (default: the k = 0 entry's cost, else the cheapest).
-    objective: "batch" or "tokens" (module doc)."""
+    prior_depth: the first candidate's acceptance at depths 1, 2, ... (default α₀ at every
+    depth; a shorter list repeats its last value, a longer one is cut at the menu's
+    depth). objective: "batch" or "tokens" (module doc)."""
     m = menu(entries)
     b = np.asarray(batches, np.float64)
     if b.ndim != 1 or b.size == 0 or np.any(~np.isfinite(b)) or np.any(b < 1) or np.any(
@@ -234,6 +288,8 @@ class AdaptivePolicy:
     if decay >= 1.0:
       raise ValueError(f"decay must be in [0, 1), got {decay!r}")
     _float("prior_alpha", prior_alpha, 0.0, 1.0)
+    depths = max([1] + [e.max_depth for e in m if e is not None])
+    pd = _prior_depth(prior_alpha if prior_depth is None else prior_depth, depths)
     _float("prior_weight", prior_weight, 0.0, lo_open=True)
     check_threshold(threshold)
     if objective not in OBJECTIVES:
@@ -250,6 +306,7 @@ class AdaptivePolicy:
                plain=jnp.asarray(pl, jnp.float32),
                decay=jnp.asarray(decay, jnp.float32),
                prior_alpha=jnp.asarray(prior_alpha, jnp.float32),
+               prior_depth=jnp.asarray(pd, jnp.float32),
                prior_weight=jnp.asarray(prior_weight, jnp.float32),
                threshold=jnp.asarray(threshold, jnp.float32),
                forced=jnp.asarray(f, jnp.int32),
@@ -274,7 +331,9 @@ class AdaptivePolicy:
     (`LoopCosts.meta["alpha"]`; 0.5 when none did): a fresh request starts from what this
     drafter achieved on the calibration's workload, not from a coin flip, which at α₀ = 0.5
     often prices speculation below plain decoding and spends the first run of plain steps
-    finding out otherwise."""
+    finding out otherwise. Likewise the depth prior α₀_d (unless `prior_alpha` or
+    `prior_depth` is given): the first candidate's acceptance at each depth in the
+    calibrated chains (`LoopCosts.meta["depth_alpha"]`, averaged over the calibrations)."""
     share = 1.0 / _lazy_slots(lazy_slots)
     if cycles not in CYCLES:
       raise ValueError(f"cycles must be one of {CYCLES}, got {cycles!r}")
@@ -284,8 +343,14 @@ class AdaptivePolicy:
       raise ValueError("costs must hold at least one calibration, got none")
     measured = [c.meta.get("alpha") for c in table.values()]
     measured = [float(x) for x in measured if isinstance(x, (int, float)) and 0 <= x <= 1]
-    if "prior_alpha" not in kwargs and measured:
-      kwargs["prior_alpha"] = sum(measured) / len(measured)
+    if "prior_alpha" not in kwargs:
+      profiles = [_depth_profile(c.meta.get("depth_alpha")) for c in table.values()]
+      profiles = [p for p in profiles if p is not None]
+      if profiles and "prior_depth" not in kwargs:
+        n = max(len(p) for p in profiles)
+        kwargs["prior_depth"] = np.mean([_prior_depth(p, n) for p in profiles], axis=0).tolist()
+      if measured:
+        kwargs["prior_alpha"] = sum(measured) / len(measured)
     batches = sorted(table)
     rows, plain = [], []
     for b in batches:
@@ -318,6 +383,7 @@ class AdaptivePolicy:
                                 **{"plain": np.asarray(self.plain).tolist(),
                                    "decay": float(self.decay),
                                    "prior_alpha": float(self.prior_alpha),
+                                   "prior_depth": np.asarray(self.prior_depth).tolist(),
                                    "prior_weight": float(self.prior_weight),
                                    "threshold": float(self.threshold),
                                    "forced": None if int(self.forced[0]) == -1 and
@@ -347,6 +413,16 @@ class AdaptivePolicy:
     return max([0] + [e.max_depth for e in self.menu if e is not None])
 
   @property
+  def depths(self) -> int:
+    """D: depths whose first candidate is tracked (the deepest menu entry, at least 1)."""
+    return max(1, self.max_depth)
+
+  @property
+  def columns(self) -> int:
+    """Columns of the estimate's counts: R sibling ranks, then D depths (module doc)."""
+    return self.width + self.depths
+
+  @property
   def max_verify(self) -> int:
     """Verified nodes with the root of the largest entry (1 for k = 0)."""
     return 1 + self.max_nodes
@@ -358,14 +434,16 @@ class AdaptivePolicy:
   # ----------------------------------------------------------------------- the estimate
 
   def init_state(self, batch: int) -> tuple[Array, Array]:
-    """(acc [B, R], tried [B, R]): no observations yet (the prior alone)."""
-    z = jnp.zeros((batch, self.width), jnp.float32)
+    """(acc, tried) [B, C], C = `columns` = R + D: no observations yet (the prior alone)."""
+    z = jnp.zeros((batch, self.columns), jnp.float32)
     return z, z
 
-  def rates(self, acc_BR: Array, tried_BR: Array) -> Array:
-    """a_r per row [B, R] (module doc)."""
+  def rates(self, acc_BC: Array, tried_BC: Array) -> Array:
+    """Per row [B, C]: a_r for ranks r < R, then a0_d for depths d = 1..D (module doc)."""
     w = self.prior_weight
-    return (acc_BR + w * self.prior_alpha) / (tried_BR + w)
+    prior = jnp.concatenate([jnp.broadcast_to(self.prior_alpha, (self.width,)),
+                             self.prior_depth])
+    return (acc_BC + w * prior[None]) / (tried_BC + w)
 
   def observe(self, acc_BR, tried_BR, accepted_BR, trials_BR, active_B):
     """One cycle's per-rank counts (active rows only), exponentially weighted."""
@@ -375,22 +453,47 @@ class AdaptivePolicy:
     tried = jnp.where(a, lam * tried_BR + trials_BR, tried_BR)
     return acc, tried
 
-  def pad_ranks(self, x_BW: Array) -> Array:
-    """Per-rank counts [B, W] of one entry padded to [B, R]."""
-    w = x_BW.shape[1]
-    return jnp.pad(x_BW.astype(jnp.float32), ((0, 0), (0, self.width - w)))
+  def observation(self, ranks_BW: Array, depths_BD: Array | None = None) -> Array:
+    """One cycle's counts as [B, C] columns: per-rank counts [B, W] of one entry (W <= R)
+    and per-depth first-candidate counts [B, D'] (D' <= D; None: no depth observed)."""
+    w = ranks_BW.shape[1]
+    out = jnp.pad(ranks_BW.astype(jnp.float32), ((0, 0), (0, self.width - w)))
+    d = 0 if depths_BD is None else depths_BD.shape[1]
+    tail = (jnp.zeros((out.shape[0], self.depths), jnp.float32) if depths_BD is None else
+            jnp.pad(depths_BD.astype(jnp.float32), ((0, 0), (0, self.depths - d))))
+    return jnp.concatenate([out, tail], axis=1)
+
+  def first_draft_observation(self, value_B: Array) -> Array:
+    """[B, C] counts of a one-token draft (rank 0 at depth 1) observed as `value_B`."""
+    v = value_B.astype(jnp.float32)[:, None]
+    return self.observation(v, v)
+
+  def cycle_observation(self, entry: TreeSpec, result) -> tuple[Array, Array]:
+    """(accepted, tried) [B, C] of one cycle of `entry` (an `acceptance.TreeResult`): the
+    result's per-rank counts and, per depth d, whether the first candidate was tried (the
+    path reached d − 1 and has children) and accepted (the path's depth-d node has rank 0)."""
+    d = entry.max_depth
+    ranks = jnp.asarray(entry.ranks, jnp.int32)[result.path[:, 1:d + 1]]  # [B, D]
+    reached = jnp.arange(1, d + 1, dtype=jnp.int32)[None] <= result.n_accepted[:, None]
+    first_acc = reached & (ranks == 0)
+    return (self.observation(result.rank_accepted, first_acc),
+            self.observation(result.rank_tried, result.depth_tried))
 
   # ----------------------------------------------------------------------- the choice
 
-  def expected_tokens(self, rates_BR, xp=jnp):
-    """E[τ] per row and entry [B, E] from per-rank rates (module doc). xp: jnp (in the
-    loop) or np (on the host): one formula for both."""
-    rank, anc, valid = _entry_tables(self.menu, self.width)
-    rates_BR = xp.clip(xp.asarray(rates_BR, xp.float32), 0.0, 1.0)
-    survive = xp.cumprod(1.0 - rates_BR, axis=1)
+  def expected_tokens(self, rates_BC, xp=jnp):
+    """E[τ] per row and entry [B, E] from the rates [B, C] (`rates`: R ranks, then D
+    depths; module doc). xp: jnp (in the loop) or np (on the host): one formula for both."""
+    rank, depth, anc, valid = _entry_tables(self.menu, self.width)
+    rates_BC = xp.clip(xp.asarray(rates_BC, xp.float32), 0.0, 1.0)
+    r = self.width
+    later = xp.concatenate([xp.zeros_like(rates_BC[:, :1]), rates_BC[:, 1:r]], axis=1)
+    survive = xp.cumprod(1.0 - later, axis=1)
     before = xp.concatenate([xp.ones_like(survive[:, :1]), survive[:, :-1]], axis=1)
-    p_BR = rates_BR * before  # P(rank r is the accepted sibling | parent accepted)
-    edge_BEN = xp.take(p_BR, xp.asarray(rank), axis=1)  # [B, E, N]
+    sibling_BR = later * before  # a_r·Π_{1<=j<r}(1 − a_j); 0 for rank 0
+    first_BEN = xp.take(rates_BC[:, r:], xp.asarray(depth) - 1, axis=1)  # a0 at node depth
+    edge_BEN = xp.where(xp.asarray(rank)[None] == 0, first_BEN,
+                        (1.0 - first_BEN) * xp.take(sibling_BR, xp.asarray(rank), axis=1))
     log_edge = xp.log(xp.maximum(edge_BEN, 1e-30))
     node_BEN = xp.exp(xp.einsum("ben,emn->bem", log_edge, xp.asarray(anc)))
     return 1.0 + xp.sum(node_BEN * xp.asarray(valid)[None], axis=-1)
@@ -404,12 +507,12 @@ class AdaptivePolicy:
     cols = [xp.interp(x, xs, secs[:, e]) for e in range(secs.shape[1])]
     return xp.stack(cols, axis=-1)
 
-  def scores(self, rates_BR, active_B, batch, xp=jnp, remaining_B=None):
+  def scores(self, rates_BC, active_B, batch, xp=jnp, remaining_B=None):
     """Predicted tokens per second of each entry [E] (or [Q, E] for batches [Q]) under the
     policy's objective (module doc): Σ_active E[τ] ÷ cycle seconds ("tokens", or without
     `remaining_B`), or the pace of the row that finishes last ("batch"), scaled to be
     comparable across entries: min_active min(E[τ_b], r_b) ÷ r_b ÷ cycle seconds."""
-    tau_BE = self.expected_tokens(rates_BR, xp)
+    tau_BE = self.expected_tokens(rates_BC, xp)
     act = xp.asarray(active_B)[:, None]
     secs = self.cycle_seconds(batch, xp)
     tokens = xp.sum(tau_BE * act.astype(xp.float32), axis=0) / secs
@@ -420,43 +523,50 @@ class AdaptivePolicy:
     pace = xp.where(xp.any(act), pace, 0.0) / secs
     return xp.where(self.batch_pace > 0, pace, tokens)
 
-  def pick(self, rates_BR: Array, active_B: Array, batch, cycle: Array,
+  def pick(self, rates_BC: Array, active_B: Array, batch, cycle: Array,
            remaining_B: Array | None = None) -> Array:
     """The entry index (int32) this cycle: forced[cycle mod S] if >= 0, else the argmax of
     `scores` (first entry among ties; `remaining_B`: each row's budget left, for the "batch"
     objective). Pure jnp: the loop's choice."""
-    best = jnp.argmax(self.scores(rates_BR, active_B, batch, jnp, remaining_B)).astype(
+    best = jnp.argmax(self.scores(rates_BC, active_B, batch, jnp, remaining_B)).astype(
         jnp.int32)
     f = self.forced[jnp.mod(cycle, self.forced.shape[0])]
     return jnp.where(f >= 0, f, best)
 
   # ----------------------------------------------------------------------- host answers
 
-  def _host_rates(self, alpha, rank_rates=None) -> np.ndarray:
+  def _host_rates(self, alpha, rank_rates=None, depth_rates=None) -> np.ndarray:
+    """[1, C] rates: every rank at α (or `rank_rates`), every depth's first candidate at the
+    rank-0 rate (or `depth_rates`, `_prior_depth`'s rules)."""
     if rank_rates is None:
-      return np.full((1, self.width), _float("alpha", alpha, 0.0, 1.0), np.float32)
-    rr = np.asarray(rank_rates, np.float32).ravel()
-    if rr.size == 0 or np.any(~np.isfinite(rr)) or np.any(rr < 0) or np.any(rr > 1):
-      raise ValueError(f"rank_rates must be probabilities in [0, 1], got {rank_rates!r}")
-    rates = np.full(self.width, rr[-1], np.float32)
-    rates[:min(rr.size, self.width)] = rr[:self.width]
-    return rates[None]
+      rates = np.full(self.width, _float("alpha", alpha, 0.0, 1.0), np.float32)
+    else:
+      rr = np.asarray(rank_rates, np.float32).ravel()
+      if rr.size == 0 or np.any(~np.isfinite(rr)) or np.any(rr < 0) or np.any(rr > 1):
+        raise ValueError(f"rank_rates must be probabilities in [0, 1], got {rank_rates!r}")
+      rates = np.full(self.width, rr[-1], np.float32)
+      rates[:min(rr.size, self.width)] = rr[:self.width]
+    depth = _prior_depth(float(rates[0]) if depth_rates is None else depth_rates, self.depths)
+    return np.concatenate([rates, depth.astype(np.float32)])[None]
 
-  def choose_batches(self, alpha, batches, rank_rates=None) -> np.ndarray:
+  def choose_batches(self, alpha, batches, rank_rates=None, depth_rates=None) -> np.ndarray:
     """Host (numpy, the loop's formula): the entry index the loop would pick at each batch
-    size in `batches` for rows that all accept at α (or at per-rank rates), no forcing."""
+    size in `batches` for rows that all accept at α (or at per-rank rates `rank_rates` and
+    the first candidate's per-depth rates `depth_rates`), no forcing."""
     b = np.asarray(batches)
     if b.ndim != 1 or b.size == 0 or not np.issubdtype(b.dtype, np.integer) or np.any(b < 1):
       raise ValueError(f"batches must be ints >= 1, got {batches!r}")
-    s = self.scores(self._host_rates(alpha, rank_rates), np.ones(1, bool), b, np)
+    s = self.scores(self._host_rates(alpha, rank_rates, depth_rates), np.ones(1, bool), b, np)
     return np.argmax(s, axis=-1)
 
-  def choose(self, alpha, batch: int, rank_rates: Sequence[float] | None = None) -> int:
+  def choose(self, alpha, batch: int, rank_rates: Sequence[float] | None = None,
+             depth_rates: Sequence[float] | None = None) -> int:
     """Host: the entry the loop would pick for `batch` rows that all accept at α (or at
-    per-rank rates `rank_rates`), with no forced schedule."""
+    per-rank rates `rank_rates` and per-depth first-candidate rates `depth_rates`), with no
+    forced schedule."""
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
       raise ValueError(f"batch must be an int >= 1, got {batch!r}")
-    return int(self.choose_batches(alpha, [int(batch)], rank_rates)[0])
+    return int(self.choose_batches(alpha, [int(batch)], rank_rates, depth_rates)[0])
 
   def predicted_speedup(self, alpha: float, batch: int, entry: int) -> float:
     """Predicted speedup of `entry` over plain decoding at `batch` (`plain_seconds`)."""

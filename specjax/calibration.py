@@ -178,7 +178,8 @@ class LoopCosts:
   every calibrated shape. fitted: the `CycleFit` over them (None when the shapes do not
   identify it). meta: what was calibrated (batch, temperature, budget, fingerprint...)
   and "alpha", the first draft's acceptance over the calibrated chains' runs (None without
-  a chain): what the adaptive policy starts from (`AdaptivePolicy.from_costs`).
+  a chain), and "depth_alpha", the first candidate's acceptance at each depth of those chains
+  (`depth_alpha`): what the adaptive policy starts from (`AdaptivePolicy.from_costs`).
   """
 
   t_step: float
@@ -461,14 +462,34 @@ def measure(target, draft, prompt_ids: Sequence[Sequence[int]], shapes: Sequence
     run = last[f"{shape_key(t)}/M"]
     cycles.append((t, decode(shape_key(t), max(1, decoding.loop_iterations(run, rows)))))
   chains = [last[f"{shape_key(t)}/M"].stats for t in shapes if t.is_chain]
-  tried = sum(float(np.sum(st["depth_tried"][:, 0])) for st in chains)
-  accepted = sum(float(np.sum(st["depth_accepted"][:, 0])) for st in chains)
+  alphas = depth_alpha(chains)
   meta = {"batch": rows, "prompts": len(prompt_ids), "temperature": float(temperature),
-          "alpha": accepted / tried if tried else None,
+          "alpha": alphas[0] if alphas else None, "depth_alpha": alphas,
           "max_new_tokens": max_new_tokens, "cache_len": cache_len, "repeats": repeats,
           "statistic": statistic,
           "drafters": {k: _describe_drafter(d) for k, d in drafters.items()}}
   return LoopCosts.from_timings(t_step, cycles, meta)
+
+
+def depth_alpha(chain_stats: Sequence[Mapping[str, np.ndarray]]) -> list[float]:
+  """The first candidate's acceptance at each depth d = 1, 2, ... of chains, given the chain
+  got that far: Σ accepted at d ÷ Σ tried at d over every row of every chain run's stats
+  (`Generation.stats`), up to the deepest depth tried. At d = 1 it is the first draft's α.
+  Acceptance differs by position (BUILD_NOTES.md: the embedded draft at T = 0 on prose,
+  0.91 at depth 1 and 0.24 at depth 2), which the adaptive policy's prior reads
+  (`adaptive.AdaptivePolicy.from_costs`)."""
+  depth = max([0] + [np.asarray(st["depth_tried"]).shape[1] for st in chain_stats])
+  tried, accepted = np.zeros(depth), np.zeros(depth)
+  for st in chain_stats:
+    t, a = np.asarray(st["depth_tried"], np.float64), np.asarray(st["depth_accepted"], np.float64)
+    tried[:t.shape[1]] += t.sum(axis=0)
+    accepted[:a.shape[1]] += a.sum(axis=0)
+  out = []
+  for t, a in zip(tried, accepted):
+    if not t > 0:
+      break
+    out.append(float(a / t))
+  return out
 
 
 def default_cache_len(target, draft, prompt_ids, shapes: Sequence[Tree],
@@ -583,7 +604,8 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
   if not recalibrate and path.exists():
     try:
       costs = LoopCosts.from_dict(json.loads(path.read_text()))
-      if set(costs.cycles) == set(drafters):
+      # "depth_alpha": calibrations stored before it was measured are measured again
+      if set(costs.cycles) == set(drafters) and "depth_alpha" in costs.meta:
         return dataclasses.replace(costs, meta={**costs.meta, "cached": True})
     except (ValueError, KeyError, TypeError, OSError):  # unreadable: measure again
       pass

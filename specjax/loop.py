@@ -305,8 +305,9 @@ def speculative_loop(target: LM, drafter, prompt_BP, prompt_len_B, budget_B, eos
 
 @struct.dataclass
 class AdaptState:
-  """The adaptive loop's own state: the policy's per-row, per-rank exponentially weighted
-  counts (acc, tried [B, R]), the loop iteration, the menu entry chosen at each iteration
+  """The adaptive loop's own state: the policy's per-row exponentially weighted counts
+  (acc, tried [B, R + D]: per sibling rank, then per depth, `AdaptivePolicy.columns`), the
+  loop iteration, the menu entry chosen at each iteration
   (choices [C], -1 unused), the plain (k = 0) steps each row took (plain_steps [B]; one
   token each), the draft-stopping counters per row: cycles it cut (stopped) and accepted
   drafts it discarded (discarded), and the lazy catch-up bookkeeping (`adaptive_loop`): per
@@ -314,8 +315,8 @@ class AdaptState:
   target's probability of each (behind_p, for the acceptance estimate), and the number of
   catch-up passes run (catch_ups)."""
 
-  acc: Array  # float32 [B, R]
-  tried: Array  # float32 [B, R]
+  acc: Array  # float32 [B, R + D]
+  tried: Array  # float32 [B, R + D]
   cycle: Array  # int32 []
   choices: Array  # int32 [C]
   plain_steps: Array  # int32 [B]
@@ -355,14 +356,15 @@ def _draft_acceptance(proposal, p_BV) -> Array:
 LAZY_SLOTS = 32
 
 
-def _catch_up_observation(guess, tokens_BS, length_B, behind_B, p_BP, ranks: int):
-  """The policy's rank-0 observation from a catch-up's guesses for the skipped tokens x_j
-  (the target sampled x_j from its warped law p_j): per token the acceptance probability's
-  unbiased estimate min(1, q_j(x_j) / p_j(x_j)) (E over x ~ p: Σ min(p, q)), or [guess_j =
-  x_j] for point masses (E: p(guess)). Returns (acc_obs, tried_obs) [B, R]."""
+def _catch_up_observation(guess, tokens_BS, length_B, behind_B, p_BP, policy):
+  """The policy's first-draft observation (rank 0, depth 1) from a catch-up's guesses for
+  the skipped tokens x_j (the target sampled x_j from its warped law p_j): per token the
+  acceptance probability's unbiased estimate min(1, q_j(x_j) / p_j(x_j)) (E over x ~ p:
+  Σ min(p, q)), or [guess_j = x_j] for point masses (E: p(guess)). Returns (acc_obs,
+  tried_obs) [B, R + D] (`AdaptivePolicy.observation`)."""
   width = p_BP.shape[1]
-  z = jnp.zeros((length_B.shape[0], ranks), jnp.float32)
   if guess is None:
+    z = policy.observation(jnp.zeros((length_B.shape[0], 1), jnp.float32))
     return z, z
   j = jnp.arange(width, dtype=jnp.int32)[None]
   valid = j < behind_B[:, None]
@@ -373,8 +375,9 @@ def _catch_up_observation(guess, tokens_BS, length_B, behind_B, p_BP, ranks: int
   else:
     q_x = jnp.take_along_axis(guess.q, x_BP[:, :, None], axis=2)[:, :, 0]
     hit = jnp.minimum(1.0, q_x / jnp.maximum(p_BP, 1e-30))
-  hits = jnp.sum(jnp.where(valid, hit, 0.0), axis=1)
-  return z.at[:, 0].set(hits), z.at[:, 0].set(jnp.sum(valid, axis=1).astype(jnp.float32))
+  hits = jnp.sum(jnp.where(valid, hit, 0.0), axis=1)[:, None]
+  count = jnp.sum(valid, axis=1).astype(jnp.float32)[:, None]
+  return policy.observation(hits, hits), policy.observation(count, count)
 
 
 def _run_chosen(choice, branches, none):
@@ -450,14 +453,14 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
                      "does not keep the features of skipped plain steps); its lazy_catch_up "
                      "must be False")
   slots = max(int(lazy_slots), 0)
-  zero_obs = jnp.zeros((b, ranks), jnp.float32)
+  zero_obs = jnp.zeros((b, policy.columns), jnp.float32)
 
   def catch_up(s: LoopState):
     """Syncs the drafter with the context: (state, acc_obs, tried_obs)."""
     a = s.adapt
     draft, guess = drafter.catch_up(s.draft, s.context(), a.behind, slots, sampler)
     acc_obs, tried_obs = _catch_up_observation(guess, s.tokens, s.length, a.behind,
-                                               a.behind_p, ranks)
+                                               a.behind_p, policy)
     adapt = a.replace(behind=jnp.zeros_like(a.behind), catch_ups=a.catch_ups + 1)
     return s.replace(draft=draft, adapt=adapt), acc_obs, tried_obs
 
@@ -527,9 +530,9 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
                            jnp.zeros((b,), jnp.int32), **extra(feats))
     new = s.replace(tokens=tokens, length=length, done=done, key=key, draft=draft,
                     cache=kv.set_lengths(cache, length))
-    obs = jnp.zeros((b, ranks), jnp.float32)
-    acc_obs = obs.at[:, 0].set(_draft_acceptance(proposal, p_BV))
-    return (new, acc_obs, obs.at[:, 0].set(1.0), active, jnp.zeros((b,), jnp.int32),
+    acc_obs = policy.first_draft_observation(_draft_acceptance(proposal, p_BV))
+    tried_obs = policy.first_draft_observation(jnp.ones((b,), jnp.float32))
+    return (new, acc_obs, tried_obs, active, jnp.zeros((b,), jnp.int32),
             active.astype(jnp.int32))
 
   def spec_branch(tree):
@@ -543,8 +546,9 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
       stats = s.stats.record(active, _pad_result(result, depth, ranks), tree.size)
       new = new.replace(key=key, stats=stats)
       a1 = active[:, None]
-      acc_obs = jnp.where(a1, policy.pad_ranks(result.rank_accepted), 0.0)
-      tried_obs = jnp.where(a1, policy.pad_ranks(result.rank_tried), 0.0)
+      acc_c, tried_c = policy.cycle_observation(tree, result)
+      acc_obs = jnp.where(a1, acc_c, 0.0)
+      tried_obs = jnp.where(a1, tried_c, 0.0)
       return (new, acc_obs, tried_obs, active, jnp.where(active, lost, 0).astype(jnp.int32),
               jnp.zeros((b,), jnp.int32))
     return run

@@ -63,7 +63,7 @@ def test_policy_tree_expected_tokens_match_theory_and_batch_cost_moves_the_choic
                                        batches=(1, 64))
   a = 0.7
   rank_probs = [a, (1 - a) * a]  # rank r accepted after r rejections, each at rate a
-  tau = np.asarray(pol.expected_tokens(jnp.full((1, pol.width), a)))[0]
+  tau = np.asarray(pol.expected_tokens(jnp.full((1, pol.columns), a)))[0]
   assert tau[0] == pytest.approx(1.0)
   assert tau[1] == pytest.approx(theory.expected_tokens(a, 2), rel=1e-5)
   assert tau[2] == pytest.approx(theory.tree_expected_tokens(TREE.draft_parents, rank_probs),
@@ -86,18 +86,19 @@ def test_batch_objective_follows_the_row_that_finishes_last():
   batch_pol = adaptive.AdaptivePolicy.create(ks, costs)
   token_pol = batch_pol.replace_runtime(objective="tokens")
   assert (batch_pol.objective, token_pol.objective) == ("batch", "tokens")
-  rates = jnp.asarray([[0.95], [0.1]])
+  cols = batch_pol.columns  # every rank and depth at the row's rate
+  rates = jnp.repeat(jnp.asarray([[0.95], [0.1]]), cols, axis=1)
   active, left = jnp.asarray([True, True]), jnp.asarray([40, 40])
   pick = lambda pol, r, a: int(pol.pick(r, a, 2, jnp.asarray(0), left))  # noqa: E731
   assert pick(token_pol, rates, active) == 2
   assert pick(batch_pol, rates, active) == 0
   # the slow row done: the fast one alone sets the pace, speculation pays again
   assert pick(batch_pol, rates, jnp.asarray([True, False])) == 2
-  same = jnp.asarray([[0.8], [0.8]])
+  same = jnp.full((2, cols), 0.8)
   assert pick(batch_pol, same, active) == pick(token_pol, same, active) == batch_pol.choose(
       0.8, 2)
   # a row about to finish cannot use a deep chain: min(E[τ], tokens left)
-  one = lambda n: int(batch_pol.pick(jnp.asarray([[0.95]]), jnp.asarray([True]), 1,  # noqa
+  one = lambda n: int(batch_pol.pick(jnp.full((1, cols), 0.95), jnp.asarray([True]), 1,  # noqa
                                      jnp.asarray(0), jnp.asarray([n])))
   assert one(40) == 2 and one(1) == 0
 
@@ -320,3 +321,76 @@ def test_cli_theory_adaptive_from_a_calibration_file_and_bad_k(capsys, tmp_path)
     main(["generate", "--k", "fast", "--repeats", "1"])
   assert exc.value.code == 2
   assert "'auto'" in capsys.readouterr().err
+
+
+def test_first_candidate_rates_per_depth_price_chains_and_trees():
+  """E[τ] with the first candidate's acceptance per depth: a chain of k accepts
+  1 + Σ_i Π_{d<=i} a0_d; a rank-1 sibling at depth d is reached with (1 − a0_d)·a_1. Equal
+  rates at every depth give back the single-α law."""
+  pol = adaptive.AdaptivePolicy.create((0, 3, TREE), [1.0, 1.5, 1.6])
+  assert (pol.width, pol.depths, pol.columns) == (2, 3, 5)
+  a1, a, (d1, d2, d3) = 0.6, 0.5, (0.9, 0.2, 0.8)
+  tau = np.asarray(pol.expected_tokens(jnp.asarray([[a, a1, d1, d2, d3]])))[0]
+  assert tau[1] == pytest.approx(1 + d1 + d1 * d2 + d1 * d2 * d3, rel=1e-6)
+  # TREE = branching((2, 1)): two depth-1 siblings, each with one child (rank 0, depth 2)
+  first, second = d1, (1 - d1) * a1
+  assert tau[2] == pytest.approx(1 + (first + second) * (1 + d2), rel=1e-6)
+  flat = np.asarray(pol.expected_tokens(jnp.full((1, pol.columns), 0.7)))[0]
+  assert flat[1] == pytest.approx(theory.expected_tokens(0.7, 3), rel=1e-6)
+
+
+def test_depth_prior_from_the_calibration_moves_the_choice():
+  """Where the second draft is rarely accepted once the first was (the embedded draft at
+  T = 0 on prose: 0.91 then 0.24), a chain of 2 buys little over a chain of 1: with the
+  depth profile the policy keeps k = 1 where a single α would pick k = 2."""
+  from specjax import calibration
+  ks, secs = (0, 1, 2), [1.0, 1.3, 1.45]
+  pol = adaptive.AdaptivePolicy.create(ks, secs, prior_alpha=0.8)
+  assert pol.names[pol.choose(0.8, 1)] == "k=2"
+  assert pol.names[pol.choose(0.8, 1, depth_rates=[0.8, 0.2])] == "k=1"
+  costs = calibration.LoopCosts.from_timings(
+      1.0, [(trees.chain(1), 1.3), (trees.chain(2), 1.45)],
+      meta={"batch": 1, "alpha": 0.8, "depth_alpha": [0.8, 0.2]})
+  cal = adaptive.AdaptivePolicy.from_costs(ks, costs, cycles="measured")
+  np.testing.assert_allclose(np.asarray(cal.prior_depth), [0.8, 0.2], rtol=1e-6)
+  start = lambda p: int(p.pick(p.rates(*p.init_state(1)), jnp.asarray([True]), 1,  # noqa
+                                jnp.asarray(0), jnp.asarray([64])))
+  assert cal.names[start(cal)] == "k=1"
+  # without a measured profile (or with prior_alpha given) every depth starts at α₀
+  flat = adaptive.AdaptivePolicy.from_costs(
+      ks, dataclasses.replace(costs, meta={"batch": 1, "alpha": 0.8}), cycles="measured")
+  assert flat.names[start(flat)] == "k=2"
+  given = adaptive.AdaptivePolicy.from_costs(ks, costs, cycles="measured", prior_alpha=0.8)
+  np.testing.assert_allclose(np.asarray(given.prior_depth), [0.8, 0.8], rtol=1e-6)
+  # a short profile repeats its last value; a bad one is refused with the value
+  deep = adaptive.AdaptivePolicy.create((0, 4), [1.0, 1.9], prior_depth=[0.9, 0.3])
+  np.testing.assert_allclose(np.asarray(deep.prior_depth), [0.9, 0.3, 0.3, 0.3], rtol=1e-6)
+  with pytest.raises(ValueError, match=r"prior_depth must be probabilities in \[0, 1\]"):
+    adaptive.AdaptivePolicy.create((0, 1), [1.0, 1.3], prior_depth=[0.5, 1.5])
+
+
+def test_calibration_depth_alpha_pools_chains_by_depth():
+  """depth_alpha: Σ accepted ÷ Σ tried per depth over every chain run and row."""
+  from specjax import calibration
+  k1 = {"depth_tried": np.asarray([[6], [4]]), "depth_accepted": np.asarray([[5], [3]])}
+  k2 = {"depth_tried": np.asarray([[10, 8]]), "depth_accepted": np.asarray([[8, 2]])}
+  assert calibration.depth_alpha([k1, k2]) == pytest.approx([16 / 20, 2 / 8])
+  assert calibration.depth_alpha([]) == []
+
+
+def test_cycle_observation_counts_ranks_and_first_candidates_per_depth():
+  """One cycle of TREE = branching((2, 1)) per row: row 0 accepted the rank-1 sibling then
+  its child (first candidate of depth 1 tried and rejected, depth 2's accepted); row 1
+  accepted the rank-0 node and rejected its child."""
+  pol = adaptive.AdaptivePolicy.create((0, 1, TREE), [1.0, 1.3, 1.6])
+  # TREE's nodes: 0 root, 1 / 2 the depth-1 siblings (ranks 0 / 1), 3 / 4 their children
+  assert list(TREE.ranks) == [0, 0, 1, 0, 0] and list(TREE.parents[1:]) == [0, 0, 1, 2]
+  result = acceptance.TreeResult(
+      n_accepted=jnp.asarray([2, 1]), next_token=jnp.asarray([0, 0]),
+      path=jnp.asarray([[0, 2, 4], [0, 1, 1]]),
+      depth_tried=jnp.asarray([[True, True], [True, True]]),
+      rank_tried=jnp.asarray([[2, 1], [2, 0]]), rank_accepted=jnp.asarray([[1, 1], [1, 0]]))
+  acc, tried = (np.asarray(x) for x in pol.cycle_observation(TREE, result))
+  # columns: ranks 0, 1 | depths 1, 2
+  np.testing.assert_array_equal(tried, [[2, 1, 1, 1], [2, 0, 1, 1]])
+  np.testing.assert_array_equal(acc, [[1, 1, 0, 1], [1, 0, 1, 0]])
