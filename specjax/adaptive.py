@@ -19,8 +19,11 @@ accepted (`acc`, `tried`, decay λ per cycle), turned into rates
 - per sibling rank r < R (all depths pooled): a_r is the acceptance of the rank-r sibling
   once ranks < r were rejected; a_0 is the per-trial α of a chain. Prior α₀.
 - per depth d = 1..D (`max_depth`), the first (rank-0) candidate only: a0_d = P(the depth-d
-  first candidate is accepted | the path reached depth d − 1). Prior α₀_d (`prior_depth`,
-  from the calibration's chains: `calibration.LoopCosts.meta["depth_alpha"]`).
+  first candidate is accepted | the path reached depth d − 1). Prior: the profile α₀_d
+  (`prior_depth`, from the calibration's chains: `calibration.LoopCosts.meta["depth_alpha"]`)
+  at depth 1; at depths d >= 2 the profile shifted in log-odds by the row's own depth-1
+  evidence, logit α₀_d + (logit a0_1(b) − logit α₀_1) (a row effect: the profile pools rows,
+  and deep positions are reached mostly by rows that accept a lot).
 
 Why per depth: acceptance is not the same at every draft position. The embedded distilled
 draft at T = 0 on prose accepts its first draft 0.91 of the time, its second (given the
@@ -94,6 +97,7 @@ from specjax.trees import TreeSpec
 Array = jax.Array
 
 DEFAULT_CHAINS = (0, 1, 2, 4, 6)
+_EPS = 1e-3  # probabilities clipped to [ε, 1 − ε] before log-odds
 OBJECTIVES = ("batch", "tokens")  # AdaptivePolicy.objective (module doc)
 CYCLES = ("fit", "measured")  # AdaptivePolicy.from_costs: where an entry's cycle cost comes from
 # The prior's weight w in trials (module doc). With w = 1 one rejected first draft took a
@@ -167,6 +171,10 @@ def check_threshold(threshold) -> float:
   return _float("threshold", threshold, 0.0, 1.0)
 
 
+def _logit(p: Array) -> Array:
+  return jnp.log(p) - jnp.log1p(-p)
+
+
 def _prior_depth(prior, depths: int) -> np.ndarray:
   """The depth prior as [depths] probabilities: a number for every depth, or a list (its last
   value repeated past its end, cut at `depths`)."""
@@ -234,8 +242,8 @@ class AdaptivePolicy:
   `predicted_speedup`; a k = 0 entry costs it plus the drafter's catch-up).
   decay: λ in [0, 1) per cycle. prior_alpha α₀ (every sibling rank), prior_depth [D] α₀_d
   (the first candidate at each depth 1..max(1, max_depth)), prior_weight w. threshold:
-  draft stopping (0 = off). forced: int32 [S] forced entry per cycle (mod S), -1 = free choice. batch_pace:
-  1.0 for the "batch" objective, 0.0 for "tokens" (module doc).
+  draft stopping (0 = off). forced: int32 [S] forced entry per cycle (mod S), -1 = free
+  choice. batch_pace: 1.0 for the "batch" objective, 0.0 for "tokens" (module doc).
   """
 
   menu: tuple = struct.field(pytree_node=False)
@@ -439,11 +447,22 @@ class AdaptivePolicy:
     return z, z
 
   def rates(self, acc_BC: Array, tried_BC: Array) -> Array:
-    """Per row [B, C]: a_r for ranks r < R, then a0_d for depths d = 1..D (module doc)."""
+    """Per row [B, C]: a_r for ranks r < R, then a0_d for depths d = 1..D (module doc).
+
+    Depths d >= 2 start from the row's own prior: the profile shifted in log-odds by how
+    far the row's depth-1 rate lies from the profile's (a row effect: a row that accepts
+    less than the calibration's rows at depth 1 is expected to accept less deeper too)."""
     w = self.prior_weight
-    prior = jnp.concatenate([jnp.broadcast_to(self.prior_alpha, (self.width,)),
-                             self.prior_depth])
-    return (acc_BC + w * prior[None]) / (tried_BC + w)
+    r = self.width
+    ranks = (acc_BC[:, :r] + w * self.prior_alpha) / (tried_BC[:, :r] + w)
+    prof = jnp.clip(self.prior_depth, _EPS, 1.0 - _EPS)
+    first = (acc_BC[:, r:r + 1] + w * prof[0]) / (tried_BC[:, r:r + 1] + w)  # [B, 1]
+    shift = _logit(jnp.clip(first, _EPS, 1.0 - _EPS)) - _logit(prof[0])
+    prior_BD = jax.nn.sigmoid(_logit(prof)[None] + shift)
+    prior_BD = jnp.concatenate([jnp.broadcast_to(prof[:1], first.shape), prior_BD[:, 1:]],
+                               axis=1)
+    deep = (acc_BC[:, r:] + w * prior_BD) / (tried_BC[:, r:] + w)
+    return jnp.concatenate([ranks, deep], axis=1)
 
   def observe(self, acc_BR, tried_BR, accepted_BR, trials_BR, active_B):
     """One cycle's per-rank counts (active rows only), exponentially weighted."""

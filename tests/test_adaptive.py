@@ -394,3 +394,56 @@ def test_cycle_observation_counts_ranks_and_first_candidates_per_depth():
   # columns: ranks 0, 1 | depths 1, 2
   np.testing.assert_array_equal(tried, [[2, 1, 1, 1], [2, 0, 1, 1]])
   np.testing.assert_array_equal(acc, [[1, 1, 0, 1], [1, 0, 1, 0]])
+
+
+def test_theory_adaptive_prints_the_first_choice_from_the_calibrated_depth_profile(
+    tmp_path, capsys):
+  """`specjax theory adaptive --calibration` also says where a fresh request starts: the
+  prior α₀ and the calibration's per-depth profile, and the shape the first cycle picks."""
+  import json
+
+  from specjax import calibration
+  from specjax.cli import main
+
+  costs = calibration.LoopCosts.from_timings(
+      1.0, [(trees.chain(1), 1.3), (trees.chain(2), 1.45)],
+      meta={"batch": 1, "temperature": 0.0, "alpha": 0.8, "depth_alpha": [0.8, 0.2]})
+  path = tmp_path / "cal.json"
+  path.write_text(json.dumps(costs.to_dict()))
+  args = ["theory", "adaptive", "--calibration", str(path), "--menu", "0,1,2", "--alphas",
+          "0.8", "--batches", "1"]
+  assert main(args + ["--json"]) == 0
+  doc = json.loads(capsys.readouterr().out)
+  assert doc["prior"]["alpha"] == pytest.approx(0.8)
+  assert doc["prior"]["depth_alpha"] == pytest.approx([0.8, 0.2])
+  assert doc["rows"][0]["choice"] == "k=2"  # every depth at 0.8
+  assert doc["first_choice"] == {"1": "k=1"}  # depth 2 at 0.2: a chain of 2 does not pay
+  assert main(args) == 0
+  assert "first candidate per depth [0.80, 0.20]: first choice batch 1: k=1" in (
+      capsys.readouterr().out)
+
+
+def test_deeper_priors_follow_the_rows_own_first_draft_rate():
+  """A row's prior at depths >= 2 is the calibrated profile shifted in log-odds by the row's
+  own depth-1 evidence: a row that rejects its first drafts is not credited with the deep
+  acceptance that rows which loop showed; with no evidence it is the profile itself."""
+  pol = adaptive.AdaptivePolicy.create((0, 3), [1.0, 1.8], prior_alpha=0.7,
+                                       prior_depth=[0.7, 0.4, 0.9])
+  r, w = pol.width, float(pol.prior_weight)
+  acc, tried = (np.zeros((3, pol.columns), np.float32) for _ in range(2))
+  tried[:, r] = 40.0  # depth 1 tried 40 times by every row; deeper depths never observed
+  acc[:, r] = [4.0, 28.0, 40.0]  # rates: low, exactly the profile's 0.7, high
+  rates = np.asarray(pol.rates(jnp.asarray(acc), jnp.asarray(tried)))
+  deep = rates[:, r + 1:]
+  np.testing.assert_allclose(deep[1], [0.4, 0.9], rtol=1e-5)
+  assert np.all(deep[0] < deep[1]) and np.all(deep[2] > deep[1])
+  first = rates[:, r]
+  np.testing.assert_allclose(first, (acc[:, r] + w * 0.7) / (40 + w), rtol=1e-5)
+  # log-odds shift: the same for every depth
+  logit = lambda p: np.log(p) - np.log1p(-p)  # noqa: E731
+  np.testing.assert_allclose(logit(deep[0]) - logit(np.asarray([0.4, 0.9])),
+                             logit(first[0]) - logit(0.7), rtol=1e-4)
+  # observations at a depth still move its rate from the row's prior
+  acc2, tried2 = acc.copy(), tried.copy()
+  tried2[0, r + 2], acc2[0, r + 2] = 30.0, 30.0
+  assert float(pol.rates(jnp.asarray(acc2), jnp.asarray(tried2))[0, r + 2]) > deep[0, 1] + 0.3

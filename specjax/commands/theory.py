@@ -382,6 +382,8 @@ def _calibrations(path: str | None, temperature: float) -> dict:
 
 
 def _adaptive(args) -> int:
+  import numpy as np
+
   from specjax import adaptive, loop  # lazy: imports JAX
 
   alphas = _floats("--alphas", args.alphas)
@@ -403,14 +405,25 @@ def _adaptive(args) -> int:
     policy = adaptive.AdaptivePolicy.from_model(menu, c=args.c, v=args.v, lazy_slots=lazy)
     source = f"uncalibrated: cycle = 1 + {args.v:g}·N + {args.c:g}·D steps"
   rows = policy.table(alphas, batches)
+  # a fresh request: no observation yet, the prior (α₀ and, per depth, the calibration's
+  # first-candidate profile) is what the first cycle's choice reads
+  prior = {"alpha": float(policy.prior_alpha),
+           "depth_alpha": [float(x) for x in np.asarray(policy.prior_depth)]}
+  first = {int(b): policy.names[policy.choose(prior["alpha"], int(b),
+                                               depth_rates=prior["depth_alpha"])]
+           for b in batches}
   if args.json:
-    return _emit_json({"source": source, "menu": policy.names, "rows": rows})
+    return _emit_json({"source": source, "menu": policy.names, "rows": rows,
+                       "prior": prior, "first_choice": first})
   print(f"adaptive policy, menu {policy.names}, costs {source}")
   for b, c in sorted(costs.items()):
     print(f"batch {b}: " + c.describe().replace("\n", "; "))
   _print_table(["alpha", "batch", "choice", "predicted speedup"],
                [[r["alpha"], r["batch"], r["choice"], r["speedup"]] for r in rows],
                "what the engine would choose (all rows accepting at α)")
+  depths = ", ".join(f"{x:.2f}" for x in prior["depth_alpha"])
+  print(f"a fresh request starts from α₀ = {prior['alpha']:.2f}, first candidate per depth "
+        f"[{depths}]: first choice " + ", ".join(f"batch {b}: {n}" for b, n in first.items()))
   return 0
 
 
