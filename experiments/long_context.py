@@ -68,11 +68,13 @@ def validate(params: dict) -> None:
   measure.check_int(params, "calibration_repeats", 3, 1)
   measure.check_choice(params, "recalibrate", False, (False, True))
   models = measure.check_choice(params, "models", "default", measure.MODELS)
-  for cfg in measure.model_configs(models):
+  for cfg in measure.model_configs(models):  # the engine refuses to decode past max_len
     need = context_len + new + k + 1
-    if cfg.positions == "learned" and need > cfg.max_len:
+    if need > cfg.max_len:
       raise ValueError(f"context_len {context_len} + max_new_tokens {new} + k {k} + 1 = {need} "
-                       f"exceeds the model's max_len {cfg.max_len} (learned positions)")
+                       f"exceeds the model's max_len {cfg.max_len} (the length its positions "
+                       f"were trained for); the longest context_len here is "
+                       f"{cfg.max_len - new - k - 1}")
 
 
 def memory(params: dict) -> int:
