@@ -194,15 +194,12 @@ def _prior_depth(prior, depths: int) -> np.ndarray:
   return out
 
 
-def _depth_profile(value) -> list[float] | None:
-  """A calibration's meta["depth_alpha"] when usable (probabilities, at least one), else None."""
+def _depth_profile(value) -> np.ndarray | None:
+  """A calibration's meta["depth_alpha"] when usable (`_prior_depth`'s rules), else None."""
   try:
-    v = np.asarray(value, np.float64).ravel()
-  except (TypeError, ValueError):
+    return _prior_depth(value, max(1, int(np.size(value))))
+  except ValueError:
     return None
-  if value is None or v.size == 0 or np.any(~np.isfinite(v)) or np.any(v < 0) or np.any(v > 1):
-    return None
-  return v.tolist()
 
 
 def _entry_seconds(costs, entry: TreeSpec, cycles: str) -> float:

@@ -364,7 +364,7 @@ def _catch_up_observation(guess, tokens_BS, length_B, behind_B, p_BP, policy):
   tried_obs) [B, R + D] (`AdaptivePolicy.observation`)."""
   width = p_BP.shape[1]
   if guess is None:
-    z = policy.observation(jnp.zeros((length_B.shape[0], 1), jnp.float32))
+    z = policy.first_draft_observation(jnp.zeros(length_B.shape, jnp.float32))
     return z, z
   j = jnp.arange(width, dtype=jnp.int32)[None]
   valid = j < behind_B[:, None]
@@ -375,9 +375,9 @@ def _catch_up_observation(guess, tokens_BS, length_B, behind_B, p_BP, policy):
   else:
     q_x = jnp.take_along_axis(guess.q, x_BP[:, :, None], axis=2)[:, :, 0]
     hit = jnp.minimum(1.0, q_x / jnp.maximum(p_BP, 1e-30))
-  hits = jnp.sum(jnp.where(valid, hit, 0.0), axis=1)[:, None]
-  count = jnp.sum(valid, axis=1).astype(jnp.float32)[:, None]
-  return policy.observation(hits, hits), policy.observation(count, count)
+  hits = jnp.sum(jnp.where(valid, hit, 0.0), axis=1)
+  count = jnp.sum(valid, axis=1).astype(jnp.float32)
+  return policy.first_draft_observation(hits), policy.first_draft_observation(count)
 
 
 def _run_chosen(choice, branches, none):
