@@ -113,7 +113,7 @@ def memory(params: dict) -> int:
 @functools.lru_cache(maxsize=4)
 def _texts(models: str, category: str):
   """Held-out prompt texts of a category (None: the random models' fallback text)."""
-  *_, texts = measure.models(models)
+  texts = measure.target_model(models)[2]
   if texts is None or category == "code":
     return tuple(texts) if texts else None
   from specjax.data.corpus import load_corpus

@@ -96,7 +96,7 @@ def _costs(k: int, batch: int, max_new_tokens: int, prompt_len: int, temperature
   step and cycle, decode phase, `calibration.calibrate`), standalone forwards (t_1,
   t_verify(k + 1), the draft's passes) at the mean decoding context, and the real draft's
   α from one run of its loop (already compiled by the calibration)."""
-  target, _, tok, texts = measure.models(models)
+  target, tok, texts = measure.target_model(models)
   draft_lm = measure.draft_model(draft, models)
   prompt_ids = measure.prompts(tok, texts, batch, prompt_len)
   tree = trees.chain(k)
@@ -121,7 +121,7 @@ def _costs(k: int, batch: int, max_new_tokens: int, prompt_len: int, temperature
 def group(params_list: list[dict]) -> list[dict]:
   first = {**_DEFAULTS, **params_list[0]}
   k, batch = first["k"], first["batch"]
-  target, _, tok, texts = measure.models(first["models"])
+  target, tok, texts = measure.target_model(first["models"])
   lm = LM.of(target)
   prompts = measure.prompts(tok, texts, batch, first["prompt_len"])
   slots = OracleDrafter(lm=lm, alpha=jnp.float32(1)).slots_needed(trees.chain(k))

@@ -12,10 +12,11 @@ all at the point's measured α (alpha_trial, the per-tried-token acceptance):
   loops are timed at this batch with the same prompts, budget and cache length as the
   measured runs (chains of `calibration_k` ∪ {k}: one calibration per batch shared by every
   k, cached on disk), giving a cycle of chain(k) in plain target steps, cycle_steps. The
-  tokens one loop iteration emits come from the geometric law P(n) = αⁿ(1 − α) (n < k),
-  α^k (n = k) (`calibration.chain_length_probs`) through
+  tokens one loop iteration emits come from each row's measured law of accepted lengths
+  (its reach by draft depth, `calibration.row_length_probs`) through
   `calibration.tokens_per_iteration` (a batch runs until its slowest row has emitted its
-  budget, so τ_loop falls with the batch):
+  budget, so τ_loop falls with the batch; `tau_loop` without a law uses the geometric
+  law at α instead):
 
       predicted_speedup_calibrated = τ_loop ÷ cycle_steps(chain(k)).
 

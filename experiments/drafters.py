@@ -46,8 +46,8 @@ static tree, its dynamic tree, and the chains of `calibration_k` shorter than it
 the fit), cached on disk and shared by the drafter's points of one (category, temperature).
 That gives the cycle of the point's shape in plain target steps; each row's measured reach
 P(n ≥ d) = depth_accepted ÷ cycles gives the tokens a loop iteration emits
-(`calibration.tokens_per_iteration`, harmonic mean over the batches:
-`tokens_per_iteration_in_batches`):
+(`calibration.run_tokens_per_iteration`: a batch waits for its slowest row, harmonic mean
+over the batches):
 
     predicted speedup = τ_loop ÷ cycle_steps(shape),  efficiency = measured ÷ predicted.
 
@@ -183,7 +183,7 @@ def category_texts(models: str, category: str):
   if models != "default":
     return None if category == "code" else [PROSE_FALLBACK]
   if category == "code":
-    return measure.models(models)[3]
+    return measure.target_model(models)[2]
   from specjax.data.corpus import load_corpus
   return [d.text for d in load_corpus(category).validation[:64]]
 
@@ -200,7 +200,7 @@ def drafter_and_tree(drafter: str, shape: str, temperature: float, *, models: st
   from specjax.drafters.medusa import MedusaDrafter
   from specjax.drafters.model import ModelDrafter
   from specjax.drafters.oracle import OracleDrafter
-  target, draft, _, _ = measure.models(models, target_dtype)
+  target = measure.target_model(models, target_dtype)[0]
   static = _static(tree_widths)
   if shape == "chain":
     tree = trees.chain(k)
@@ -214,7 +214,7 @@ def drafter_and_tree(drafter: str, shape: str, temperature: float, *, models: st
     m = default_skip(target.config.n_layers) if skip_layers is None else skip_layers
     return LayerSkipDrafter.of(target, m, deterministic=topk), tree
   if drafter == "model":
-    return ModelDrafter.of(draft, deterministic=topk), tree
+    return ModelDrafter.of(measure.models(models, target_dtype)[1], deterministic=topk), tree
   if drafter == "oracle":
     return OracleDrafter.of(target, oracle_alpha), tree
   if drafter == "eagle":
@@ -266,17 +266,6 @@ def verdict(label: str, category: str, batch: int, temperature: float, speedup: 
           f"{predicted:.2f}× predicted, efficiency {efficiency:.2f}, τ {tau:.2f}")
 
 
-def _reach_laws(st) -> np.ndarray:
-  """Each row's measured law of accepted lengths, from P(n ≥ d) = depth_accepted ÷ cycles
-  (no i.i.d. assumption: a lookup or a head accepts differently at each depth)."""
-  cycles = np.asarray(st["cycles"], np.float64)
-  acc = np.asarray(st["depth_accepted"], np.float64)
-  pooled = acc.sum(axis=0) / max(cycles.sum(), 1.0)
-  return np.stack([calibration.length_probs_from_reach(acc[b] / cycles[b] if cycles[b] > 0
-                                                       else pooled)
-                   for b in range(cycles.size)])
-
-
 def point(variant: str, category: str = "code", temperature: float = 0.0, batch: int = 1,
           k: int = 4, tree_widths: tuple = (2, 1, 1, 1), skip_layers: int | None = None,
           max_ngram: int = 3, min_ngram: int = 1, oracle_alpha: float = 0.8,
@@ -286,7 +275,7 @@ def point(variant: str, category: str = "code", temperature: float = 0.0, batch:
           recalibrate: bool = False, statistic: str = "median", prompts: int = 8,
           target_dtype: str = "float32", dynamic_confidence: float | None = None) -> dict:
   drafter_name, shape = parse_variant(variant)
-  target, _, tok, _ = measure.models(models, target_dtype)
+  target, tok, _ = measure.target_model(models, target_dtype)
   all_ids = measure.workload(tok, category_texts(models, category), batch, prompts,
                              prompt_len)
   build = functools.partial(drafter_and_tree, drafter_name, temperature=temperature,
@@ -317,8 +306,7 @@ def point(variant: str, category: str = "code", temperature: float = 0.0, batch:
                         temperature=temperature, seed=seed, cache_len=cache_len,
                         decode_only=True, loop_costs=costs, statistic=statistic)
   st = cmp.spec.stats
-  tau_loop = calibration.tokens_per_iteration_in_batches(_reach_laws(st), batch,
-                                                         max_new_tokens - 1)
+  tau_loop = calibration.run_tokens_per_iteration(st, tree, batch, max_new_tokens - 1)
   row = measure.speculative_row(cmp, tau_loop, temperature)
   label = _label(drafter_name, shape, tree)
   line = verdict(label, category, batch, temperature, cmp.speedup, row["predicted_speedup"],

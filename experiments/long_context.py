@@ -20,8 +20,8 @@ the loop's calibrated cost model (`specjax.calibration`, docs/cost_model.md, "Ca
 loop costs"): the compiled plain and chain(k) loops are timed at this context, batch,
 budget and cache length (the fastest of `calibration_repeats` alternated calls, cached on
 disk), giving a cycle in plain target steps; the tokens one loop iteration emits come from
-the geometric law at the measured α (per trial) through `calibration.tokens_per_iteration`
-(a batch waits for its slowest row):
+each row's measured law of accepted lengths (`calibration.row_length_probs`) through
+`calibration.tokens_per_iteration` (a batch waits for its slowest row):
 
     predicted = τ_loop ÷ cycle_steps(chain(k)).
 

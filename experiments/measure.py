@@ -103,20 +103,25 @@ def check_choice(params: Mapping, name: str, default, choices: Sequence):
 # ----------------------------------------------------------------------------- models
 
 
+def _held_out_texts() -> list[str]:
+  from specjax.data.corpus import load_corpus
+  return [d.text for d in load_corpus("code").validation[:64]]  # held out from training
+
+
 @functools.lru_cache(maxsize=2)
-def models(which: str, target_dtype: str = "float32"):
-  """(target, draft, tokenizer, prompt texts); the target's weights served in
-  `target_dtype` (float32 as trained, or bfloat16: `transformer.with_dtype`)."""
+def target_model(which: str, target_dtype: str = "float32"):
+  """(target, tokenizer, prompt texts) of `models(which)` without its draft (for "default"
+  the default target alone, `load_default_target`: a first use does not train the draft);
+  the target's weights served in `target_dtype` (float32 as trained, or bfloat16:
+  `transformer.with_dtype`). One target object per (which, dtype) in a process."""
+  from specjax.models.transformer import with_dtype
   if target_dtype != "float32":
-    from specjax.models.transformer import with_dtype
-    target, draft, tok, texts = models(which)
-    return with_dtype(target, target_dtype), draft, tok, texts
+    target, tok, texts = target_model(which)
+    return with_dtype(target, target_dtype), tok, texts
   if which == "default":
-    from specjax.data.corpus import load_corpus
-    from specjax.training.defaults import load_default_pair
-    pair = load_default_pair()  # the embedded pair (training.presets.DEFAULT_PRESET)
-    texts = [d.text for d in load_corpus("code").validation[:64]]  # held out from training
-    return pair.target_module(), pair.draft_module(), pair.tokenizer, texts
+    from specjax.training.defaults import load_default_target
+    default = load_default_target()  # training.presets.DEFAULT_PRESET
+    return default.target_module(), default.tokenizer, _held_out_texts()
   from flax import nnx
 
   from specjax.data.tokenizer import ByteTokenizer
@@ -124,8 +129,23 @@ def models(which: str, target_dtype: str = "float32"):
   from specjax.models.transformer import Transformer
   tok = ByteTokenizer()
   cfg = PRESETS["tiny-llama"].replace(vocab_size=tok.vocab_size)
-  return (Transformer(cfg, rngs=nnx.Rngs(0)), Transformer(cfg.replace(n_layers=1),
-                                                           rngs=nnx.Rngs(1)), tok, None)
+  return Transformer(cfg, rngs=nnx.Rngs(0)), tok, None
+
+
+@functools.lru_cache(maxsize=2)
+def models(which: str, target_dtype: str = "float32"):
+  """(target, draft, tokenizer, prompt texts): `target_model(which, target_dtype)` and its
+  draft ("default": the distilled draft of the default pair, trained on its first use;
+  "random": a random 1-layer model of the target's shape)."""
+  target, tok, texts = target_model(which, target_dtype)
+  if which == "default":
+    from specjax.training.defaults import load_default_pair
+    return target, load_default_pair().draft_module(), tok, texts
+  from flax import nnx
+
+  from specjax.models.transformer import Transformer
+  cfg = target_model(which)[0].config  # as trained (float32), whatever the target is served in
+  return target, Transformer(cfg.replace(n_layers=1), rngs=nnx.Rngs(1)), tok, texts
 
 
 @functools.lru_cache(maxsize=8)
@@ -517,7 +537,8 @@ def compare(target, draft, prompt_ids: Sequence[Sequence[int]], *, tree, max_new
 
 
 def speculative_row(cmp: Comparison, tau_loop: float, temperature: float,
-                    cycle_name: Callable[[str, int, int], str] | None = None) -> dict:
+                    cycle_name: Callable[[str, int, int], str] | None = None,
+                    tau_loop_iid: float | None = None) -> dict:
   """The result fields every point reports about a `Comparison` measured with calibrated loop
   costs (`compare(..., loop_costs=...)`):
 
@@ -529,6 +550,9 @@ def speculative_row(cmp: Comparison, tau_loop: float, temperature: float,
   t_step_ms (calibrated); calibration: every calibrated cycle in target steps (named by
   `cycle_name(key, N, D)`, by default its key), the fitted cost model in target steps, and
   whether the costs came from the cache; identical_to_plain (at T = 0, else None); backend.
+  With `tau_loop_iid` (a chain's τ_loop under the i.i.d. acceptance model:
+  `calibration.run_tokens_per_iteration(..., iid=True)`) also tau_loop_iid and
+  predicted_speedup_iid, the prediction that model would make, reported beside.
   """
   costs = cmp.loop_costs
   summary, st = cmp.spec.summary(), cmp.spec.stats
@@ -555,6 +579,8 @@ def speculative_row(cmp: Comparison, tau_loop: float, temperature: float,
                       "cached": bool(costs.meta.get("cached")), "key": costs.meta.get("key")},
       "identical_to_plain": cmp.identical if temperature == 0 else None,
       "backend": jax.default_backend(),
+      **({} if tau_loop_iid is None else {"tau_loop_iid": tau_loop_iid,
+                                          "predicted_speedup_iid": cmp.predicted(tau_loop_iid)}),
   }
 
 

@@ -24,15 +24,19 @@ the point (`calibrate(..., batch=)`), cached on disk, giving the cycle of this p
 shape in plain target steps; the tokens one loop iteration emits come from the measured
 acceptance:
 
-    chain: the geometric law P(n) = αⁿ(1 − α) (n < k), α^k (n = k) at the measured
-           α_trial, so E[τ] = (1 − α^(k+1)) / (1 − α);
-    tree:  the measured reach by depth, P(n ≥ d) = depth_accepted ÷ cycles;
+    each row's measured reach by draft depth, P(n ≥ d) = depth_accepted ÷ cycles
+    (`calibration.row_length_probs`; chains and trees alike);
 
     τ_loop = the tokens per row per iteration of a batch that runs until its slowest row
              has emitted its budget (`calibration.tokens_per_iteration`; ≈ E[τ] at batch 1),
              harmonic mean over the consecutive batches of the workload
              (`calibration.tokens_per_iteration_in_batches`)
     predicted speedup = τ_loop ÷ cycle_steps(shape),  efficiency = measured ÷ predicted.
+
+Beside it for chains, `predicted_speedup_iid`: the same with the i.i.d. model, each row's
+geometric law P(n) = αⁿ(1 − α) (n < k), α^k (n = k) at its per-trial acceptance (what
+E[τ] = (1 − α^(k+1)) / (1 − α) assumes). The EAGLE head's acceptance differs by draft
+position, so that law has the wrong shape (BUILD_NOTES.md has the figures).
 
 `target_dtype` serves the target's weights in float32 (as trained) or bfloat16 (products
 with float32 accumulation, `transformer.with_dtype`); plain and speculative decoding always
@@ -133,7 +137,9 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
           recalibrate: bool = False, statistic: str = "median",
           target_dtype: str = "float32", prompts: int = 8, drafter: str = "model",
           head_steps: int = 8) -> dict:
-  target, draft, tok, texts = measure.models(models, target_dtype)
+  target, tok, texts = measure.target_model(models, target_dtype)
+  # The draft model is loaded (and trained, on its first use) only when it drafts.
+  draft = measure.models(models, target_dtype)[1] if drafter == "model" else None
   tree = _tree(mode, k, tree_widths)
   all_ids = measure.workload(tok, texts, batch, prompts, prompt_len)
   shapes = _shapes(k, tree_widths, calibration_k)
@@ -171,9 +177,13 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
   # Each row's own law: a batch loops until its slowest row is done, and rows differ.
   tau_loop = calibration.run_tokens_per_iteration(cmp.spec.stats, tree, batch,
                                                   max_new_tokens - 1)
+  tau_iid = (calibration.run_tokens_per_iteration(cmp.spec.stats, tree, batch,
+                                                  max_new_tokens - 1, iid=True)
+             if mode == "chain" else None)
   row = measure.speculative_row(
       cmp, tau_loop, temperature,
-      cycle_name=lambda key, n, d: key if key.startswith("chain") else f"tree N={n} D={d}")
+      cycle_name=lambda key, n, d: key if key.startswith("chain") else f"tree N={n} D={d}",
+      tau_loop_iid=tau_iid)
   label = _label(mode, k, tree_widths, drafter)
   line = verdict(label, batch, temperature, cmp.speedup, row["predicted_speedup"],
                  row["efficiency"])

@@ -336,12 +336,17 @@ def tokens_per_iteration_in_batches(length_probs: Sequence[Sequence[float]], bat
   return len(taus) / sum(1.0 / t for t in taus)
 
 
-def row_length_probs(stats: Mapping[str, np.ndarray], tree: Tree) -> np.ndarray:
+def row_length_probs(stats: Mapping[str, np.ndarray], tree: Tree, *,
+                     iid: bool = False) -> np.ndarray:
   """Each row's law of accepted path lengths, [B, D + 1], from the loop's own counters
-  (`Generation.stats`): for a chain the geometric law at the row's per-trial acceptance
-  (accepted ÷ drafts tried: `chain_length_probs`), for a tree the row's measured reach
-  P(n ≥ d) = depth_accepted ÷ cycles (`length_probs_from_reach`). A row that ran no cycle
-  gets the batch's pooled law."""
+  (`Generation.stats`): the row's measured reach P(n ≥ d) = depth_accepted ÷ cycles
+  (`length_probs_from_reach`), for chains and trees alike: a drafter's acceptance is not the
+  same at every draft position (a head's first draft is its weakest, the rows that loop
+  accept everything deep), so one α per row misses the law's shape. iid=True gives a chain
+  the i.i.d. model instead, the geometric law at the row's per-trial acceptance (accepted ÷
+  drafts tried: `chain_length_probs`), what theory.expected_tokens assumes (kept to report
+  beside the measured law; trees always use the reach). A row that ran no cycle gets the
+  batch's pooled law."""
   cycles = np.asarray(stats["cycles"], np.float64)
   reached = np.asarray(stats["depth_accepted"], np.float64)
   tried = np.asarray(stats["depth_tried"], np.float64)
@@ -349,7 +354,7 @@ def row_length_probs(stats: Mapping[str, np.ndarray], tree: Tree) -> np.ndarray:
   pooled_reach = reached.sum(axis=0) / max(cycles.sum(), 1.0)
   laws = []
   for b in range(cycles.size):
-    if tree.is_chain:
+    if iid and tree.is_chain:
       alpha = reached[b].sum() / tried[b].sum() if tried[b].sum() > 0 else pooled_alpha
       laws.append(chain_length_probs(float(alpha), int(tree.max_depth)))
     else:
@@ -359,12 +364,14 @@ def row_length_probs(stats: Mapping[str, np.ndarray], tree: Tree) -> np.ndarray:
 
 
 def run_tokens_per_iteration(stats: Mapping[str, np.ndarray], tree: Tree, batch: int,
-                             tokens: int) -> float:
+                             tokens: int, *, iid: bool = False) -> float:
   """τ_loop of a measured run (`Generation.stats`) of `tree` over prompts decoded in
   consecutive batches of `batch` rows for `tokens` tokens each: every row's own law
-  (`row_length_probs`) through `tokens_per_iteration_in_batches` (each batch waits for its
-  slowest row). What a calibrated prediction divides by the cycle's steps."""
-  return tokens_per_iteration_in_batches(row_length_probs(stats, tree), batch, tokens)
+  (`row_length_probs`, `iid` as there) through `tokens_per_iteration_in_batches` (each
+  batch waits for its slowest row). What a calibrated prediction divides by the cycle's
+  steps."""
+  return tokens_per_iteration_in_batches(row_length_probs(stats, tree, iid=iid), batch,
+                                         tokens)
 
 
 # ----------------------------------------------------------------------------- measuring

@@ -81,10 +81,13 @@ def test_per_row_laws_the_slowest_row_sets_the_loop():
   assert per_row == pytest.approx(alone, rel=0.05) and pooled > 1.3 * per_row
   stats = {"cycles": np.array([10, 4]), "depth_tried": np.array([[10, 5, 2, 1], [4, 4, 4, 4]]),
            "depth_accepted": np.array([[5, 2, 1, 0], [4, 4, 4, 4]])}
-  laws = calibration.row_length_probs(stats, trees.chain(4))
+  laws = calibration.row_length_probs(stats, trees.chain(4))  # the measured reach
   assert laws.shape == (2, 5) and np.allclose(laws.sum(axis=1), 1)
-  assert laws[0] == pytest.approx(calibration.chain_length_probs(8 / 18, 4))
-  assert laws[1] == pytest.approx(calibration.chain_length_probs(1.0, 4))
+  assert laws[0] == pytest.approx([0.5, 0.3, 0.1, 0.1, 0.0])
+  assert laws[1] == pytest.approx([0, 0, 0, 0, 1])
+  iid = calibration.row_length_probs(stats, trees.chain(4), iid=True)  # one α per row
+  assert iid[0] == pytest.approx(calibration.chain_length_probs(8 / 18, 4))
+  assert iid[1] == pytest.approx(calibration.chain_length_probs(1.0, 4))
   tree = trees.branching((2, 1))
   laws = calibration.row_length_probs({"cycles": np.array([4]), "depth_tried": np.array([[4, 2]]),
                                        "depth_accepted": np.array([[2, 1]])}, tree)
@@ -311,3 +314,21 @@ def test_calibrate_times_any_drafter_object(fake_engine, random_pair, tmp_path, 
   # a draft model's description (and so its existing cache keys) is unchanged
   assert calibration._describe_drafter(ModelDrafter.of(draft)) == \
       "ModelDrafter(deterministic=False)"
+
+
+def test_a_weak_first_position_the_measured_law_sees_and_the_iid_law_does_not():
+  """Rows whose first draft often fails but whose later drafts rarely do (a head's first
+  position is its weakest): the measured reach keeps that all-or-nothing shape, one α per
+  row smooths it (here it overestimates τ by 8%). At batch 1 and a long budget the measured
+  law's τ is 1 + Σ reach."""
+  cycles = 1000
+  reach = np.array([0.6, 0.57, 0.54, 0.51])  # P(n ≥ d): 0.6, then 0.95 per position
+  stats = {"cycles": np.array([cycles]),
+           "depth_tried": np.array([[cycles, 600, 570, 540]]),
+           "depth_accepted": np.array([(reach * cycles).astype(int)])}
+  tau = calibration.run_tokens_per_iteration(stats, trees.chain(4), 1, 4000)
+  assert tau == pytest.approx(1 + reach.sum(), rel=0.02)
+  iid = calibration.run_tokens_per_iteration(stats, trees.chain(4), 1, 4000, iid=True)
+  alpha = reach.sum() / (cycles + 600 + 570 + 540) * cycles
+  assert iid == pytest.approx(float(theory.expected_tokens(alpha, 4)), rel=0.02)
+  assert iid > 1.05 * tau

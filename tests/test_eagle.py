@@ -275,11 +275,11 @@ def test_cli_trains_an_eagle_head_and_generates_with_it(byte_target, tmp_path, c
 def test_default_eagle_head_is_built_on_first_use_then_cached(monkeypatch, tmp_path, capfd,
                                                              byte_target):
   """`load_default_heads("eagle")` trains once into the cache, then loads; the head drafts
-  for the target it was built for (a stand-in default pair: the tiny byte target)."""
+  for the target it was built for (a stand-in default target: the tiny byte target)."""
   from specjax.training import defaults
-  pair = defaults.DefaultPair(TCFG, byte_target[1], TCFG, byte_target[1], TOK)
+  default = defaults.DefaultTarget(TCFG, byte_target[1], TOK)
   monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
-  monkeypatch.setattr(defaults, "load_default_pair", lambda *a, **kw: pair)
+  monkeypatch.setattr(defaults, "load_default_target", lambda *a, **kw: default)
   monkeypatch.setattr(defaults, "load_corpus", lambda spec: load_corpus(spec, max_bytes=60_000))
   monkeypatch.setitem(defaults.DEFAULT_HEADS, "eagle",
                       (KIND.spec(), TC.replace(steps=2, ckpt_every=1)))

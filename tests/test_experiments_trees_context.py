@@ -110,9 +110,12 @@ def test_long_context_speedup_vs_context_and_report(tmp_path, monkeypatch):
     # difference can vanish, and the experiment then reports NaN (documented), never <= 0.
     assert math.isnan(m["speedup"]) or m["speedup"] > 0
     assert m["predicted_speedup"] > 0 and m["predicted_speedup_timed"] > 0
-    # the prediction: τ per loop iteration (geometric law at the measured α) ÷ calibrated cycle
+    # the prediction: τ per loop iteration (the row's measured law of accepted lengths) ÷
+    # calibrated cycle; one row at batch 1, so that τ is the measured one (but for the cut
+    # last cycle and the Monte Carlo)
     assert m["predicted_speedup"] == pytest.approx(m["tau_loop_predicted"] / m["cycle_steps"])
-    assert 1.0 <= m["tau_loop_predicted"] <= m["tau_predicted"] + 1e-9
+    assert 1.0 <= m["tau_loop_predicted"] <= 3.0
+    assert m["tau_loop_predicted"] == pytest.approx(m["tau"], rel=0.15)
     assert m["predicted_speedup_ref_alpha"] > 0 and m["roofline_gain"] > 0
     assert m["calibration_cached"] is False
     assert m["memory_bound_factor"] > 0 and m["roofline_step_ms"] > 0 and m["c"] > 0

@@ -239,9 +239,9 @@ def test_cli_trains_medusa_heads_and_generates_with_them(byte_target, tmp_path, 
 
 def test_default_heads_are_built_cached_verified_and_rebuilt(monkeypatch, tmp_path, capfd,
                                                              byte_target, data):
-  pair = defaults.DefaultPair(TCFG, byte_target[1], TCFG, byte_target[1], TOK)
+  default = defaults.DefaultTarget(TCFG, byte_target[1], TOK)
   monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
-  monkeypatch.setattr(defaults, "load_default_pair", lambda *a, **kw: pair)
+  monkeypatch.setattr(defaults, "load_default_target", lambda *a, **kw: default)
   monkeypatch.setattr(defaults, "load_corpus",
                       lambda spec: load_corpus(spec, max_bytes=60_000))
   monkeypatch.setitem(defaults.DEFAULT_HEADS, "medusa",

@@ -215,14 +215,25 @@ def test_default_pair_cache_builds_loads_and_rebuilds(monkeypatch, tmp_path, cap
                          TC.replace(steps=3, objective="distill"), "test preset")
   _use_preset(monkeypatch, tmp_path, "tiny", micro)
 
-  pair = defaults.load_default_pair("tiny", "code", progress=False)
+  # the target alone: its draft is not trained until a pair is asked for
+  target = defaults.load_default_target("tiny", "code", progress=False)
   entry = defaults.entry_dir("tiny", "code")
   assert entry.parent.parent == tmp_path and entry.is_dir()
-  assert "training the default 'tiny' models" in capfd.readouterr().err
+  err = capfd.readouterr().err
+  assert "training the default 'tiny' target" in err and "draft" not in err
+  assert [p.name for p in (tmp_path / "models").iterdir() if p.is_dir()] == [entry.name]
+  pair = defaults.load_default_pair("tiny", "code", progress=False)
+  err = capfd.readouterr().err
+  assert "distilling the default 'tiny' draft" in err and "training the default" not in err
   target_cfg, target_params, draft_cfg, draft_params, tokenizer = pair
   assert target_cfg == TEACHER and draft_cfg == STUDENT and tokenizer == TOK
+  assert _same(target.target_params, target_params) and target.tokenizer == TOK
   manifest = json.loads((entry / "manifest.json").read_text())
   assert manifest["target"]["fingerprint"] == params_fingerprint(target_params)
+  draft_entry = defaults.draft_entry_dir("tiny", "code", params_fingerprint(target_params))
+  manifest = json.loads((draft_entry / "manifest.json").read_text())
+  assert manifest["draft"]["fingerprint"] == params_fingerprint(draft_params)
+  assert manifest["recipe"]["target_entry"] == entry.name
   assert pair.draft_module()(np.zeros((1, 4), np.int32), np.arange(4)[None])[0].shape == (1, 4, 259)
 
   def no_training(*args, **kwargs):
@@ -234,14 +245,16 @@ def test_default_pair_cache_builds_loads_and_rebuilds(monkeypatch, tmp_path, cap
   monkeypatch.undo()
   _use_preset(monkeypatch, tmp_path, "tiny", micro)
 
-  # corrupt one stored file: detected by checksum, reported, rebuilt
-  victim = next(p for p in sorted((entry / "draft").rglob("*")) if p.is_file()
-                and p.stat().st_size > 0 and "params" in p.parts)
-  victim.write_bytes(victim.read_bytes()[:-1] + bytes([victim.read_bytes()[-1] ^ 0xFF]))
-  capfd.readouterr()
-  rebuilt = defaults.load_default_pair("tiny", "code", progress=False)
-  assert "unusable" in capfd.readouterr().err
-  assert _same(rebuilt.target_params, target_params)  # training is deterministic
+  # corrupt one stored file of each entry: detected by checksum, reported, rebuilt
+  for where in (draft_entry / "draft", entry / "target"):
+    victim = next(p for p in sorted(where.rglob("*")) if p.is_file()
+                  and p.stat().st_size > 0 and "params" in p.parts)
+    victim.write_bytes(victim.read_bytes()[:-1] + bytes([victim.read_bytes()[-1] ^ 0xFF]))
+    capfd.readouterr()
+    rebuilt = defaults.load_default_pair("tiny", "code", progress=False)
+    assert f"cached {where.name} at" in capfd.readouterr().err
+    assert _same(rebuilt.target_params, target_params)  # training is deterministic
+    assert _same(rebuilt.draft_params, draft_params)
   # a partial entry (no manifest) is never used either
   (entry / "manifest.json").unlink()
   defaults.load_default_pair("tiny", "code", progress=False)
@@ -249,6 +262,13 @@ def test_default_pair_cache_builds_loads_and_rebuilds(monkeypatch, tmp_path, cap
   assert (entry / "manifest.json").is_file()
   with pytest.raises(ValueError, match="corpus must be one of"):
     defaults.load_default_pair("tiny", "/some/dir")
+  # `specjax train defaults` loads the pair and shows both entries
+  from specjax import cli
+  capfd.readouterr()
+  assert cli.main(["train", "defaults", "--preset", "tiny", "--no-progress"]) == 0
+  out = capfd.readouterr().out
+  assert f"target: d_model={TEACHER.d_model}" in out and str(entry) in out
+  assert f"draft: d_model={STUDENT.d_model}" in out and str(draft_entry) in out
 
 
 def test_bpe_preset_pair_is_built_cached_and_resumed_with_its_tokenizer(monkeypatch, tmp_path,

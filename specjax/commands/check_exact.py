@@ -12,7 +12,8 @@ import argparse
 import json
 import os
 
-from specjax.commands.models import add_config_flags, draft_from_flags, target_from_flags
+from specjax.commands.models import (add_config_flags, default_models, draft_from_flags,
+                                     target_from_flags)
 
 DRAFT_WORDS = ("default", "self", "oracle")
 
@@ -131,11 +132,7 @@ def _models(args):
   from specjax.drafters.model import ModelDrafter
   from specjax.drafters.oracle import OracleDrafter
 
-  pair = None
-  if "default" in (args.target, args.draft):
-    from specjax.training.defaults import load_default_pair
-    from specjax.training.presets import DEFAULT_PRESET
-    pair = load_default_pair(DEFAULT_PRESET, "code")
+  pair = default_models(args.target, args.draft)
   target, tok = target_from_flags(args, pair)
   if args.draft == "oracle":
     return target, OracleDrafter.of(target, args.alpha), tok

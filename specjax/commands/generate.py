@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from specjax.commands.models import add_config_flags, draft_from_flags, target_from_flags
+from specjax.commands.models import (add_config_flags, default_models, draft_from_flags,
+                                     target_from_flags)
 
 
 def add_parser(subparsers) -> None:
@@ -139,13 +140,11 @@ def _drafter(args, target, draft):
 def _models(args):
   """(target, draft, tokenizer) as the flags ask; validated before anything is built. The
   draft is None for the drafters without a model of their own (lookup, layer-skip)."""
-  pair = None
   if "default" in (args.target, args.draft):
-    from specjax.training.defaults import load_default_pair
     from specjax.training.presets import DEFAULT_PRESET, get_preset
-    preset = get_preset(DEFAULT_PRESET)  # sizes known before the pair is trained or loaded
+    preset = get_preset(DEFAULT_PRESET)  # sizes known before the models are trained or loaded
     _check_context(args, [preset.target, preset.draft], 1, known=False)
-    pair = load_default_pair(DEFAULT_PRESET, "code")
+  pair = default_models(args.target, args.draft)
   target, tok = target_from_flags(args, pair)
   draft_spec = args.draft or ("self" if args.draft_config == "self" else None)
   if _draft_kind(args)[0] != "model":

@@ -37,9 +37,22 @@ def add_config_flags(p, draft_config_help: str = "as --target-config") -> None:
   p.add_argument("--draft-config", default="tiny-gpt2:n_layers=1", help=draft_config_help)
 
 
+def default_models(target_flag, draft_flag):
+  """What the 'default' flags need, built or loaded once: the default pair when --draft is
+  'default', the default target alone when only --target is (its draft is never trained
+  for nothing), else None. Pass it to `target_from_flags` / `draft_from_flags`."""
+  from specjax.training import defaults
+  from specjax.training.presets import DEFAULT_PRESET
+  if draft_flag == "default":
+    return defaults.load_default_pair(DEFAULT_PRESET, "code")
+  if target_flag == "default":
+    return defaults.load_default_target(DEFAULT_PRESET, "code")
+  return None
+
+
 def target_from_flags(args, pair=None):
-  """(target Transformer, tokenizer or None) for --target: 'default' (the default `pair`'s
-  target), a checkpoint directory, or, when absent, a random model from --target-config on
+  """(target Transformer, tokenizer or None) for --target: 'default' (the target of
+  `default_models`), a checkpoint directory, or, when absent, a random model from --target-config on
   the byte vocabulary (seed --seed)."""
   if args.target == "default":
     return pair.target_module(), pair.tokenizer

@@ -247,13 +247,13 @@ def _train_model(config, tc, args, tokenizer, out, **trainer_kwargs) -> int:
   return _run_trainer(trainer, out)
 
 
-def _default_pair(args, refusal: str):
-  """The default pair of --preset for --corpus (ValueError `refusal` unless it is an
+def _default_target(args, refusal: str):
+  """The default target of --preset for --corpus (ValueError `refusal` unless it is an
   embedded corpus: the cached default targets exist for 'code' and 'prose')."""
-  from specjax.training.defaults import load_default_pair
+  from specjax.training.defaults import load_default_target
   if args.corpus not in ("code", "prose"):
     raise ValueError(refusal)
-  return load_default_pair(_preset_name(args), args.corpus, progress=not args.no_progress)
+  return load_default_target(_preset_name(args), args.corpus, progress=not args.no_progress)
 
 
 # ----------------------------------------------------------------------------- commands
@@ -279,9 +279,9 @@ def run_draft(args) -> int:
     trained = load_trained(args.teacher)
     teacher_cfg, teacher_params, tokenizer = trained.config, trained.params, trained.tokenizer
   else:
-    pair = _default_pair(args, "--teacher is required when --corpus is a directory (the "
-                         "cached default targets exist for 'code' and 'prose')")
-    teacher_cfg, teacher_params, tokenizer = pair[0], pair[1], pair.tokenizer
+    teacher_cfg, teacher_params, tokenizer = _default_target(
+        args, "--teacher is required when --corpus is a directory (the cached default "
+        "targets exist for 'code' and 'prose')")
   if not args.plain:
     import jax.numpy as jnp
 
@@ -293,27 +293,30 @@ def run_draft(args) -> int:
 
 
 def run_defaults(args) -> int:
-  from specjax.training.defaults import entry_dir, load_default_pair
-  pair = load_default_pair(_preset_name(args), args.corpus, progress=not args.no_progress,
-                           rebuild=args.rebuild)
-  entry = entry_dir(_preset_name(args), args.corpus)
-  manifest = json.loads((entry / "manifest.json").read_text())
-  print(f"default {_preset_name(args)} pair for corpus {args.corpus!r}: {entry}")
-  for role in ("target", "draft"):
+  from specjax.training import defaults
+  from specjax.training.trainer import params_fingerprint
+  preset = _preset_name(args)
+  pair = defaults.load_default_pair(preset, args.corpus, progress=not args.no_progress,
+                                    rebuild=args.rebuild)
+  entries = {"target": defaults.entry_dir(preset, args.corpus),
+             "draft": defaults.draft_entry_dir(preset, args.corpus,
+                                               params_fingerprint(pair.target_params))}
+  print(f"default {preset} pair for corpus {args.corpus!r}:")
+  for role, entry in entries.items():
+    manifest = json.loads((entry / defaults.MANIFEST).read_text())
     cfg = getattr(pair, f"{role}_config")
     val = manifest[role].get("val") or {}
     print(f"  {role}: d_model={cfg.d_model} n_layers={cfg.n_layers} d_ff={cfg.d_ff}, "
-          f"validation {val.get('bpb', float('nan')):.3f} bits/byte")
-  print(f"  built in {manifest['build_seconds']} s with Python {manifest['python']}")
+          f"validation {val.get('bpb', float('nan')):.3f} bits/byte; built in "
+          f"{manifest['build_seconds']} s with Python {manifest['python']}; {entry}")
   return 0
 
 
 def _head_target(args):
   """(config, params, tokenizer) of --target."""
   if args.target == "default":
-    pair = _default_pair(args, "--target default needs --corpus code or prose (the cached "
-                         "default targets)")
-    return pair.target_config, pair.target_params, pair.tokenizer
+    return tuple(_default_target(args, "--target default needs --corpus code or prose (the "
+                                 "cached default targets)"))
   from flax import nnx
 
   from specjax.checkpoints import load_model
@@ -347,9 +350,11 @@ def run_head(args, kind: str) -> int:
 
 def _load_for_measure(spec: str, role: str, args):
   if spec == "default":
-    from specjax.training.defaults import load_default_pair
-    pair = load_default_pair(_preset_name(args), args.corpus)
-    return (getattr(pair, f"{role}_config"), getattr(pair, f"{role}_params"), pair.tokenizer)
+    from specjax.training import defaults
+    load = defaults.load_default_pair if role == "draft" else defaults.load_default_target
+    models = load(_preset_name(args), args.corpus)
+    return (getattr(models, f"{role}_config"), getattr(models, f"{role}_params"),
+            models.tokenizer)
   from specjax.checkpoints.trained import load_trained
   trained = load_trained(spec)
   return trained.config, trained.params, trained.tokenizer

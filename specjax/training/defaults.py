@@ -1,27 +1,36 @@
-"""The embedded default models: a trained (target, draft) pair, built on first use and cached.
+"""The embedded default models: a trained target and a draft distilled from it, each built on
+first use and cached.
 
     pair = load_default_pair()            # the "base" preset on the "code" corpus
     target_cfg, target_params, draft_cfg, draft_params, tokenizer = pair
     target = from_params(target_cfg, target_params)   # specjax.models.transformer
+    target_cfg, target_params, tokenizer = load_default_target()   # the target alone
 
 The params are `nnx.State`s of nnx.Param (float32; cast to the config dtype otherwise), the form
 the rest of specjax passes across jit boundaries; `pair.target_module()` / `pair.draft_module()`
 merge them into Transformer modules.
 
-Cache: $SPECJAX_CACHE_DIR (default ~/.cache/specjax) / models / <preset>-<corpus>-<key>, where
-<key> hashes the model and training configs, the tokenizer and the cache format, so changing a
-preset never loads a stale pair. A build happens in <entry>.partial (holding a file lock, so
+What is built is what is used: `load_default_target` trains (or loads) the target and its
+tokenizer only; the distilled draft is a second entry, trained from that target the first
+time a pair is asked for (`load_default_pair`). The quickstart drafts with the target's
+EAGLE head, so its first run never trains the draft model.
+
+Cache: $SPECJAX_CACHE_DIR (default ~/.cache/specjax) / models / <preset>-<corpus>-<key> (the
+target and its tokenizer; <key> hashes the model and training configs, the tokenizer and the
+cache format, so changing a preset never loads a stale model) and
+<preset>-<corpus>-draft-<key> (the draft; <key> hashes its configs, the target's entry and
+its parameter fingerprint). A build happens in <entry>.partial (holding a file lock, so
 concurrent first uses train once), resumes there if a previous build was killed, is verified,
-and is renamed into place atomically. The entry's manifest.json records the configs, the
+and is renamed into place atomically. The entry's manifest.json records the recipe, the
 corpus fingerprint, the figures measured at build time and a sha256 of every file; a load
-re-checks all of it (plus the parameter fingerprints), and an entry that fails is reported,
+re-checks all of it (plus the parameter fingerprint), and an entry that fails is reported,
 moved aside and rebuilt, never used.
 
 Default draft heads (`load_default_heads("medusa")`, one `DEFAULT_HEADS` entry per kind) are
 trained for the default target on first use (the EAGLE head by the quickstart's first run,
 which drafts with it; Medusa by `--draft medusa:default` or the drafters experiment) and
 cached the same way under <cache>/heads/<preset>-<corpus>-<kind>-<key>, the key hashing the
-kind's spec, its schedule, the pair entry and the target's parameter fingerprint.
+kind's spec, its schedule, the target's entry and its parameter fingerprint.
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ from specjax.training.config import TrainConfig
 from specjax.training.presets import DEFAULT_PRESET, get_preset
 from specjax.training.trainer import Teacher, params_fingerprint, train
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: the target and the draft are separate entries
 MANIFEST = "manifest.json"
 
 
@@ -58,6 +67,15 @@ def cache_dir() -> pathlib.Path:
   """$SPECJAX_CACHE_DIR, or ~/.cache/specjax."""
   env = os.environ.get("SPECJAX_CACHE_DIR")
   return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "specjax"
+
+
+class DefaultTarget(NamedTuple):
+  target_config: ModelConfig
+  target_params: nnx.State
+  tokenizer: Tokenizer
+
+  def target_module(self) -> Transformer:
+    return from_params(self.target_config, self.target_params)
 
 
 class DefaultPair(NamedTuple):
@@ -79,20 +97,37 @@ def _log(msg: str) -> None:
 
 
 def _recipe(preset_name: str, corpus: str) -> dict:
+  """The target entry's recipe: what its key hashes and its manifest must match."""
   preset = get_preset(preset_name)
   return {"format": CACHE_FORMAT, "preset": preset_name, "corpus": corpus,
           "tokenizer": (ByteTokenizer().to_spec() if preset.tokenizer == "byte"
                         else {"recipe": preset.tokenizer, "trained_on": "train split"}),
-          "target": preset.target.to_dict(), "draft": preset.draft.to_dict(),
-          "target_train": dataclasses.asdict(preset.target_train),
-          "draft_train": dataclasses.asdict(preset.draft_train)}
+          "target": preset.target.to_dict(),
+          "target_train": dataclasses.asdict(preset.target_train)}
+
+
+def _key(recipe: dict) -> str:
+  return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def entry_dir(preset: str = DEFAULT_PRESET, corpus: str = "code") -> pathlib.Path:
-  """Where the default pair for (preset, corpus) lives in the cache."""
-  recipe = _recipe(preset, corpus)
-  key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-  return cache_dir() / "models" / f"{preset}-{corpus}-{key}"
+  """Where the default target (and its tokenizer) for (preset, corpus) lives in the cache."""
+  return cache_dir() / "models" / f"{preset}-{corpus}-{_key(_recipe(preset, corpus))}"
+
+
+def _draft_recipe(preset_name: str, corpus: str, target_fingerprint: str) -> dict:
+  """The draft entry's recipe: its configs, bound to the target it is distilled from."""
+  preset = get_preset(preset_name)
+  return {"format": CACHE_FORMAT, "preset": preset_name, "corpus": corpus,
+          "draft": preset.draft.to_dict(), "draft_train": dataclasses.asdict(preset.draft_train),
+          "target_entry": entry_dir(preset_name, corpus).name,
+          "target_fingerprint": target_fingerprint}
+
+
+def draft_entry_dir(preset: str, corpus: str, target_fingerprint: str) -> pathlib.Path:
+  """Where the draft distilled from the default target (of that fingerprint) lives."""
+  recipe = _draft_recipe(preset, corpus, target_fingerprint)
+  return cache_dir() / "models" / f"{preset}-{corpus}-draft-{_key(recipe)}"
 
 
 def _file_digests(root: pathlib.Path) -> dict[str, str]:
@@ -131,18 +166,17 @@ def _check_manifest(entry: pathlib.Path, recipe: dict, what: str) -> dict:
   return manifest
 
 
-def _verify_and_load(entry: pathlib.Path, recipe: dict) -> DefaultPair:
-  """Load the pair in `entry`, raising CacheError unless every check passes."""
+def _load_checked(entry: pathlib.Path, recipe: dict, role: str):
+  """The `role` ("target" or "draft") checkpoint of `entry`, raising CacheError unless every
+  check passes (manifest, file digests, restore, parameter fingerprint)."""
   manifest = _check_manifest(entry, recipe, "preset")
   try:
-    target = load_trained(entry / "target", config=ModelConfig.from_dict(recipe["target"]))
-    draft = load_trained(entry / "draft", config=ModelConfig.from_dict(recipe["draft"]))
+    trained = load_trained(entry / role, config=ModelConfig.from_dict(recipe[role]))
   except Exception as e:  # noqa: BLE001 (any failure to restore means a bad entry)
     raise CacheError(f"checkpoint does not restore: {e}") from e
-  if (params_fingerprint(target.params) != manifest["target"]["fingerprint"]
-      or params_fingerprint(draft.params) != manifest["draft"]["fingerprint"]):
+  if params_fingerprint(trained.params) != manifest[role]["fingerprint"]:
     raise CacheError("parameter fingerprints differ from the manifest")
-  return DefaultPair(target.config, target.params, draft.config, draft.params, target.tokenizer)
+  return trained
 
 
 @contextlib.contextmanager
@@ -177,10 +211,18 @@ def _build_tokenizer(preset, corpus, out: pathlib.Path) -> Tokenizer:
   return tokenizer
 
 
-def build_pair(preset_name: str, corpus_name: str, out: pathlib.Path, *,
-               progress: bool = True) -> dict:
-  """Train the preset's target, then distill its draft, into `out` (resumable). Returns the
-  manifest body (without file checksums)."""
+def _built(t0: float, role: str, trained, **extra) -> dict:
+  """A manifest body (without recipe and file checksums) for a trained `role`."""
+  return {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+          "build_seconds": round(time.perf_counter() - t0, 1),
+          "python": platform.python_version(), **extra,
+          role: {"fingerprint": params_fingerprint(trained.params), "val": trained.val}}
+
+
+def build_target(preset_name: str, corpus_name: str, out: pathlib.Path, *,
+                 progress: bool = True) -> dict:
+  """Train the preset's tokenizer and target into `out` (resumable). Returns the manifest
+  body (without recipe and file checksums)."""
   preset = get_preset(preset_name)
   t0 = time.perf_counter()
   corpus = load_corpus(corpus_name)
@@ -190,38 +232,82 @@ def build_pair(preset_name: str, corpus_name: str, out: pathlib.Path, *,
   target = train(preset.target, preset.target_train, data, tokenizer, out_dir=out / "target",
                  role="target", progress=progress)
   _log("target: " + target.summary().replace("\n", "; "))
-  draft = train(preset.draft, preset.draft_train, data, tokenizer, out_dir=out / "draft",
-                teacher=Teacher(preset.target, target.params), role="draft", progress=progress)
-  _log("draft: " + draft.summary().replace("\n", "; "))
   tokenizer.save(out)
-  return {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-          "build_seconds": round(time.perf_counter() - t0, 1),
-          "python": platform.python_version(), "corpus_fingerprint": corpus.fingerprint,
-          "target": {"fingerprint": params_fingerprint(target.params), "val": target.val},
-          "draft": {"fingerprint": params_fingerprint(draft.params), "val": draft.val}}
+  return _built(t0, "target", target, corpus_fingerprint=corpus.fingerprint)
 
 
-def load_default_pair(preset: str = DEFAULT_PRESET, corpus: str = "code", *, progress: bool = True,
-                      rebuild: bool = False) -> DefaultPair:
-  """The trained default (target, draft) pair for `preset` on an embedded corpus.
+def build_draft(preset_name: str, corpus_name: str, target: DefaultTarget, out: pathlib.Path,
+                *, progress: bool = True) -> dict:
+  """Distill the preset's draft from `target` into `out` (resumable). Returns the manifest
+  body (without recipe and file checksums)."""
+  preset = get_preset(preset_name)
+  t0 = time.perf_counter()
+  corpus = load_corpus(corpus_name)
+  data = TokenData.from_corpus(corpus, target.tokenizer)
+  draft = train(preset.draft, preset.draft_train, data, target.tokenizer, out_dir=out / "draft",
+                teacher=Teacher(preset.target, target.target_params), role="draft",
+                progress=progress)
+  _log("draft: " + draft.summary().replace("\n", "; "))
+  return _built(t0, "draft", draft, corpus_fingerprint=corpus.fingerprint)
+
+
+def _check_default(preset: str, corpus: str) -> None:
+  get_preset(preset)
+  if corpus not in EMBEDDED:
+    raise ValueError(f"corpus must be one of {EMBEDDED} for the default models, got {corpus!r}")
+
+
+def load_default_target(preset: str = DEFAULT_PRESET, corpus: str = "code", *,
+                        progress: bool = True, rebuild: bool = False) -> DefaultTarget:
+  """The trained default target (and its tokenizer) for `preset` on an embedded corpus.
 
   First use trains it into the cache (progress on stderr); later uses load and verify it.
   rebuild=True discards a cached entry and trains again.
   """
-  get_preset(preset)
-  if corpus not in EMBEDDED:
-    raise ValueError(f"corpus must be one of {EMBEDDED} for the default models, got {corpus!r}")
+  _check_default(preset, corpus)
   recipe = _recipe(preset, corpus)
   entry = entry_dir(preset, corpus)
+
+  def verify_and_load(d: pathlib.Path) -> DefaultTarget:
+    target = _load_checked(d, recipe, "target")
+    return DefaultTarget(target.config, target.params, target.tokenizer)
+
   return _cached_build(
-      entry, rebuild, lambda d: _verify_and_load(d, recipe),
-      lambda partial: {"recipe": recipe, **build_pair(preset, corpus, partial,
-                                                       progress=progress)},
-      unusable=f"cached models at {entry} are unusable", build_name="build",
-      training=f"training the default {preset!r} models on the {corpus!r} corpus into {entry} "
+      entry, rebuild, verify_and_load,
+      lambda partial: {"recipe": recipe, **build_target(preset, corpus, partial,
+                                                         progress=progress)},
+      unusable=f"cached target at {entry} is unusable", build_name="build",
+      training=f"training the default {preset!r} target on the {corpus!r} corpus into {entry} "
       "(first use only)",
-      ready=lambda pair, body: f"default models ready in {entry} "
-      f"({body['build_seconds']:.0f} s)")
+      ready=lambda _, body: f"default target ready in {entry} ({body['build_seconds']:.0f} s)")
+
+
+def load_default_pair(preset: str = DEFAULT_PRESET, corpus: str = "code", *, progress: bool = True,
+                      rebuild: bool = False) -> DefaultPair:
+  """The trained default (target, draft) pair for `preset` on an embedded corpus: the
+  target (`load_default_target`) and the draft distilled from it.
+
+  First use trains what is missing into the cache (progress on stderr); later uses load and
+  verify it. rebuild=True discards both cached entries and trains again.
+  """
+  target = load_default_target(preset, corpus, progress=progress, rebuild=rebuild)
+  fingerprint = params_fingerprint(target.target_params)
+  recipe = _draft_recipe(preset, corpus, fingerprint)
+  entry = draft_entry_dir(preset, corpus, fingerprint)
+
+  def verify_and_load(d: pathlib.Path) -> DefaultPair:
+    draft = _load_checked(d, recipe, "draft")
+    return DefaultPair(target.target_config, target.target_params, draft.config, draft.params,
+                       target.tokenizer)
+
+  return _cached_build(
+      entry, rebuild, verify_and_load,
+      lambda partial: {"recipe": recipe, **build_draft(preset, corpus, target, partial,
+                                                        progress=progress)},
+      unusable=f"cached draft at {entry} is unusable", build_name="draft build",
+      training=f"distilling the default {preset!r} draft from its target into {entry} "
+      "(first use only)",
+      ready=lambda _, body: f"default draft ready in {entry} ({body['build_seconds']:.0f} s)")
 
 
 def _cached_build(entry: pathlib.Path, rebuild: bool, verify_and_load: Callable,
@@ -259,7 +345,7 @@ def _cached_build(entry: pathlib.Path, rebuild: bool, verify_and_load: Callable,
 # ----------------------------------------------------------------------------- default heads
 #
 # Draft heads (Medusa, EAGLE, ...) for the default target, built on first use (EAGLE by the
-# quickstart's) and cached beside the pair with the same lock / partial / manifest / digest
+# quickstart's) and cached beside the target with the same lock / partial / manifest / digest
 # scheme. One line per kind: (the kind's spec, its training schedule). Sized to train in
 # about a minute on a 2-core CPU (BUILD_NOTES.md has the measured seconds and acceptance).
 
@@ -299,7 +385,8 @@ def default_head_spec(kind: str, target: ModelConfig) -> dict:
 def _heads_recipe(kind: str, preset: str, corpus: str, target_fingerprint: str) -> dict:
   spec, tc = default_head_spec(kind, get_preset(preset).target), DEFAULT_HEADS[kind][1]
   return {"format": HEADS_FORMAT, "kind": kind, "spec": spec, "train": dataclasses.asdict(tc),
-          "pair": entry_dir(preset, corpus).name, "target_fingerprint": target_fingerprint}
+          "target_entry": entry_dir(preset, corpus).name,
+          "target_fingerprint": target_fingerprint}
 
 
 def heads_entry_dir(kind: str, preset: str, corpus: str, target_fingerprint: str) -> pathlib.Path:
@@ -308,11 +395,11 @@ def heads_entry_dir(kind: str, preset: str, corpus: str, target_fingerprint: str
   return cache_dir() / "heads" / f"{preset}-{corpus}-{kind}-{key}"
 
 
-def _verify_and_load_heads(entry: pathlib.Path, recipe: dict, pair: DefaultPair):
+def _verify_and_load_heads(entry: pathlib.Path, recipe: dict, target: DefaultTarget):
   from specjax.training.heads import load_head
   manifest = _check_manifest(entry, recipe, "default heads")
   try:
-    head = load_head(entry / "head", target=(pair.target_config, pair.target_params),
+    head = load_head(entry / "head", target=(target.target_config, target.target_params),
                      kind=recipe["kind"])
   except Exception as e:  # noqa: BLE001 (any failure to restore means a bad entry)
     raise CacheError(f"head checkpoint does not restore: {e}") from e
@@ -325,7 +412,7 @@ def load_default_heads(kind: str = "medusa", preset: str = DEFAULT_PRESET, corpu
                        *, progress: bool = True, rebuild: bool = False):
   """The trained `kind` heads of the default target (a `heads.TrainedHead`).
 
-  First use trains them into the cache (after the default pair, if that is not built yet);
+  First use trains them into the cache (after the default target, if that is not built yet);
   later uses load and verify them (manifest recipe, file digests, the binding to the
   target, the parameter fingerprint). rebuild=True discards a cached entry first.
   """
@@ -333,17 +420,17 @@ def load_default_heads(kind: str = "medusa", preset: str = DEFAULT_PRESET, corpu
   table = DEFAULT_HEADS
   if kind not in table:
     raise ValueError(f"kind must be one of {sorted(table)} (the default heads), got {kind!r}")
-  pair = load_default_pair(preset, corpus, progress=progress)
-  recipe = _heads_recipe(kind, preset, corpus, TargetBinding.of(pair.target_config,
-                                                                  pair.target_params).fingerprint)
+  target = load_default_target(preset, corpus, progress=progress)
+  recipe = _heads_recipe(kind, preset, corpus, TargetBinding.of(
+      target.target_config, target.target_params).fingerprint)
   entry = heads_entry_dir(kind, preset, corpus, recipe["target_fingerprint"])
 
   def build(partial: pathlib.Path) -> dict:
     t0 = time.perf_counter()
     spec, tc = recipe["spec"], table[kind][1]
-    data = TokenData.from_corpus(load_corpus(corpus), pair.tokenizer)
-    result = HeadTrainer(kind_from_spec(kind, spec), pair.target_config, pair.target_params,
-                         tc, data, pair.tokenizer, out_dir=partial / "head",
+    data = TokenData.from_corpus(load_corpus(corpus), target.tokenizer)
+    result = HeadTrainer(kind_from_spec(kind, spec), target.target_config, target.target_params,
+                         tc, data, target.tokenizer, out_dir=partial / "head",
                          progress=progress).run()
     return {"recipe": recipe, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "build_seconds": round(time.perf_counter() - t0, 1),
@@ -352,7 +439,7 @@ def load_default_heads(kind: str = "medusa", preset: str = DEFAULT_PRESET, corpu
             "acceptance": result.acceptance.to_dict()}
 
   return _cached_build(
-      entry, rebuild, lambda d: _verify_and_load_heads(d, recipe, pair), build,
+      entry, rebuild, lambda d: _verify_and_load_heads(d, recipe, target), build,
       unusable=f"cached {kind} heads at {entry} are unusable", build_name=f"{kind} head build",
       training=f"training the default {kind} heads for the {preset!r} target into {entry} "
       "(first use only)",
