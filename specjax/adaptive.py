@@ -106,6 +106,14 @@ CYCLES = ("fit", "measured")  # AdaptivePolicy.from_costs: where an entry's cycl
 # same side-by-side sweep (batch 1-8, T 0 and 1, code and prose, the embedded pair) came
 # closer to the best fixed shape at 12 of 16 points (median 0.92 vs 0.88; BUILD_NOTES.md).
 DEFAULT_PRIOR_WEIGHT = 8.0
+# The estimate's memory λ per cycle (module doc). Evidence weighted by λ^age sums to at most
+# 1 / (1 − λ) trials, so the prior keeps a share of at least w ÷ (w + 1 / (1 − λ)): 44% at
+# λ = 0.9 and w = 8, which held a row whose second draft never matched (a period-2 loop at
+# T = 0) at a second-draft rate of 0.30 instead of ~0 and kept it on chains of 6 where a
+# chain of 1 measured best (batch 2, T = 0, code: adaptive at 0.75-0.76 of the best fixed
+# shape in two runs). At λ = 0.97 the share is 19%: 0.82 there, the other seven points
+# tried unchanged within this machine's noise (BUILD_NOTES.md).
+DEFAULT_DECAY = 0.97
 
 
 def menu(entries: Sequence[Any] = DEFAULT_CHAINS) -> tuple[TreeSpec | None, ...]:
@@ -259,7 +267,7 @@ class AdaptivePolicy:
 
   @classmethod
   def create(cls, entries: Sequence[Any], seconds, batches: Sequence[int] = (1,), *,
-             plain=None, decay: float = 0.9, prior_alpha: float = 0.5,
+             plain=None, decay: float = DEFAULT_DECAY, prior_alpha: float = 0.5,
              prior_depth: Sequence[float] | None = None,
              prior_weight: float = DEFAULT_PRIOR_WEIGHT, threshold: float = 0.0,
              forced: Sequence[int] | None = None,
