@@ -522,7 +522,8 @@ def report(records: list[dict], run_dir) -> str:
   upper = float(batches[-1])
   cal_lines = [
       f"- Calibrated break-even batch (loop costs calibrated at each batch, τ per loop "
-      f"iteration from the measured α): {calibrated.text(upper)}",
+      f"iteration from each row's measured law of accepted lengths): "
+      f"{calibrated.text(upper)}",
       f"- Measured vs calibrated: {agreement(measured, calibrated).text()}",
   ] if with_cal else [
       "- Calibrated break-even batch: not available (these results carry no calibrated "
@@ -530,9 +531,10 @@ def report(records: list[dict], run_dir) -> str:
   lines = [
       "## Batch break-even", "",
       "Speedup = speculative ÷ plain tokens/s of the decode phase, measured side by side. "
-      "Calibrated = tokens per loop iteration (from the measured α_trial, waiting for the "
-      "batch's slowest row) ÷ the cycle of chain(k) in plain target steps, timed in the "
-      "compiled loops at that batch (docs/cost_model.md, \"Calibrated loop costs\"). "
+      "Calibrated = tokens per loop iteration (from each row's measured law of accepted "
+      "lengths, waiting for the batch's slowest row) ÷ the cycle of chain(k) in plain "
+      "target steps, timed in the compiled loops at that batch (docs/cost_model.md, "
+      "\"Calibrated loop costs\"). "
       "Roofline = the analytic bandwidth/compute model.", "",
       f"Hardware (calibrated here): {hw.bandwidth / 1e9:.3g} GB/s streaming, "
       f"{hw.flops / 1e9:.3g} GFLOP/s matmul. Workload {wl.name}: W = "

@@ -265,7 +265,8 @@ def test_report_states_the_calibrated_break_even_and_the_verdict(tmp_path):
   cal = bb.calibrated_break_even(recs)
   meas = bb.measured_break_even(recs)
   assert f"- Calibrated break-even batch (loop costs calibrated at each batch, τ per loop " \
-         f"iteration from the measured α): B ≈ {cal.batch:.3g}" in text
+         f"iteration from each row's measured law of accepted lengths): " \
+         f"B ≈ {cal.batch:.3g}" in text
   verdict = bb.agreement(meas, cal)
   assert f"- Measured vs calibrated: measured ÷ predicted = {verdict.ratio:.2f}" in text
   assert ("NOT within 25%" in text) == (not verdict.within)
