@@ -107,6 +107,7 @@ def _recipe(preset_name: str, corpus: str) -> dict:
 
 
 def _key(recipe: dict) -> str:
+  """A cache entry's key: 12 hex digits of the sha256 of its recipe."""
   return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -391,8 +392,7 @@ def _heads_recipe(kind: str, preset: str, corpus: str, target_fingerprint: str) 
 
 def heads_entry_dir(kind: str, preset: str, corpus: str, target_fingerprint: str) -> pathlib.Path:
   recipe = _heads_recipe(kind, preset, corpus, target_fingerprint)
-  key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-  return cache_dir() / "heads" / f"{preset}-{corpus}-{kind}-{key}"
+  return cache_dir() / "heads" / f"{preset}-{corpus}-{kind}-{_key(recipe)}"
 
 
 def _verify_and_load_heads(entry: pathlib.Path, recipe: dict, target: DefaultTarget):
