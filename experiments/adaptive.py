@@ -47,8 +47,8 @@ ratios are the ones the goals are judged on (the fixed-shape points remain, for 
 predictions and efficiencies).
 
 Adaptive rows also carry the shape chosen at each loop iteration (`choices`) and the draft-
-stopping counters (`threshold` > 0: cycles cut, accepted drafts discarded: its effect is
-reported separately). The report compares adaptive with max(best fixed shape, plain) per
+stopping counters (`threshold` > 0: cycles whose drafting stopped early, draft nodes not
+drafted: its effect is reported separately; compare a point with and without it). The report compares adaptive with max(best fixed shape, plain) per
 (batch, temperature, category) against the goal adaptive ≥ 0.95 × that, says where
 adaptive first chooses k = 0 (its most frequent choice) and plots the chosen shapes over
 time.
@@ -226,7 +226,7 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
     out.update(choices=names, predicted_choice=pol.names[choice],
                choice_counts=dict(collections.Counter(names)),
                stopped=int(run.stopping["stopped"].sum()),
-               discarded=int(run.stopping["discarded"].sum()))
+               skipped=int(run.stopping["skipped"].sum()))
     if beside:
       out.update(side_by_side_metrics(
           tok_s / plain_tok_s, {n: rate(n) / plain_tok_s for n in beside},
@@ -436,7 +436,7 @@ def report(records: list[dict], run_dir) -> str:
   stop_rows = [{"batch": r["params"]["batch"], "temperature": r["params"].get("temperature"),
                 "threshold": r["params"].get("threshold", 0.0),
                 "stopped cycles": r["metrics"].get("stopped"),
-                "discarded drafts": r["metrics"].get("discarded"),
+                "skipped draft nodes": r["metrics"].get("skipped"),
                 "speedup": r["metrics"]["speedup"]}
                for r in records if r["params"].get("policy", "adaptive") == "adaptive"]
   lines = [
@@ -457,8 +457,9 @@ def report(records: list[dict], run_dir) -> str:
           f"T={t:g} {cat}: {'none' if b is None else b}" for (t, cat), b in off.items()), "",
       "Against the measured break-even batch (goal: within 25%):", "",
       rep.markdown_table(be_rows, list(be_rows[0])) if be_rows else "", "",
-      "Draft stopping (threshold > 0 cuts a chain once its cumulative draft confidence falls "
-      "below it; in a static-shape loop it saves no computation, it only stops emission):", "",
+      "Draft stopping (threshold > 0: a sampled chain stops drafting once every row's "
+      "cumulative draft confidence is below it; the skipped draft passes are not computed, "
+      "the verified shape is unchanged and a cycle emits at most drafted + 1 tokens):", "",
       rep.markdown_table(stop_rows, list(stop_rows[0])) if stop_rows else "(no adaptive rows)",
       "", f"![chosen shapes over time]({name})", "",
   ]

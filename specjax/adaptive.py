@@ -4,7 +4,8 @@ One object (`AdaptivePolicy`), used inside the compiled loop (`loop.adaptive_loo
 jnp) and on the host (`choose`, `table`: what `specjax theory` prints, what the
 experiments predict). The menu is static (each entry is traced once into the loop and the
 chosen one runs, `loop._run_chosen`); everything the choice reads is an array, so changing
-costs, decay, prior, threshold or forced schedule reuses the compiled loop.
+costs, decay, prior, threshold or forced schedule reuses the compiled loop (turning draft
+stopping on or off, threshold 0 vs > 0, is a static choice: `AdaptivePolicy.stopping`).
 
 Menu. Entries are `None` (k = 0: a plain decoding step) or static `trees.TreeSpec`s (a chain
 of k drafts is `trees.chain(k)`): `menu((0, 1, 2, 4, 6))`, optionally with one or two trees.
@@ -72,13 +73,20 @@ With rows that all accept alike and have the same budget left (the host's `choos
 pick the same entry. `forced` (int32 [S], -1 = free) forces
 entry forced[c mod S] at cycle c (tests alternate shapes with it).
 
-Dynamic draft stopping: `threshold` (a float32 array, 0 = off). Within a cycle the chain
-is cut after the deepest accepted node whose cumulative draft confidence (product of the
-draft's max probabilities along the path) is still >= threshold, and one more token is
-emitted (the next accepted draft or the target's token, equal in law); the cut is a
-stopping time of the emitted sequence (it depends on the path's own tokens), so the output
-stays exact (docs/cost_model.md, "Adaptive speculation"). It reads the draft law q, so it
-acts on sampled candidates only.
+Dynamic draft stopping: `threshold` (a float32 array, 0 = off). Within a cycle a drafter
+that samples its candidates stops extending a chain once every row's newest drafted node
+has cumulative confidence (the product along the chain of the max probability of each
+node's draft law) below the threshold (`Drafter.with_stopping`: the draft's levels run in a
+`while_loop`, so the passes it skips are not computed). Verification is unchanged: the
+static shape is verified, the undrafted nodes being fillers with one-hot laws, and the
+cycle emits at most drafted + 1 tokens (`Proposal.drafted`). Exact: every node's
+(token, law) pair is a valid proposal (a filler is a point mass, and a point mass at any
+token is accepted with the target's probability of it, the residual being the rest of the
+target's law), and the cut depends only on the draft's laws and samples, fixed before the
+target's pass, so it is a stopping time independent of the verification's randomness; the
+cap also keeps a separate draft's cache whole (it fed every node but the last drafted
+one). It acts on chains of sampled candidates only (at T = 0 their laws are one-hot, every
+confidence is 1).
 """
 
 from __future__ import annotations
@@ -249,6 +257,7 @@ class AdaptivePolicy:
   (the first candidate at each depth 1..max(1, max_depth)), prior_weight w. threshold:
   draft stopping (0 = off). forced: int32 [S] forced entry per cycle (mod S), -1 = free
   choice. batch_pace: 1.0 for the "batch" objective, 0.0 for "tokens" (module doc).
+  stopping (static): threshold > 0, i.e. draft stopping compiled into the loop.
   """
 
   menu: tuple = struct.field(pytree_node=False)
@@ -262,6 +271,12 @@ class AdaptivePolicy:
   threshold: Array
   forced: Array
   batch_pace: Array
+  # Static: whether draft stopping is compiled in (threshold > 0). The threshold itself is a
+  # runtime value, but at 0 the loop keeps the drafters' scan over levels: the stopping
+  # machinery (a while_loop over levels, confidences, fillers) cost the default loop up to
+  # ~6% at batch 8 (BUILD_NOTES.md), so turning stopping on or off is a new program, like
+  # changing the menu, and changing a positive threshold is not.
+  stopping: bool = struct.field(pytree_node=False, default=False)
 
   # ----------------------------------------------------------------------- construction
 
@@ -323,7 +338,8 @@ class AdaptivePolicy:
                prior_weight=jnp.asarray(prior_weight, jnp.float32),
                threshold=jnp.asarray(threshold, jnp.float32),
                forced=jnp.asarray(f, jnp.int32),
-               batch_pace=jnp.asarray(objective == "batch", jnp.float32))
+               batch_pace=jnp.asarray(objective == "batch", jnp.float32),
+               stopping=bool(threshold > 0))
 
   @classmethod
   def from_costs(cls, entries: Sequence[Any], costs: Mapping[int, Any] | Any, *,

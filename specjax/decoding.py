@@ -63,7 +63,7 @@ class Generation:
   tree: Any = None
   choices: np.ndarray | None = None  # adaptive: menu index of each loop iteration
   menu: list[str] | None = None  # adaptive: the menu's entry names (adaptive.entry_name)
-  stopping: dict[str, np.ndarray] | None = None  # adaptive: per-row stopped / discarded
+  stopping: dict[str, np.ndarray] | None = None  # adaptive: per-row stopped / skipped
   plain_steps: np.ndarray | None = None  # adaptive: per-row k = 0 steps (one token each)
 
   @classmethod
@@ -310,7 +310,7 @@ def _collect(state: loop.LoopState, batch: Batch, seconds: float, k: int,
     extra = dict(choices=np.asarray(a.choices)[:int(a.cycle)], menu=policy.names,
                  plain_steps=np.asarray(a.plain_steps),
                  stopping={"stopped": np.asarray(a.stopped),
-                           "discarded": np.asarray(a.discarded)})
+                           "skipped": np.asarray(a.skipped)})
   return Generation(tokens=out, prompt_lengths=batch.prompt_len_B.tolist(), stats=stats,
                     seconds=seconds, k=k, tree=tree, **extra)
 

@@ -27,7 +27,7 @@ The loops are pure, jittable and vmappable, and check nothing: the host API
 Runtime values (temperature, top-k, top-p, budgets, EOS id, seed, drafter weights) are
 arrays: changing them reuses the compiled loop. Static: model shapes, batch, prompt bucket,
 cache length, the tree shape (the adaptive loop: the policy's menu; its costs, estimate
-parameters, threshold and forced schedule are arrays). See docs/architecture.md for the
+parameters, threshold and forced schedule are arrays; draft stopping on or off is static). See docs/architecture.md for the
 jit boundary.
 """
 
@@ -89,8 +89,12 @@ class Stats:
                rank_tried=jnp.zeros((batch, width), jnp.int32),
                rank_accepted=jnp.zeros((batch, width), jnp.int32))
 
-  def record(self, active_B, result: acceptance.TreeResult, nodes: int) -> "Stats":
+  def record(self, active_B, result: acceptance.TreeResult, nodes: int,
+             drafted_B=None) -> "Stats":
+    """Adds one cycle of the active rows: `nodes` verified, `drafted_B` of them drafted (None:
+    all; fewer when drafting stopped early, `_drafted_only`)."""
     act = active_B.astype(jnp.int32)
+    drafted = nodes if drafted_B is None else drafted_B
     n = result.n_accepted
     rows = jnp.arange(act.shape[0])
     at = jnp.minimum(self.cycles, self.cycle_log.shape[1] - 1)
@@ -99,7 +103,7 @@ class Stats:
     depth = self.depth_tried.shape[1]
     reached = (jnp.arange(1, depth + 1, dtype=jnp.int32)[None] <= n[:, None]).astype(jnp.int32)
     a1 = act[:, None]
-    return Stats(cycles=self.cycles + act, drafted=self.drafted + nodes * act,
+    return Stats(cycles=self.cycles + act, drafted=self.drafted + drafted * act,
                  accepted=self.accepted + n * act,
                  hist=self.hist.at[rows, n].add(act), cycle_log=log,
                  verified=self.verified + nodes * act,
@@ -207,7 +211,7 @@ def _emit(s: LoopState, emitted_BT, n_B, prompt_len_B, budget_B, eos, stop_B=Non
   active = ~s.done
   room = budget_B - (s.length + 1 - prompt_len_B)
   m = jnp.minimum(n_B + 1, room)
-  if stop_B is not None:  # dynamic draft stopping: a stopping time of the emitted sequence
+  if stop_B is not None:  # dynamic draft stopping: the cut is fixed before verification
     m = jnp.minimum(m, stop_B + 1)
   is_eos = (emitted_BT == eos) & (steps[None] < m[:, None])
   hit_eos = jnp.any(is_eos, axis=1)
@@ -219,26 +223,28 @@ def _emit(s: LoopState, emitted_BT, n_B, prompt_len_B, budget_B, eos, stop_B=Non
   return tokens, length, done, active
 
 
-def _stop_depth(proposal, tree, result, threshold):
-  """Dynamic draft stopping: per row, how many nodes of the accepted path have cumulative
-  draft confidence >= threshold (confidence of a node = max of the draft law q its parent's
-  children were sampled from; cumulative = product along the root path). None when the
-  proposal has no q (deterministic candidates): no stopping."""
-  if proposal.q is None or threshold is None:
-    return None
-  parents = jnp.asarray(tree.parents[1:])
-  conf_BN = jnp.max(proposal.q, axis=-1)[:, parents]  # [B, N]
-  anc = jnp.asarray(tree.ancestors[1:, 1:], jnp.float32)  # [N, N] ancestor-or-self
-  cum_BN = jnp.exp(jnp.log(jnp.maximum(conf_BN, 1e-30)) @ anc.T)
-  cum_BT = jnp.concatenate([jnp.ones_like(cum_BN[:, :1]), cum_BN], axis=1)
-  on_path = jnp.take_along_axis(cum_BT, result.path[:, 1:], axis=1)  # [B, D], non-increasing
-  return jnp.sum(on_path >= threshold, axis=1).astype(jnp.int32)
+def _drafted_only(result: acceptance.TreeResult, drafted_B) -> acceptance.TreeResult:
+  """A chain's result counted over its drafted nodes only (dynamic draft stopping: nodes
+  past drafted_B are fillers, and the cycle emits at most drafted + 1 tokens): accepted
+  drafts capped at drafted_B, deeper depths not tried, rank 0 counts to match. What the
+  stats and the policy's acceptance estimate see, so fillers never count as rejections."""
+  depths = result.depth_tried.shape[1]
+  keep = jnp.arange(1, depths + 1, dtype=jnp.int32)[None] <= drafted_B[:, None]
+  tried = result.depth_tried & keep
+  n = jnp.minimum(result.n_accepted, drafted_B)
+  return result.replace(n_accepted=n, depth_tried=tried,
+                        rank_tried=result.rank_tried.at[:, 0].set(
+                            jnp.sum(tried, axis=1).astype(result.rank_tried.dtype)),
+                        rank_accepted=result.rank_accepted.at[:, 0].set(
+                            n.astype(result.rank_accepted.dtype)))
 
 
 def _spec_cycle(target, drafter, s: LoopState, tree, sampler, draft_key, accept_key,
-                prompt_len_B, budget_B, eos, capture, width=None, threshold=None):
+                prompt_len_B, budget_B, eos, capture, width=None):
   """One speculative cycle of `tree` (module doc). Emission padded to `width` tokens (None:
-  the tree's D + 1). Returns (state without stats, TreeResult, active_B, stop_B)."""
+  the tree's D + 1). A proposal that stopped drafting early (`Proposal.drafted`, dynamic
+  draft stopping) emits at most drafted + 1 tokens. Returns (state without stats,
+  TreeResult, active_B, drafted_B or None)."""
   depth = tree.max_depth
   steps = jnp.arange(depth + 1, dtype=jnp.int32)
   extra = (lambda f: {"features": f}) if capture else (lambda f: {})
@@ -260,7 +266,7 @@ def _spec_cycle(target, drafter, s: LoopState, tree, sampler, draft_key, accept_
   emitted_BT = jnp.where(steps[None] < n[:, None], path_tokens, result.next_token[:, None])
   if width is not None and width > depth + 1:  # tokens past n + 1 are never written
     emitted_BT = jnp.pad(emitted_BT, ((0, 0), (0, width - depth - 1)))
-  stop = _stop_depth(proposal, tree, result, threshold)
+  stop = proposal.drafted
   tokens, length, done, active = _emit(s, emitted_BT, n, prompt_len_B, budget_B, eos, stop)
   ctx = Context(tokens=tokens, length=length)
   if not layout.is_chain:  # the path's entries to [L, L + n]; a chain's are in place
@@ -309,8 +315,9 @@ class AdaptState:
   (acc, tried [B, R + D]: per sibling rank, then per depth, `AdaptivePolicy.columns`), the
   loop iteration, the menu entry chosen at each iteration
   (choices [C], -1 unused), the plain (k = 0) steps each row took (plain_steps [B]; one
-  token each), the draft-stopping counters per row: cycles it cut (stopped) and accepted
-  drafts it discarded (discarded), and the lazy catch-up bookkeeping (`adaptive_loop`): per
+  token each), the draft-stopping counters per row: cycles whose drafting stopped early
+  (stopped) and the draft nodes those cycles did not draft (skipped), and the lazy catch-up
+  bookkeeping (`adaptive_loop`): per
   row the tokens emitted by plain steps the drafter has not seen (behind, <= P) and the
   target's probability of each (behind_p, for the acceptance estimate), and the number of
   catch-up passes run (catch_ups)."""
@@ -321,7 +328,7 @@ class AdaptState:
   choices: Array  # int32 [C]
   plain_steps: Array  # int32 [B]
   stopped: Array  # int32 [B]
-  discarded: Array  # int32 [B]
+  skipped: Array  # int32 [B]
   behind: Array  # int32 [B] lazy catch-up: tokens emitted since the drafter was last synced
   behind_p: Array  # float32 [B, P] the target's probability of each of them (its warped law)
   catch_ups: Array  # int32 [] lazy catch-up passes run
@@ -431,6 +438,8 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
   steps (tokens) of each row either way.
   """
   TRACE_COUNTS["adaptive"] += 1
+  if policy.stopping:  # dynamic draft stopping (static: threshold > 0)
+    drafter = drafter.with_stopping(policy.threshold)
   b = prompt_BP.shape[0]
   menu = policy.menu
   depth = max(policy.max_depth, 1)
@@ -538,18 +547,21 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
   def spec_branch(tree):
     def run(s: LoopState):
       key, draft_key, accept_key = jax.random.split(s.key, 3)
-      new, result, active, stop = _spec_cycle(target, drafter, s, tree, sampler, draft_key,
-                                              accept_key, prompt_len_B, budget_B, eos,
-                                              capture, width, policy.threshold)
+      new, result, active, drafted = _spec_cycle(target, drafter, s, tree, sampler,
+                                                 draft_key, accept_key, prompt_len_B, budget_B,
+                                                 eos, capture, width)
       n = result.n_accepted
-      lost = jnp.zeros_like(n) if stop is None else jnp.maximum(n - stop, 0)
-      stats = s.stats.record(active, _pad_result(result, depth, ranks), tree.size)
+      skipped = jnp.zeros_like(n)
+      if drafted is not None:  # dynamic draft stopping: fillers are not drafts
+        skipped = jnp.maximum(tree.size - drafted, 0).astype(jnp.int32)
+        result = _drafted_only(result, drafted)
+      stats = s.stats.record(active, _pad_result(result, depth, ranks), tree.size, drafted)
       new = new.replace(key=key, stats=stats)
       a1 = active[:, None]
       acc_c, tried_c = policy.cycle_observation(tree, result)
       acc_obs = jnp.where(a1, acc_c, 0.0)
       tried_obs = jnp.where(a1, tried_c, 0.0)
-      return (new, acc_obs, tried_obs, active, jnp.where(active, lost, 0).astype(jnp.int32),
+      return (new, acc_obs, tried_obs, active, jnp.where(active, skipped, 0),
               jnp.zeros((b,), jnp.int32))
     return run
 
@@ -570,7 +582,7 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
       s, choice = jax.lax.cond(need, lambda s: catch_up_and_choose(s, active0, left),
                                lambda s: (s, choice), s)
     none = (s, zero_obs, zero_obs, jnp.zeros((b,), bool), zb, zb)  # before any entry ran
-    new, acc_obs, tried_obs, active, lost, plain = _run_chosen(choice, branches, none)
+    new, acc_obs, tried_obs, active, skipped, plain = _run_chosen(choice, branches, none)
     a = new.adapt  # with the catch-up bookkeeping
     # a lazy plain step observes nothing: the estimate stays as it is
     observed = active & (jnp.sum(tried_obs, axis=1) > 0)
@@ -579,8 +591,8 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
     adapt = a.replace(acc=acc, tried=tried, cycle=a.cycle + 1,
                       choices=a.choices.at[at].set(choice),
                       plain_steps=a.plain_steps + plain,
-                      stopped=a.stopped + (lost > 0).astype(jnp.int32),
-                      discarded=a.discarded + lost)
+                      stopped=a.stopped + (skipped > 0).astype(jnp.int32),
+                      skipped=a.skipped + skipped)
     return new.replace(adapt=adapt)
 
   acc0, tried0 = policy.init_state(b)
@@ -591,7 +603,7 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
                    stats=Stats.zeros(b, depth, cache_len, ranks),
                    adapt=AdaptState(acc=acc0, tried=tried0, cycle=jnp.zeros((), jnp.int32),
                                     choices=jnp.full((cache_len,), -1, jnp.int32),
-                                    plain_steps=zb, stopped=zb, discarded=zb, behind=zb,
+                                    plain_steps=zb, stopped=zb, skipped=zb, behind=zb,
                                     behind_p=jnp.ones((b, slots), jnp.float32),
                                     catch_ups=jnp.zeros((), jnp.int32)))
   return jax.lax.while_loop(_not_finished, body, init)

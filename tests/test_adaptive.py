@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import struct
 
 from specjax import acceptance, adaptive, decoding, loop, sampling, theory, trees
-from specjax.drafters.base import LM
+from specjax.drafters.base import LM, Context
 from specjax.drafters.model import ModelDrafter
 from specjax_testing import (FALSE_ALARM, JOINT_ROWS, PROMPT, RAGGED, TINY, VOCAB, FeatureProbe,
                              exact_joint, joint_pvalue, joint_target, model, perturbed)
@@ -160,12 +161,12 @@ def test_greedy_identity_with_shapes_alternating_every_cycle(pair):
 
 def test_drafter_state_survives_plain_steps_and_nothing_recompiles(pair):
   """Self-drafting at T = 0 accepts every draft only if the draft's cache is right after
-  each plain step (the k = 0 branch's catch-up). Changing the forced schedule, the threshold
-  or the costs reuses the compiled loop."""
+  each plain step (the k = 0 branch's catch-up). Changing the forced schedule or the costs
+  reuses the compiled loop (a positive threshold: test_draft_stopping_...)."""
   target, draft = pair
   _run(target, draft, _policy())  # compiled (shared with the test above)
   before = loop.TRACE_COUNTS["adaptive"]
-  run = _run(target, target, _policy(forced=[1, 0, 2, 0], threshold=0.5))  # k=1, 0, 3, 0
+  run = _run(target, target, _policy(forced=[1, 0, 2, 0]))  # k=1, 0, 3, 0
   assert run.summary().alpha == 1.0
   assert set(run.choices.tolist()) == {0, 1, 2}
   free = _run(target, draft, _policy(forced=[-1, -1, -1, -1], seconds=(1.0, 1.1, 1.2, 1.3)))
@@ -187,7 +188,7 @@ def test_forced_plain_equals_plain_decoding_token_for_token(pair, temperature):
 
 
 def _adaptive_first_three(target, draft, sampler, seed, run=None, threshold=0.0,
-                          forced=(1, 0, 2)):
+                          forced=(1, 0, 2), drafter_cls=ModelDrafter):
   prompt = PROMPT
   batch = decoding.prepare_batch([prompt] * JOINT_ROWS, vocab_size=VOCAB, max_len=32,
                                  max_new_tokens=3, slots=3)
@@ -198,21 +199,23 @@ def _adaptive_first_three(target, draft, sampler, seed, run=None, threshold=0.0,
   policy = adaptive.AdaptivePolicy.create((0, 1, 2), [1.0, 1.1, 1.2], forced=list(forced),
                                           threshold=threshold)
   run = run or loop.adaptive_jit
-  state = run(LM.of(target), ModelDrafter.of(draft), policy, batch.prompt_BP, batch.prompt_len_B,
+  state = run(LM.of(target), drafter_cls.of(draft), policy, batch.prompt_BP, batch.prompt_len_B,
               batch.budget_B, jnp.asarray(-1), sampler, jax.random.key(seed),
               cache_len=batch.cache_len, lazy_slots=1)
   _adaptive_first_three.catch_ups = int(state.adapt.catch_ups)
   _adaptive_first_three.stopped = int(np.sum(state.adapt.stopped))
+  _adaptive_first_three.skipped = int(np.sum(state.adapt.skipped))
   return np.asarray(state.tokens)[:, 3:6], prompt
 
 
-@pytest.mark.parametrize("threshold, forced", [(0.0, (1, 0, 2)), (0.6, (1, 0, 2)),
+@pytest.mark.parametrize("threshold, forced", [(0.0, (1, 0, 2)), (1.0, (2, 0, 1)),
                                                (0.0, (0, 1, 2))],
                          ids=["no-stopping", "draft-stopping", "lazy-catch-up"])
 def test_joint_distribution_of_first_three_tokens_with_alternating_shapes(threshold, forced):
   """χ² goodness of fit of 40,000 rows against the enumerated target joint over 8³ outcomes
   (sparse cells pooled), shapes alternating k=1, plain, k=2; false-alarm rate 1e-3 each.
-  With a draft-stopping threshold (same compiled loop) the cut emission stays exact; with
+  With draft stopping (threshold 1: the first cycle, a chain of 2, drafts node 1 only, node
+  2 is a point-mass filler, and it emits at most 2 tokens) the output stays exact; with
   plain then k = 1 the drafter catches up lazily before it drafts."""
   target, draft = _joint_models()
   sampler = sampling.make_sampler(1.0)
@@ -222,7 +225,79 @@ def test_joint_distribution_of_first_three_tokens_with_alternating_shapes(thresh
   if forced[0] == 0:
     assert _adaptive_first_three.catch_ups == 1
   if threshold > 0:
-    assert _adaptive_first_three.stopped > 1000, "the threshold should cut many cycles"
+    assert _adaptive_first_three.stopped >= JOINT_ROWS, "every row's first cycle should stop"
+    assert _adaptive_first_three.skipped == _adaptive_first_three.stopped
+    before = loop.TRACE_COUNTS["adaptive"]
+    _adaptive_first_three(target, draft, sampler, seed=12, threshold=0.5, forced=forced)
+    assert loop.TRACE_COUNTS["adaptive"] == before, "another positive threshold recompiled"
+
+
+@struct.dataclass
+class _MisreportedFillers(ModelDrafter):
+  """Planted bug: a stopped chain's fillers report the last drafted node's law instead of a
+  point mass (the filler, that law's least likely token, is then accepted far too often).
+  The extra static field keeps its compiled program apart (docs/xla_notes.md, trap 9)."""
+
+  planted: bool = struct.field(pytree_node=False, default=True)
+
+  def _levels_until_unsure(self, level, carry0, keys, root_logits_BV, root_q_BV, levels, m):
+    cache, kids, q, drafted = super()._levels_until_unsure(level, carry0, keys,
+                                                           root_logits_BV, root_q_BV, levels, m)
+    skipped = (jnp.arange(levels)[:, None] >= drafted[None] - 1)[..., None, None]
+    return cache, kids, jnp.where(skipped, root_q_BV[None, :, None], q), drafted
+
+
+def test_joint_distribution_test_catches_misreported_fillers():
+  """Negative control of the draft-stopping case: the same χ² test rejects fillers whose
+  law is not the point mass they are."""
+  target, draft = _joint_models()
+  sampler = sampling.make_sampler(1.0)
+  tokens, prompt = _adaptive_first_three(target, draft, sampler, seed=11, threshold=1.0,
+                                         forced=(2, 0, 1), drafter_cls=_MisreportedFillers)
+  assert _adaptive_first_three.stopped >= JOINT_ROWS
+  assert joint_pvalue(tokens, exact_joint(target, prompt, sampler)) < FALSE_ALARM
+
+
+def test_draft_stopping_skips_the_levels_and_fills_point_masses(pair):
+  """A chain of 4 with threshold 1 drafts node 1 only: the other nodes are the root law's
+  least likely token (one-hot laws when sampled); threshold 0 drafts exactly what the
+  drafter without stopping drafts (same key). The confidence is the draft's softmax at
+  temperature 1, so a greedy (T = 0) or top-k chain stops as well."""
+  target, draft = pair
+  tree = trees.chain(4)
+  batch = decoding.prepare_batch(RAGGED, vocab_size=draft.config.vocab_size, max_len=64,
+                                 max_new_tokens=8, slots=5)
+
+  def propose(drafter, temperature):
+    state = drafter.init(batch.prompt_BP, batch.prompt_len_B, batch.cache_len, tree)
+    ctx = Context(tokens=jnp.pad(batch.prompt_BP, ((0, 0), (0, 16))),
+                  length=batch.prompt_len_B - 1)
+    fn = jax.jit(lambda d, s: d.propose(s, ctx, tree, sampling.make_sampler(temperature),
+                                        jax.random.key(3))[0])
+    return fn(drafter, state)
+
+  for drafter, temperature in [(ModelDrafter.of(draft), 1.0), (ModelDrafter.of(draft), 0.0),
+                               (ModelDrafter.of(draft, deterministic=True), 1.0)]:
+    stopped = propose(drafter.with_stopping(1.0), temperature)
+    reference = propose(drafter, temperature)
+    assert np.all(np.asarray(stopped.drafted) == 1) and reference.drafted is None
+    np.testing.assert_array_equal(np.asarray(stopped.tokens[:, 0]),
+                                  np.asarray(reference.tokens[:, 0]))
+    filler = np.asarray(stopped.tokens[:, 1])
+    np.testing.assert_array_equal(np.asarray(stopped.tokens[:, 1:]),
+                                  np.repeat(filler[:, None], 3, axis=1))
+    if drafter.deterministic:
+      assert stopped.q is None
+    else:
+      np.testing.assert_array_equal(np.asarray(stopped.q[:, 1:4]), np.asarray(
+          jax.nn.one_hot(np.repeat(filler[:, None], 3, axis=1), stopped.q.shape[-1])))
+      if temperature > 0:  # the root law's least likely token
+        np.testing.assert_array_equal(filler, np.argmin(np.asarray(stopped.q[:, 0]), axis=-1))
+    never = propose(drafter.with_stopping(0.0), temperature)
+    assert np.all(np.asarray(never.drafted) == 4)
+    np.testing.assert_array_equal(np.asarray(never.tokens), np.asarray(reference.tokens))
+    if reference.q is not None:
+      np.testing.assert_allclose(np.asarray(never.q), np.asarray(reference.q))
 
 
 def test_joint_distribution_test_catches_a_planted_bug(monkeypatch):

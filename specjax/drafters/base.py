@@ -25,6 +25,17 @@ and, on the host, with defaults in `Drafter`:
     drafter.lazy_catch_up -> bool          (static; default False. True: the adaptive loop's
                                             plain steps may leave the drafter behind and
                                             bring it up to date later with `catch_up`)
+    drafter.with_stopping(threshold) -> Drafter
+                                           (dynamic draft stopping, below; default: the
+                                            drafter itself, which never stops early)
+
+Dynamic draft stopping (optional; the adaptive loop's `threshold`). A drafter returned by
+`with_stopping(threshold)` (threshold a float32 array, 0 = never) may stop drafting a chain
+once the cumulative confidence of every row's newest drafted node (the product along the
+chain of the max probability of the law each node was sampled from) is below the threshold.
+The nodes it did not draft are fillers, point masses (q one-hot at the filler token), and
+`Proposal.drafted` says how many nodes were drafted; the loop emits at most drafted + 1
+tokens (module doc of `specjax.adaptive`: why this stays exact).
 
 Lazy catch-up (optional, adaptive loop only). A plain (k = 0) step of the adaptive loop emits
 one token without drafting. A drafter that declares `lazy_catch_up` is not told about such
@@ -81,12 +92,15 @@ class Proposal:
   parents, depth: int32 [B, T] for trees whose shape differs per row and cycle (dynamic
     trees; `DynamicTree.layout(proposal)` builds the verify layout from them), None for a
     static TreeSpec.
+  drafted: int32 [B] nodes actually drafted when drafting stopped early (`with_stopping`;
+    the rest are point-mass fillers), None: every node was drafted.
   """
 
   tokens: Array
   q: Array | None = None
   parents: Array | None = None
   depth: Array | None = None
+  drafted: Array | None = None
 
 
 class Drafter:
@@ -129,6 +143,12 @@ class Drafter:
     step drafts one token and commits it as rejected (eager catch-up), which fits any
     drafter."""
     return False
+
+  def with_stopping(self, threshold: Array) -> "Drafter":
+    """This drafter with dynamic draft stopping at `threshold` (module doc). Default: itself
+    (a drafter that cannot stop early drafts every node, which is always exact)."""
+    del threshold
+    return self
 
   def catch_up(self, state: Any, ctx: Context, behind_B: Array, width: int,
                sampler: Any) -> tuple[Any, Proposal | None]:

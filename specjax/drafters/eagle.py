@@ -282,6 +282,7 @@ class EagleDrafter(LevelDrafter):
   deterministic: bool = struct.field(pytree_node=False, default=False)
   vocab: Array | None = None  # int32 [Vr]: a reduced draft vocabulary (FR-Spec), or None
   lm: Array | None = None  # float32 [W, V or Vr]: `folded_lm_head`, set by `of`
+  stop_below: Array | None = None  # dynamic draft stopping threshold (`with_stopping`)
 
   root_offset = -1  # head position t reads token t + 1: the root x_L is read at L - 1
 

@@ -233,6 +233,8 @@ class LevelDrafter(Drafter):
     length = ctx.length
     base = length + self.root_offset  # the root's slot and position
     keys = jax.random.split(key, D)
+    drafted = None  # every node drafted, unless the chain stops early
+    stops = self._stops(tree)
     root_logits_BV, root_h_BH, cache = self._root(state, ctx)
     warp = (lambda x: None) if self.deterministic else (lambda x: self.draft_law(x, sampler))
     root_q_BV = warp(root_logits_BV)
@@ -258,10 +260,17 @@ class LevelDrafter(Drafter):
         rank = jnp.asarray(plan.gen_rank)[t + 1]
         kids_BM = self._children(logits_BWV, q_BWV, parent_row, rank, plan.child_width,
                                  step_key)
+        if stops:  # the stopping rule's confidence and filler candidate of each fed row
+          return (cache, kids_BM[:, :W], h_BWH), (kids_BM, q_BWV, logits_BWV[:, 0])
         return (cache, kids_BM[:, :W], h_BWH), (kids_BM, q_BWV)
 
-      xs = (jnp.arange(D - 1, dtype=jnp.int32), keys[1:])
-      (cache, _, _), (kids_GBM, q_GBWV) = jax.lax.scan(level, (cache, gen0[:, :W], h0_BWH), xs)
+      carry0 = (cache, gen0[:, :W], h0_BWH)
+      if stops:
+        cache, kids_GBM, q_GBWV, drafted = self._levels_until_unsure(
+            level, carry0, keys[1:], root_logits_BV, root_q_BV, D - 1, plan.gen_width)
+      else:
+        xs = (jnp.arange(D - 1, dtype=jnp.int32), keys[1:])
+        (cache, _, _), (kids_GBM, q_GBWV) = jax.lax.scan(level, carry0, xs)
       gens.append(kids_GBM)
       if q_GBWV is not None:
         q_rows.append(q_GBWV.transpose(1, 0, 2, 3).reshape(q_GBWV.shape[1], -1,
@@ -272,7 +281,61 @@ class LevelDrafter(Drafter):
     if root_q_BV is not None:
       q = _gather_rows(jnp.concatenate(q_rows, axis=1), plan.q_row)  # [B, T, V]
     cache = kv.set_lengths(cache, length)
-    return Proposal(tokens=tokens_BN, q=q), state.replace(cache=cache)
+    return Proposal(tokens=tokens_BN, q=q, drafted=drafted), state.replace(cache=cache)
+
+  # -- dynamic draft stopping (`base` module doc): chains
+  def with_stopping(self, threshold):
+    """This drafter stopping a chain once every row's cumulative confidence is below
+    `threshold` (a runtime float32 leaf: changing it does not recompile; 0 = never)."""
+    return self.replace(stop_below=jnp.asarray(threshold, jnp.float32))
+
+  def _stops(self, tree: TreeSpec) -> bool:
+    """Static: whether this proposal may stop early (a stopping threshold is set and the tree
+    is a chain of >= 2 nodes)."""
+    return self.stop_below is not None and tree.is_chain and tree.max_depth > 1
+
+  def _levels_until_unsure(self, level, carry0, keys, root_logits_BV, root_q_BV,
+                           levels: int, m: int):
+    """The chain's levels (the `level` step of `_propose_static`) run while some row's
+    newest drafted node has cumulative confidence >= `stop_below`, as a `while_loop` of at
+    most `levels` trips with the scan's keys, so a run that never stops drafts exactly what
+    the scan would. A node's confidence is the max probability of the draft's softmax (at
+    temperature 1, whatever the sampler: a score, as a dynamic tree's) at its parent, and the
+    cumulative confidence the product along the chain. The levels not run hold fillers: per
+    row the token the newest draft logits make least likely, with a one-hot law when the
+    candidates are sampled (point masses are exact for any token). Returns (cache, kids
+    [levels, B, M], q [levels, B, 1, V] or None, drafted [B]: nodes drafted, 1 + levels
+    run)."""
+    b, v = root_logits_BV.shape
+    kids0 = jnp.zeros((levels, b, m), jnp.int32)
+    q0 = None if root_q_BV is None else jnp.zeros((levels, b, 1, v), root_q_BV.dtype)
+
+    def score(logits_BV):  # (confidence, filler candidate) of a law
+      return jnp.max(jax.nn.softmax(logits_BV, axis=-1), axis=-1), jnp.argmin(logits_BV, -1)
+
+    conf0, low0 = score(root_logits_BV)
+
+    def unsure(c):
+      return (c[0] < levels) & jnp.any(c[4] >= self.stop_below)
+
+    def step(c):
+      t, carry, kids, q, conf, _ = c
+      carry, (kids_BM, q_BWV, logits_BV) = level(carry, (t, keys[t]))
+      kids = jax.lax.dynamic_update_index_in_dim(kids, kids_BM, t, axis=0)
+      if q is not None:
+        q = jax.lax.dynamic_update_index_in_dim(q, q_BWV, t, axis=0)
+      c_BV, low = score(logits_BV)
+      return t + 1, carry, kids, q, conf * c_BV, low
+
+    ran, (cache, _, _), kids, q, _, low = jax.lax.while_loop(
+        unsure, step, (jnp.zeros((), jnp.int32), carry0, kids0, q0, conf0, low0))
+    filler = low.astype(jnp.int32)  # [B]
+    skipped = (jnp.arange(levels) >= ran)[:, None, None]
+    kids = jnp.where(skipped, filler[None, :, None], kids)
+    if q is not None:
+      point = jax.nn.one_hot(filler, v, dtype=q.dtype)[None, :, None]
+      q = jnp.where(skipped[..., None], point, q)
+    return cache, kids, q, jnp.full((b,), ran + 1, jnp.int32)
 
   def _propose_dynamic(self, state, ctx, tree: DynamicTree, key):
     del key  # deterministic candidates
@@ -368,6 +431,7 @@ class ModelDrafter(LevelDrafter):
 
   lm: LM
   deterministic: bool = struct.field(pytree_node=False, default=False)
+  stop_below: Array | None = None  # dynamic draft stopping threshold (`with_stopping`)
 
   @classmethod
   def of(cls, model, deterministic: bool = False) -> "ModelDrafter":
