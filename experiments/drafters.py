@@ -229,9 +229,9 @@ def drafter_and_tree(drafter: str, shape: str, temperature: float, *, models: st
 
 def memory(params: dict) -> int:
   """KV bytes of one point (the target's cache, plain and speculative, and the drafter's own:
-  the draft model's, m target layers for layer-skip, one head layer for EAGLE, a whole
-  target for the oracle, none for lookup and Medusa), from the preset configs: nothing is
-  loaded."""
+  the draft model's, one head layer for EAGLE, a whole target for the oracle, none for
+  lookup, Medusa and layer-skip, which drafts in the target's cache), from the preset
+  configs: nothing is loaded."""
   from specjax import decoding
   from specjax.models import cache as kv
   drafter, _ = parse_variant(params.get("variant"))
@@ -242,9 +242,7 @@ def memory(params: dict) -> int:
                              slots + 1)
   target_cfg, draft_cfg = measure.model_configs(models)
   own = {"lookup": None, "medusa": None, "model": draft_cfg, "oracle": target_cfg,
-         "eagle": measure.eagle_config(models),
-         "layer_skip": target_cfg.replace(n_layers=params.get("skip_layers") or default_skip(
-             target_cfg.n_layers))}[drafter]
+         "eagle": measure.eagle_config(models), "layer_skip": None}[drafter]
   target_bytes = kv.cache_bytes(target_cfg, batch, n)
   return 2 * target_bytes + (0 if own is None else kv.cache_bytes(own, batch, n))
 

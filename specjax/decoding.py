@@ -468,7 +468,7 @@ def speculative_generate(target, draft, prompts, *, k: int | str | None = None,
   batch = prepare_batch(prompts, slots=slots, **sizes)
   b = len(batch.budget_B)
   drafter.validate(tree, b)
-  extra = kv.cache_bytes(draft_cfg, b, batch.cache_len) if draft_cfg is not None else 0
+  extra = _draft_cache_bytes(drafter, b, batch.cache_len)
   kv.check_fits(cfg, b, batch.cache_len, extra_bytes=extra, what="target + draft KV caches")
   sampler = sampler if sampler is not None else sampling.make_sampler(0.0)
   start = time.perf_counter()
@@ -478,6 +478,13 @@ def speculative_generate(target, draft, prompts, *, k: int | str | None = None,
                                **_precision_kw(precision))
   state = jax.block_until_ready(state)
   return _collect(state, batch, time.perf_counter() - start, tree.size, tree)
+
+
+def _draft_cache_bytes(drafter: Drafter, batch: int, cache_len: int) -> int:
+  """The drafter's own KV cache: none without a model or when it shares the target's."""
+  if drafter.config is None or drafter.shares_target_cache:
+    return 0
+  return kv.cache_bytes(drafter.config, batch, cache_len)
 
 
 def _adaptive_generate(target: LM, drafter: Drafter, policy: adaptive.AdaptivePolicy, prompts, *,
@@ -506,7 +513,7 @@ def _adaptive_generate(target: LM, drafter: Drafter, policy: adaptive.AdaptivePo
   b = len(batch.budget_B)
   for e in shapes:
     drafter.validate(e, b)
-  extra = kv.cache_bytes(draft_cfg, b, batch.cache_len) if draft_cfg is not None else 0
+  extra = _draft_cache_bytes(drafter, b, batch.cache_len)
   kv.check_fits(cfg, b, batch.cache_len, extra_bytes=extra, what="target + draft KV caches")
   sampler = sampler if sampler is not None else sampling.make_sampler(0.0)
   start = time.perf_counter()

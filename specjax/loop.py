@@ -223,6 +223,21 @@ def _emit(s: LoopState, emitted_BT, n_B, prompt_len_B, budget_B, eos, stop_B=Non
   return tokens, length, done, active
 
 
+def _propose(drafter, s: LoopState, tree, sampler, key):
+  """drafter.propose on the loop state: (proposal, draft state, target cache). A drafter that
+  shares the target's cache (`Drafter.shares_target_cache`, static) borrows it for the
+  proposal (`borrow_cache`) and hands it back (`return_cache`) with its entries at slots >= L,
+  which the verify pass (or the plain step) rewrites before reading; the committed prefix
+  [0, L) is never written, so the target computes exactly what it computes without it."""
+  if not drafter.shares_target_cache:
+    proposal, draft = drafter.propose(s.draft, s.context(), tree, sampler, key)
+    return proposal, draft, s.cache
+  draft = drafter.borrow_cache(s.draft, s.cache)
+  proposal, draft = drafter.propose(draft, s.context(), tree, sampler, key)
+  draft, cache = drafter.return_cache(draft, s.cache)
+  return proposal, draft, cache
+
+
 def _drafted_only(result: acceptance.TreeResult, drafted_B) -> acceptance.TreeResult:
   """A chain's result counted over its drafted nodes only (dynamic draft stopping: nodes
   past drafted_B are fillers, and the cycle emits at most drafted + 1 tokens): accepted
@@ -248,13 +263,13 @@ def _spec_cycle(target, drafter, s: LoopState, tree, sampler, draft_key, accept_
   depth = tree.max_depth
   steps = jnp.arange(depth + 1, dtype=jnp.int32)
   extra = (lambda f: {"features": f}) if capture else (lambda f: {})
-  proposal, draft = drafter.propose(s.draft, s.context(), tree, sampler, draft_key)
+  proposal, draft, cache = _propose(drafter, s, tree, sampler, draft_key)
 
   # One target pass over [x_L, nodes] at positions L + depth, ancestor mask.
   layout = tree.layout(proposal)
   cur = jnp.take_along_axis(s.tokens, s.length[:, None], axis=1)
   verify_BT = jnp.concatenate([cur, proposal.tokens], axis=1)
-  logits, _, cache, *features = target(verify_BT, layout.positions(s.length), s.cache,
+  logits, _, cache, *features = target(verify_BT, layout.positions(s.length), cache,
                                        layout.block_mask(), capture)
   p_BTV = sampling.warp(logits, sampler)
   result = acceptance.accept_tree(accept_key, layout, verify_BT, p_BTV, proposal.q)
@@ -524,9 +539,9 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
   def plain_branch(s: LoopState):
     key, step_key = jax.random.split(s.key)  # generate_loop's key use
     draft_key = jax.random.fold_in(step_key, 1)
-    proposal, draft = drafter.propose(s.draft, s.context(), one, sampler, draft_key)
+    proposal, draft, cache = _propose(drafter, s, one, sampler, draft_key)
     cur = s.tokens[rows, s.length]
-    logits, _, cache, *features = target(cur[:, None], s.length[:, None], s.cache, None,
+    logits, _, cache, *features = target(cur[:, None], s.length[:, None], cache, None,
                                          capture)
     p_BV = sampling.warp(logits[:, 0], sampler)
     nxt = sampling.sample(step_key, p_BV)

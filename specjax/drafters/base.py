@@ -28,6 +28,23 @@ and, on the host, with defaults in `Drafter`:
     drafter.with_stopping(threshold) -> Drafter
                                            (dynamic draft stopping, below; default: the
                                             drafter itself, which never stops early)
+    drafter.shares_target_cache -> bool    (static; default False. True: the drafter keeps no
+                                            cache of its own and drafts in the target's,
+                                            below)
+
+Sharing the target's cache (optional). A drafter whose own cache would hold exactly what the
+target's holds for the committed prefix (layer-skip: the target's first m layers) may draft
+in the target's cache instead. The loop then calls, around every `propose`,
+
+    state = drafter.borrow_cache(state, target_cache)
+    state, target_cache = drafter.return_cache(state, target_cache)
+
+The drafter may write the target's cache only at slots >= L (the pending token and its
+drafts): the verify pass, or the plain step, rewrites those before it reads them, and the
+committed prefix [0, L) stays the target's own, so the target computes exactly what it
+computes alone. Such a drafter has no cache to size (`config` still describes its model) and
+catches up eagerly in the adaptive loop (a lazy catch-up would have to rewrite committed
+entries).
 
 Dynamic draft stopping (optional; the adaptive loop's `threshold`). A drafter returned by
 `with_stopping(threshold)` (threshold a float32 array, 0 = never) may stop drafting a chain
@@ -143,6 +160,24 @@ class Drafter:
     step drafts one token and commits it as rejected (eager catch-up), which fits any
     drafter."""
     return False
+
+  @property
+  def shares_target_cache(self) -> bool:
+    """Whether the drafter drafts in the target's KV cache (module doc, "Sharing the
+    target's cache"; static). Default False: it keeps its own, if any."""
+    return False
+
+  def borrow_cache(self, state: Any, target_cache: Any) -> Any:
+    """The state `propose` needs, with the target's cache lent to it (only called when
+    `shares_target_cache`)."""
+    raise NotImplementedError(f"{type(self).__name__} shares the target's cache but has no "
+                              f"borrow_cache")
+
+  def return_cache(self, state: Any, target_cache: Any) -> tuple[Any, Any]:
+    """(state without the lent cache, the target's cache with the drafter's writes at slots
+    >= L) after `propose` (only called when `shares_target_cache`)."""
+    raise NotImplementedError(f"{type(self).__name__} shares the target's cache but has no "
+                              f"return_cache")
 
   def with_stopping(self, threshold: Array) -> "Drafter":
     """This drafter with dynamic draft stopping at `threshold` (module doc). Default: itself
