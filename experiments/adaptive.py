@@ -48,7 +48,8 @@ predictions and efficiencies).
 
 Adaptive rows also carry the shape chosen at each loop iteration (`choices`) and the draft-
 stopping counters (`threshold` > 0: cycles whose drafting stopped early, draft nodes not
-drafted: its effect is reported separately; compare a point with and without it). The report compares adaptive with max(best fixed shape, plain) per
+drafted: its effect is reported separately; compare a point with and without it). The
+report compares adaptive with max(best fixed shape, plain) per
 (batch, temperature, category) against the goal adaptive ≥ 0.95 × that, says where
 adaptive first chooses k = 0 (its most frequent choice) and plots the chosen shapes over
 time.

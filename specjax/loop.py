@@ -27,8 +27,8 @@ The loops are pure, jittable and vmappable, and check nothing: the host API
 Runtime values (temperature, top-k, top-p, budgets, EOS id, seed, drafter weights) are
 arrays: changing them reuses the compiled loop. Static: model shapes, batch, prompt bucket,
 cache length, the tree shape (the adaptive loop: the policy's menu; its costs, estimate
-parameters, threshold and forced schedule are arrays; draft stopping on or off is static). See docs/architecture.md for the
-jit boundary.
+parameters, threshold and forced schedule are arrays; draft stopping on or off is
+static). See docs/architecture.md for the jit boundary.
 """
 
 from __future__ import annotations

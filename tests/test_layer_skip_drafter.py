@@ -102,7 +102,8 @@ def test_drafting_in_the_targets_cache_writes_only_its_layers_at_slots_from_L(ta
       np.testing.assert_array_equal(k1, k0)
       np.testing.assert_array_equal(v1, v0)
       continue
-    np.testing.assert_array_equal(np.where(before[:, None], k1, 0), np.where(before[:, None], k0, 0))
+    np.testing.assert_array_equal(np.where(before[:, None], k1, 0),
+                                  np.where(before[:, None], k0, 0))
     np.testing.assert_array_equal(np.where(before[..., None], v1, 0),
                                   np.where(before[..., None], v0, 0))
     assert not np.array_equal(v1, v0)  # it drafted in them, from slot L on
