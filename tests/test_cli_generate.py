@@ -36,3 +36,25 @@ def test_generate_cli_rope_past_max_len_only_with_the_opt_in(capsys):
   assert main(argv + ["--allow-beyond-max-len"]) == 0
   report = json.loads(capsys.readouterr().out)
   assert report["identical_to_plain"] is True and report["plain"]["tokens"] == 8
+
+
+def test_generate_cli_adaptive_with_draft_stopping(capsys, monkeypatch):
+  """--k auto --draft-stop: the adaptive loop with draft stopping. The default policy's menu
+  is narrowed to chains of 3 (monkeypatched) so that every cycle drafts; a random draft is
+  unsure, so threshold 1 stops every cycle after one node (two of three skipped); T = 0
+  output identical to plain decoding; the stopping counters in the report."""
+  from specjax import decoding
+
+  real = decoding.default_policy
+  monkeypatch.setattr(decoding, "default_policy",
+                      lambda target, drafter, **kw: real(target, drafter, entries=(3,), **kw))
+  code = main(["generate", "--target-config", "tiny-llama", "--draft-config",
+               "tiny-llama:n_layers=1", "--max-new-tokens", "12", "--k", "auto",
+               "--draft-stop", "1.0", "--repeats", "1", "--json", "--prompt", "def f(x):"])
+  assert code == 0
+  report = json.loads(capsys.readouterr().out)
+  assert report["identical_to_plain"] is True
+  cycles = len(report["choices"])
+  assert cycles > 0 and set(report["choices"]) == {"k=3"}
+  assert report["draft_stop"] == {"threshold": 1.0, "stopped_cycles": cycles,
+                                  "skipped_nodes": 2 * cycles}

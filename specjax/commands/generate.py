@@ -45,6 +45,11 @@ def add_parser(subparsers) -> None:
   p.add_argument("--k", type=_k_arg, default=4,
                  help="drafted tokens per verification, or 'auto': the adaptive policy picks "
                  "a chain k in {0, 1, 2, 4, 6} every cycle (specjax.adaptive)")
+  p.add_argument("--draft-stop", type=float, default=0.0, metavar="THRESHOLD",
+                 help="with --k auto: dynamic draft stopping, a chain stops drafting once "
+                 "every row's cumulative draft confidence is below THRESHOLD in [0, 1] "
+                 "(0 = off, the default; the rest of the verified chain is point-mass "
+                 "fillers, exact)")
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
   p.add_argument("--top-k", type=int, default=0, help="0 = off")
   p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -179,6 +184,15 @@ def _check_args(args) -> None:
                           ("--seed", args.seed, 0)):
     if value < lo:
       raise ValueError(f"{flag} must be an int >= {lo}, got {value}")
+  if args.draft_stop != 0.0:
+    from specjax import adaptive
+    if args.k != "auto":
+      raise ValueError(f"--draft-stop {args.draft_stop} needs --k auto (draft stopping is "
+                       f"part of the adaptive loop), got --k {args.k}")
+    try:
+      adaptive.check_threshold(args.draft_stop)
+    except ValueError as e:
+      raise ValueError(f"--draft-stop: {e}") from None
   kind, _ = _draft_kind(args)
   if kind == "lookup":
     from specjax.drafters.lookup import check_ngram
@@ -235,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
   texts = (args.prompt or [DEFAULT_PROMPT]) * args.batch
   prompts = [tok.encode(t, bos=True) for t in texts]
   drafter, shape = _drafter(args, target, draft)
+  if args.draft_stop > 0:  # --k auto (checked): the default policy with draft stopping
+    shape = {"policy": decoding.default_policy(target, drafter, threshold=args.draft_stop)}
   draft_configs = [] if drafter.config is None else [drafter.config]
   _check_context(args, [target.config] + draft_configs, max(len(p) for p in prompts))
   common = dict(max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed,
@@ -266,6 +282,9 @@ def run(args: argparse.Namespace) -> int:
   }
   if spec.choices is not None:  # --k auto: the shape chosen at each loop iteration
     report["choices"] = [spec.menu[i] for i in spec.choices]
+    report["draft_stop"] = {"threshold": args.draft_stop,
+                            "stopped_cycles": int(spec.stopping["stopped"].sum()),
+                            "skipped_nodes": int(spec.stopping["skipped"].sum())}
   if args.json:
     print(json.dumps(report, indent=2))
     return 0
