@@ -268,13 +268,14 @@ def test_draft_stopping_skips_the_levels_and_fills_point_masses(pair):
   batch = decoding.prepare_batch(RAGGED, vocab_size=draft.config.vocab_size, max_len=64,
                                  max_new_tokens=8, slots=5)
 
+  ctx = Context(tokens=jnp.pad(batch.prompt_BP, ((0, 0), (0, 16))),
+                length=batch.prompt_len_B - 1)
+  # one jitted function: the sampler and the threshold are arrays (no recompile)
+  fn = jax.jit(lambda d, s, sampler: d.propose(s, ctx, tree, sampler, jax.random.key(3))[0])
+
   def propose(drafter, temperature):
     state = drafter.init(batch.prompt_BP, batch.prompt_len_B, batch.cache_len, tree)
-    ctx = Context(tokens=jnp.pad(batch.prompt_BP, ((0, 0), (0, 16))),
-                  length=batch.prompt_len_B - 1)
-    fn = jax.jit(lambda d, s: d.propose(s, ctx, tree, sampling.make_sampler(temperature),
-                                        jax.random.key(3))[0])
-    return fn(drafter, state)
+    return fn(drafter, state, sampling.make_sampler(temperature))
 
   for drafter, temperature in [(ModelDrafter.of(draft), 1.0), (ModelDrafter.of(draft), 0.0),
                                (ModelDrafter.of(draft, deterministic=True), 1.0)]:
