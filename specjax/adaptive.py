@@ -73,10 +73,10 @@ With rows that all accept alike and have the same budget left (the host's `choos
 pick the same entry. `forced` (int32 [S], -1 = free) forces
 entry forced[c mod S] at cycle c (tests alternate shapes with it).
 
-Dynamic draft stopping: `threshold` (a float32 array, 0 = off). Within a cycle a drafter
-that samples its candidates stops extending a chain once every row's newest drafted node
-has cumulative confidence (the product along the chain of the max probability of each
-node's draft law) below the threshold (`Drafter.with_stopping`: the draft's levels run in a
+Dynamic draft stopping: `threshold` (a float32 array, 0 = off). Within a cycle a model-like
+drafter (model, layer-skip, EAGLE) stops extending a chain once every row's newest drafted
+node has cumulative confidence (the product along the chain of the max probability of the
+draft's softmax, at temperature 1, at each node's parent) below the threshold (`Drafter.with_stopping`: the draft's levels run in a
 `while_loop`, so the passes it skips are not computed). Verification is unchanged: the
 static shape is verified, the undrafted nodes being fillers with one-hot laws, and the
 cycle emits at most drafted + 1 tokens (`Proposal.drafted`). Exact: every node's
@@ -85,8 +85,7 @@ token is accepted with the target's probability of it, the residual being the re
 target's law), and the cut depends only on the draft's laws and samples, fixed before the
 target's pass, so it is a stopping time independent of the verification's randomness; the
 cap also keeps a separate draft's cache whole (it fed every node but the last drafted
-one). It acts on chains of sampled candidates only (at T = 0 their laws are one-hot, every
-confidence is 1).
+one). It acts on chains only; drafters without a draft law (lookup, Medusa) never stop.
 """
 
 from __future__ import annotations

@@ -79,6 +79,8 @@ CASES = [
      None),
     ("draft-stop-range", ["generate", "--k", "auto", "--draft-stop", "1.5"],
      "--draft-stop: threshold must be a finite number in [0, 1]", None),
+    ("draft-stop-lookup", ["generate", "--k", "auto", "--draft", "lookup", "--draft-stop",
+                           "0.5"], "the lookup drafter has no draft confidence", None),
     ("generate-top-p", ["generate", "--top-p", "1.5", "--repeats", "1"], "top_p", None),
     ("target-config-json", ["generate", "--target-config", "{{bad"], "--target-config", None),
     ("target-config-preset", ["generate", "--target-config", "tiny-gtp2"],

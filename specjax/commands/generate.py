@@ -194,6 +194,10 @@ def _check_args(args) -> None:
     except ValueError as e:
       raise ValueError(f"--draft-stop: {e}") from None
   kind, _ = _draft_kind(args)
+  if args.draft_stop != 0.0 and kind in ("lookup", "medusa"):
+    raise ValueError(f"--draft-stop {args.draft_stop}: the {kind} drafter has no draft "
+                     f"confidence to stop on (it proposes fixed candidates); use a model, "
+                     f"layer-skip or EAGLE draft, or leave --draft-stop at 0")
   if kind == "lookup":
     from specjax.drafters.lookup import check_ngram
     try:

@@ -49,7 +49,8 @@ entries).
 Dynamic draft stopping (optional; the adaptive loop's `threshold`). A drafter returned by
 `with_stopping(threshold)` (threshold a float32 array, 0 = never) may stop drafting a chain
 once the cumulative confidence of every row's newest drafted node (the product along the
-chain of the max probability of the law each node was sampled from) is below the threshold.
+chain of the max probability of the draft's softmax at each node's parent) is below the
+threshold.
 The nodes it did not draft are fillers, point masses (q one-hot at the filler token), and
 `Proposal.drafted` says how many nodes were drafted; the loop emits at most drafted + 1
 tokens (module doc of `specjax.adaptive`: why this stays exact).
