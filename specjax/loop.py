@@ -258,8 +258,9 @@ def _spec_cycle(target, drafter, s: LoopState, tree, sampler, draft_key, accept_
                 prompt_len_B, budget_B, eos, capture, width=None):
   """One speculative cycle of `tree` (module doc). Emission padded to `width` tokens (None:
   the tree's D + 1). A proposal that stopped drafting early (`Proposal.drafted`, dynamic
-  draft stopping) emits at most drafted + 1 tokens. Returns (state without stats,
-  TreeResult, active_B, drafted_B or None)."""
+  draft stopping) emits at most drafted + 1 tokens, and the TreeResult returned (for the
+  stats and the policy) counts its drafted nodes only (`_drafted_only`). Returns (state
+  without stats, TreeResult, active_B, drafted_B or None)."""
   depth = tree.max_depth
   steps = jnp.arange(depth + 1, dtype=jnp.int32)
   extra = (lambda f: {"features": f}) if capture else (lambda f: {})
@@ -290,6 +291,8 @@ def _spec_cycle(target, drafter, s: LoopState, tree, sampler, draft_key, accept_
                   cache=kv.set_lengths(cache, length),
                   draft=drafter.commit(draft, ctx, tree, result.path, n,
                                        **extra(features[0] if capture else None)))
+  if stop is not None:  # fillers are not drafts (after emission and commit, which use all)
+    result = _drafted_only(result, stop)
   return new, result, active, stop
 
 
@@ -313,9 +316,10 @@ def speculative_loop(target: LM, drafter, prompt_BP, prompt_len_B, budget_B, eos
 
   def body(s: LoopState) -> LoopState:
     key, draft_key, accept_key = jax.random.split(s.key, 3)
-    new, result, active, _ = _spec_cycle(target, drafter, s, tree, sampler, draft_key,
-                                         accept_key, prompt_len_B, budget_B, eos, capture)
-    return new.replace(key=key, stats=s.stats.record(active, result, nodes))
+    new, result, active, drafted = _spec_cycle(target, drafter, s, tree, sampler, draft_key,
+                                               accept_key, prompt_len_B, budget_B, eos,
+                                               capture)
+    return new.replace(key=key, stats=s.stats.record(active, result, nodes, drafted))
 
   init = LoopState(tokens=tokens, length=length, done=done, cache=cache, key=key,
                    draft=drafter.init(prompt_BP, prompt_len_B, cache_len, tree,
@@ -566,10 +570,8 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
                                                  draft_key, accept_key, prompt_len_B, budget_B,
                                                  eos, capture, width)
       n = result.n_accepted
-      skipped = jnp.zeros_like(n)
-      if drafted is not None:  # dynamic draft stopping: fillers are not drafts
-        skipped = jnp.maximum(tree.size - drafted, 0).astype(jnp.int32)
-        result = _drafted_only(result, drafted)
+      skipped = (jnp.zeros_like(n) if drafted is None  # dynamic draft stopping
+                 else jnp.maximum(tree.size - drafted, 0).astype(jnp.int32))
       stats = s.stats.record(active, _pad_result(result, depth, ranks), tree.size, drafted)
       new = new.replace(key=key, stats=stats)
       a1 = active[:, None]

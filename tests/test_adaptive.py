@@ -301,6 +301,20 @@ def test_draft_stopping_skips_the_levels_and_fills_point_masses(pair):
       np.testing.assert_allclose(np.asarray(never.q), np.asarray(reference.q))
 
 
+def test_a_stopping_drafter_in_the_fixed_shape_loop(pair):
+  """A drafter with stopping passed to the fixed-shape loop (`speculative_generate(k=3)`):
+  greedy output identical to plain decoding, and its stats count drafted nodes only
+  (threshold 1: one per cycle, the fillers neither drafted nor rejected drafts)."""
+  target, draft = pair
+  plain = decoding.generate(target, RAGGED, max_new_tokens=BUDGET)
+  run = decoding.speculative_generate(target, ModelDrafter.of(draft).with_stopping(1.0),
+                                      RAGGED, k=3, max_new_tokens=BUDGET)
+  assert run.tokens == plain.tokens
+  np.testing.assert_array_equal(run.stats["drafted"], run.stats["cycles"])
+  assert np.all(run.stats["accepted"] <= run.stats["cycles"])
+  assert np.all(run.stats["depth_tried"][:, 1:] == 0)
+
+
 def test_joint_distribution_test_catches_a_planted_bug(monkeypatch):
   """Negative control: the same χ² test rejects an 'always accept' acceptance rule."""
   target, draft = _joint_models()
