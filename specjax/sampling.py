@@ -217,21 +217,29 @@ def _argmax(probs_NV: jax.Array) -> jax.Array:
 
 
 def _inverse_cdf(u_N1: jax.Array, probs_NV: jax.Array) -> jax.Array:
-  """The token v with c[v-1] <= u·c[V-1] < c[v], c = cumsum(w) (w = probs, unnormalised ok).
+  """The first token v of positive weight with c[v] > u·c[V-1], c = cumsum(w) (w = probs,
+  unnormalised ok); the last positive token if rounding leaves none. A row of zeros returns 0.
 
-  Token v is picked with probability w_v / sum(w), up to float32 rounding of the prefix sums
-  and of u (resolution ~1e-7 relative to the row's mass). A zero-weight token has
-  c[v] = c[v-1] and is never picked: the count of prefix sums <= u·c[V-1] skips it, and a
-  count that rounding pushed past the last positive token is clamped back to it. A row of
-  zeros returns 0.
+  Never a token of weight 0, on any backend: the candidates are the positive tokens only.
+  Counting `c <= t` (the textbook form) relies on c being monotone and flat at zero-weight
+  tokens; XLA:CPU computes a long row's prefix sum blockwise, its sums move at zero-weight
+  tokens and step backwards by an ulp or so, and the count then lands on a removed token
+  (~1e-7-6e-6 per draw at V = 32k-50k with top-k or top-p; docs/exactness.md).
+
+  Law: the i-th positive token v_i is returned iff t = u·c[V-1] lies in
+  [M_{i-1}, max(M_{i-1}, c[v_i])), M_i = max_{j<=i} c[v_j] -- disjoint intervals tiling
+  [0, M_last) whose widths are w_{v_i} up to float32 rounding of the prefix sums (resolution
+  ~1e-7 relative to the row's mass), whatever order the backend sums in.
   """
   p_NV = probs_NV.astype(jnp.float32)
+  V = p_NV.shape[-1]
   c_NV = jnp.cumsum(p_NV, axis=-1)
   t_N1 = u_N1.astype(jnp.float32) * c_NV[..., -1:]
-  idx_N = jnp.sum(c_NV <= t_N1, axis=-1, dtype=jnp.int32)
-  v = jnp.arange(p_NV.shape[-1], dtype=jnp.int32)
-  last_N = jnp.max(jnp.where(p_NV > 0.0, v, 0), axis=-1)  # last positive token (0 if none)
-  return jnp.minimum(idx_N, last_N)
+  positive_NV = p_NV > 0.0
+  v = jnp.arange(V, dtype=jnp.int32)
+  first_N = jnp.min(jnp.where(positive_NV & (c_NV > t_N1), v, V), axis=-1)
+  last_N = jnp.max(jnp.where(positive_NV, v, 0), axis=-1)  # last positive token (0 if none)
+  return jnp.where(first_N < V, first_N, last_N)
 
 
 def sample_from_uniforms(u_N1: jax.Array, probs_NV: jax.Array) -> jax.Array:

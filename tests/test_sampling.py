@@ -287,3 +287,97 @@ def test_sample_unnormalised_weights_and_leading_dims():
   assert x.shape == (4, 50_000)
   frac = (x == 2).mean()
   assert abs(frac - 0.75) < 0.01 and not np.any(x == 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# zero-probability tokens at realistic vocabularies (the draw's guarantee, docs/exactness.md)
+# ---------------------------------------------------------------------------------------------
+
+
+def _counting_inverse_cdf(u_N1, probs_NV):
+  """The textbook draw `sum(c <= t)`, clamped to the last positive token: the sampler before
+  the fix, kept as the negative control. A prefix sum that moves at a zero-weight token
+  (XLA:CPU sums a long row blockwise) lets it return that token."""
+  c_NV = jnp.cumsum(probs_NV, axis=-1)
+  idx_N = jnp.sum(c_NV <= u_N1 * c_NV[..., -1:], axis=-1, dtype=jnp.int32)
+  v = jnp.arange(probs_NV.shape[-1], dtype=jnp.int32)
+  return jnp.minimum(idx_N, jnp.max(jnp.where(probs_NV > 0.0, v, 0), axis=-1))
+
+
+# Realistic rows: GPT-2's and Llama-2's vocabularies with top-k / top-p cuts, and a
+# Qwen2.5-sized row whose padding ids have logit -inf (mixed into one batch per V).
+_ZERO_CASES = {
+    32_000: [make_sampler(1.0, top_k=40), make_sampler(0.8, top_p=0.9)],
+    50_257: [make_sampler(1.0, top_k=50), make_sampler(0.8, top_p=0.9)],
+    152_064: [make_sampler(1.0, top_k=64)],
+}
+
+
+def _step_uniforms(p_V: np.ndarray, c_V: np.ndarray) -> np.ndarray:
+  """Uniforms u at every step of the row's own prefix sums c: u = c[v] / c[V-1] and
+  c[v-1] / c[V-1] for every v where c moves (positive tokens, and zero-weight tokens where
+  blockwise summation moved it), each with its two float32 neighbours."""
+  prev = np.concatenate([[np.float32(0)], c_V[:-1]])
+  steps = np.nonzero(c_V != prev)[0]
+  vals = np.concatenate([c_V[steps], prev[steps]]).astype(np.float32) / np.float32(c_V[-1])
+  us = np.concatenate([vals, np.nextafter(vals, np.float32(0)), np.nextafter(vals, np.float32(1))])
+  lo, hi = np.finfo(np.float32).tiny, np.nextafter(np.float32(1), np.float32(0))
+  return np.unique(np.clip(us, lo, hi).astype(np.float32))
+
+
+@pytest.mark.parametrize("V", sorted(_ZERO_CASES))
+def test_draw_never_returns_zero_probability_token_at_realistic_vocabularies(V):
+  """Guarantee: sample_from_uniforms never returns a token of warped probability 0, for
+  uniforms placed at every step of the program's own prefix sums (where a non-monotone sum
+  would let a removed token through), jitted and eager, rows of different laws in one batch.
+  Deterministic: no false alarms; the negative control (the counting draw) returns a removed
+  token on the same uniforms, so the uniforms do reach the failure."""
+  from specjax.sampling import sample_from_uniforms
+  logits = jax.random.normal(jax.random.key(0), (len(_ZERO_CASES[V]), V)) * 3.0
+  if V == 152_064:  # padding rows of an embedding larger than the tokenizer
+    logits = logits.at[:, 151_936:].set(-jnp.inf)
+  rows_p, rows_u = [], []
+  cumsum = jax.jit(lambda p: jnp.cumsum(p, axis=-1))
+  for i, s in enumerate(_ZERO_CASES[V]):
+    p = warp_jit(logits[i:i + 1], s)
+    u = _step_uniforms(np.asarray(p)[0], np.asarray(cumsum(p))[0])
+    rows_p.append(jnp.broadcast_to(p, (len(u), V)))
+    rows_u.append(u)
+  P = jnp.concatenate(rows_p)
+  U = jnp.asarray(np.concatenate(rows_u))[:, None]
+  P_np = np.asarray(P)
+  rows = np.arange(P.shape[0])
+  control_hits = 0
+  for name, draw in [("jit", jax.jit(sample_from_uniforms)), ("eager", sample_from_uniforms)]:
+    x = np.asarray(draw(U, P))
+    zero = P_np[rows, x] == 0.0
+    assert not zero.any(), (f"{name}: {zero.sum()} of {len(x)} draws returned a token of "
+                            f"probability 0, e.g. token {x[zero][0]} at u = {U[zero][0, 0]}")
+    control_hits += int((P_np[rows, np.asarray(jax.jit(_counting_inverse_cdf)(U, P))]
+                         == 0.0).sum())
+  if V != 152_064:  # the -inf row's prefix sum is flat where it is cut: no control there
+    assert control_hits > 0, "negative control: the counting draw should hit a removed token"
+
+
+def test_draw_law_at_realistic_vocabulary_stratified():
+  """The law, not only the support, at V = 50,257 (top-p 0.9, T = 0.8): N stratified
+  uniforms (i + 1/2) / N give every token a count within 1 + N·1e-5 of N·p (each token's
+  interval has width p up to float32 rounding). Deterministic; negative control: the same
+  bound fails for the law with two tokens' masses swapped."""
+  from specjax.sampling import sample_from_uniforms
+  V, N, chunk = 50_257, 8_192, 1_024
+  p = warp_jit(jax.random.normal(jax.random.key(1), (1, V)) * 3.0, make_sampler(0.8, top_p=0.9))
+  draw = jax.jit(sample_from_uniforms)
+  u = ((np.arange(N) + 0.5) / N).astype(np.float32)
+  x = np.concatenate([np.asarray(draw(jnp.asarray(u[i:i + chunk])[:, None],
+                                      jnp.broadcast_to(p, (chunk, V))))
+                      for i in range(0, N, chunk)])
+  p_np = np.asarray(p, np.float64)[0]
+  counts = np.bincount(x, minlength=V)
+  bound = 1.0 + N * 1e-5
+  assert counts[p_np == 0].sum() == 0
+  assert np.max(np.abs(counts - N * p_np)) <= bound
+  order = np.argsort(-p_np)
+  q = p_np.copy()
+  q[order[0]], q[order[5]] = p_np[order[5]], p_np[order[0]]
+  assert np.max(np.abs(counts - N * q)) > bound
