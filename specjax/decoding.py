@@ -394,12 +394,32 @@ def default_policy(target, drafter, entries=adaptive.DEFAULT_CHAINS,
   for real costs (`adaptive.AdaptivePolicy.from_costs`)."""
   from specjax import roofline  # plain numpy; only needed here
 
+  drafter = as_drafter(drafter)
+  entries = _entries_drafter_takes(drafter, entries)
   cfg = drafter.config
   c = 1.0
   if cfg is not None and cfg != target.config:
     c = roofline.param_counts(cfg)["matmul"] / roofline.param_counts(target.config)["matmul"]
   return adaptive.AdaptivePolicy.from_model(entries, c=min(c, 1.0),
                                             lazy_slots=lazy_slots_of(drafter), **kwargs)
+
+
+def _entries_drafter_takes(drafter, entries) -> tuple:
+  """The default menu's entries this drafter can draft (e.g. chains no deeper than its
+  Medusa heads): k = 0 is always kept; none left but k = 0 is refused."""
+  kept = []
+  for e in entries:
+    tree = None if e == 0 else (e if isinstance(e, TreeSpec) else trees.chain(int(e)))
+    try:
+      if tree is not None:
+        drafter.validate(tree, 1)
+    except ValueError:
+      continue
+    kept.append(e)
+  if all(e == 0 for e in kept):
+    raise ValueError(f"the drafter can draft none of the default menu's shapes {entries!r}: "
+                     f"pass policy= with shapes it takes")
+  return tuple(kept)
 
 
 def lazy_slots_of(drafter) -> int:

@@ -473,7 +473,8 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
   done = _finished(jnp.ones_like(length), budget_B, first == eos)
   rows = jnp.arange(b)
   one = trees.chain(1)
-  largest = max((e for e in menu if e is not None), key=lambda e: e.n_nodes, default=one)
+  # the drafter's state is sized for every entry: their nodes, the deepest one's depth
+  largest = trees.cover([e for e in menu if e is not None] or [one])
 
   lazy = bool(drafter.lazy_catch_up) and lazy_slots > 0
   if lazy and capture:

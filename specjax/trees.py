@@ -44,6 +44,7 @@ from flax import struct
 from specjax import theory
 
 __all__ = ["TreeSpec", "DynamicTree", "VerifyLayout", "chain", "branching", "from_paths",
+           "rank_paths", "cover",
            "optimal", "expected_tokens", "pretty"]
 
 
@@ -468,6 +469,25 @@ def from_paths(paths: Sequence[Sequence[int]]) -> TreeSpec:
     index[p] = len(parents)
     parents.append(index[p[:-1]])
   return TreeSpec(tuple(parents))
+
+
+def rank_paths(tree: TreeSpec) -> list[tuple[int, ...]]:
+  """Every node's root-to-node path of sibling ranks (root excluded): `from_paths`' format,
+  so `from_paths(rank_paths(t)) == t`."""
+  out: list[tuple[int, ...]] = [()]
+  for i in range(1, tree.n_nodes):
+    out.append(out[tree.parents[i]] + (int(tree.ranks[i]),))
+  return out[1:]
+
+
+def cover(shapes: Sequence[TreeSpec]) -> TreeSpec:
+  """The smallest static tree holding each of `shapes` as a subtree (the union of their rank
+  paths): at least each one's nodes, the deepest one's depth, the widest node's width. What
+  a drafter that serves several shapes in one loop (an adaptive menu) sizes its state for."""
+  if not shapes or not all(isinstance(t, TreeSpec) for t in shapes):
+    raise ValueError(f"shapes must be a non-empty sequence of trees.TreeSpec, got {shapes!r}")
+  paths = {p for t in shapes for p in rank_paths(t)}
+  return from_paths(sorted(paths, key=lambda p: (len(p), p)))
 
 
 def _check_rank_probs(rank_probs: Any) -> np.ndarray:

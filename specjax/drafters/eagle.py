@@ -398,7 +398,14 @@ class EagleDrafter(LevelDrafter):
     next proposal and rolls the head's cache back to L (drafted entries are discarded)."""
     del tree, n_accepted_B
     moved = ctx.length > state.length  # m = L' - L > 0 (0 for a finished row)
-    feats = jnp.take_along_axis(features, path_BP[:, :, None, None], axis=1)  # [B, D+1, C, D]
+    feats = jnp.take_along_axis(features, path_BP[:, :, None, None], axis=1)  # [B, d+1, C, D]
+    rows = state.pending.shape[1]  # D + 1 of the deepest shape `init` was given
+    if feats.shape[1] > rows:
+      raise ValueError(f"a path of {feats.shape[1] - 1} nodes is deeper than the tree the "
+                       f"drafter was initialised for (depth {rows - 1})")
+    # a shallower shape (an adaptive menu's other entries, its plain step): rows past the
+    # path are never read as real positions (`_root` reads up to L - 1)
+    feats = jnp.pad(feats, ((0, 0), (0, rows - feats.shape[1]), (0, 0), (0, 0)))
     start = jnp.where(moved, state.length, state.start)
     pending = jnp.where(moved[:, None, None, None], feats, state.pending)
     return state.replace(cache=kv.set_lengths(state.cache, start), pending=pending, start=start,
