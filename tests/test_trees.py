@@ -265,3 +265,16 @@ def test_validation_is_linear():
   with pytest.raises(ValueError, match="cycle through nodes"):  # one cycle through every node
     trees.TreeSpec((-1, *range(2, n), 1))
   assert time.perf_counter() - start < 2.0
+
+
+def test_cover_holds_every_shape_and_nothing_more():
+  chain4, tree = trees.chain(4), trees.branching((2, 1))
+  c = trees.cover([chain4, tree, trees.chain(1)])
+  paths = set(trees.rank_paths(c))
+  assert set(trees.rank_paths(chain4)) <= paths and set(trees.rank_paths(tree)) <= paths
+  assert paths == set(trees.rank_paths(chain4)) | set(trees.rank_paths(tree))
+  assert (c.n_nodes, c.max_depth, c.max_width) == (7, 4, 2)
+  for t in [trees.chain(3), trees.branching((3, 2, 1))]:
+    assert trees.from_paths(trees.rank_paths(t)).parents == t.parents
+  with pytest.raises(ValueError, match="shapes"):
+    trees.cover([])
