@@ -89,6 +89,21 @@ PRESETS: dict[str, Preset] = {
         description="4.8M-parameter target + 1-layer draft, BPE 2048, ~4 minutes on a 2-core "
                     "CPU",
         tokenizer=f"bpe:{_BPE_VOCAB}"),
+    "shipped": Preset(
+        name="shipped",
+        target=_llama(d_model=384, n_layers=5, n_heads=6, n_kv_heads=6, d_ff=1536, mlp="gelu",
+                      vocab_size=4096, max_len=1024),
+        draft=_llama(d_model=128, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=384, mlp="gelu",
+                     vocab_size=4096, max_len=1024),
+        target_train=TrainConfig(steps=3000, batch_size=16, seq_len=256, lr=3e-3,
+                                 warmup_steps=200, eval_every=500, ckpt_every=100,
+                                 eval_windows=128, keep=2),
+        draft_train=TrainConfig(steps=1500, batch_size=16, seq_len=256, lr=5e-3,
+                                warmup_steps=100, eval_every=500, ckpt_every=100,
+                                eval_windows=128, keep=2, objective="distill"),
+        description="10.4M-parameter target (5 layers, d 384, ~21 MB in bf16) + 1-layer "
+                    "draft, BPE 4096: the shipped embedded pair, hours on a 2-core CPU",
+        tokenizer="bpe:4096"),
     "tiny": Preset(
         name="tiny",
         target=_llama(d_model=96, n_layers=2, n_heads=3, n_kv_heads=3, d_ff=384, mlp="gelu"),
