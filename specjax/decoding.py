@@ -395,7 +395,8 @@ def default_policy(target, drafter, entries=adaptive.DEFAULT_CHAINS,
   from specjax import roofline  # plain numpy; only needed here
 
   drafter = as_drafter(drafter)
-  entries = _entries_drafter_takes(drafter, entries)
+  if entries is adaptive.DEFAULT_CHAINS:  # a menu the caller chose is taken as given
+    entries = _entries_drafter_takes(drafter, entries)
   cfg = drafter.config
   c = 1.0
   if cfg is not None and cfg != target.config:

@@ -1,21 +1,23 @@
 """Tokenizers in a model directory: Hugging Face `tokenizer.json` behind specjax's Tokenizer
-interface, finding which tokenizer a directory holds, and copying the tokenizer files along
-with a model.
+interface (with the directory's chat template and EOS ids, `specjax.chat`), finding which
+tokenizer a directory holds, and copying the tokenizer files along with a model.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import pathlib
 import shutil
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+                   "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   "chat_template.jinja")
 
 
 def load_tokenizer_for(directory: str | os.PathLike, hf_config: dict | None = None) -> Any:
@@ -60,6 +62,20 @@ def _is_byte_marker(path: pathlib.Path) -> bool:
   return isinstance(data, dict) and data.get("kind") == "byte"
 
 
+def generation_eos_ids(config: Mapping, path: str | os.PathLike = "generation_config.json"
+                       ) -> tuple[int, ...]:
+  """generation_config.json's `eos_token_id` as a tuple (an int, a list of ints, or absent /
+  null: ()); ValueError naming `path` for any other value."""
+  if not isinstance(config, Mapping):
+    raise ValueError(f"{str(path)!r} must hold a JSON object, got {type(config).__name__}")
+  value = config.get("eos_token_id")
+  values = value if isinstance(value, list) else [] if value is None else [value]
+  if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+    raise ValueError(f"{str(path)!r}: eos_token_id must be an int >= 0 or a list of them, "
+                     f"got {value!r}")
+  return tuple(values)
+
+
 # ----------------------------------------------------------------------------- tokenizer
 
 
@@ -68,15 +84,22 @@ class HFTokenizer:
 
   bos/eos/pad ids come from tokenizer_config.json (token strings), else from the model's
   config.json / generation_config.json ids; any of them may be None (no such token).
+  `eos_ids` are the ids to stop on: every id of generation_config.json's `eos_token_id` (an
+  int or a list), then `eos_id`, each once. `chat_template` is the directory's template
+  (`specjax.chat.load_chat_template`, read on first use), None without one.
   """
 
   kind = "hf"
 
   def __init__(self, backend, *, bos_id: int | None, eos_id: int | None,
-               pad_id: int | None) -> None:
+               pad_id: int | None, eos_ids: Sequence[int] = (),
+               directory: str | os.PathLike | None = None) -> None:
+    from specjax.chat import merge_eos_ids
     self._tok = backend
     self.vocab_size = int(backend.get_vocab_size())
     self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+    self.eos_ids = merge_eos_ids(eos_ids, eos_id)
+    self.directory = None if directory is None else str(directory)
 
   @classmethod
   def from_dir(cls, directory: str | os.PathLike, hf_config: Mapping | None = None
@@ -113,7 +136,24 @@ class HFTokenizer:
           return value
       return None
 
-    return cls(backend, bos_id=token_id("bos"), eos_id=token_id("eos"), pad_id=token_id("pad"))
+    return cls(backend, bos_id=token_id("bos"), eos_id=token_id("eos"), pad_id=token_id("pad"),
+               eos_ids=generation_eos_ids(gc, d / "generation_config.json"), directory=d)
+
+  @functools.cached_property
+  def chat_template(self):
+    """The directory's chat template (`specjax.chat.ChatTemplate`), or None."""
+    from specjax.chat import load_chat_template
+    return None if self.directory is None else load_chat_template(self.directory)
+
+  def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
+                          add_generation_prompt: bool = True) -> list[int]:
+    """transformers' `apply_chat_template(messages, add_generation_prompt=True)` ids: the
+    template's text encoded without added specials (BOS only where the template writes it).
+    ValueError naming the directory when it has no chat template."""
+    if self.chat_template is None:
+      raise ValueError(f"{self.directory or 'this tokenizer'!r} has no chat template "
+                       f"(chat_template in tokenizer_config.json, or chat_template.jinja)")
+    return self.chat_template.encode(self, messages, add_generation_prompt=add_generation_prompt)
 
   def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
     ids = list(self._tok.encode(text, add_special_tokens=False).ids)
