@@ -65,22 +65,27 @@ RAGGED = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [7], [3, 3, 3, 3, 3, 3, 3, 
           [11, 13, 17, 19]]  # a ragged batch of prompts
 
 
-def assert_greedy_identity(target, drafter, tree, new_tokens: int) -> None:
-  """Speculative decoding of RAGGED with `drafter` and `tree` at T = 0 emits plain greedy
-  decoding's tokens: with per-row budgets and an EOS (a token row 0 emits) cutting cycles
-  short, and uncut over `new_tokens`, where the drafter is neither always right nor always
-  wrong (0 < α < 1)."""
+def assert_greedy_identity(target, drafter, tree, new_tokens: int, *, policy=None,
+                           mixed_alpha: bool = True):
+  """Speculative decoding of RAGGED with `drafter` and `tree` (or an adaptive `policy`, tree
+  None) at T = 0 emits plain greedy decoding's tokens: with per-row budgets and an EOS (a
+  token row 0 emits) cutting cycles short, and uncut over `new_tokens`; with `mixed_alpha`
+  the drafter is neither always right nor always wrong (0 < α < 1). Returns the (cut, uncut)
+  Generations."""
+  plan = {"policy": policy} if policy is not None else {"tree": tree}
   plain = decoding.generate(target, RAGGED, max_new_tokens=new_tokens)
   eos = plain.tokens[0][5]
   budgets = [new_tokens, 2, 7, new_tokens, 1, 13]
   ref = decoding.generate(target, RAGGED, max_new_tokens=budgets, eos_id=eos)
-  run = decoding.speculative_generate(target, drafter, RAGGED, tree=tree,
-                                      max_new_tokens=budgets, eos_id=eos)
+  run = decoding.speculative_generate(target, drafter, RAGGED, max_new_tokens=budgets,
+                                      eos_id=eos, **plan)
   assert run.tokens == ref.tokens
-  full = decoding.speculative_generate(target, drafter, RAGGED, tree=tree,
-                                       max_new_tokens=new_tokens)
+  full = decoding.speculative_generate(target, drafter, RAGGED, max_new_tokens=new_tokens,
+                                       **plan)
   assert full.tokens == plain.tokens
-  assert 0.0 < full.summary().alpha < 1.0
+  if mixed_alpha:
+    assert 0.0 < full.summary().alpha < 1.0
+  return run, full
 
 
 # ----------------------------------------------------------------------------- joint law (χ²)

@@ -29,8 +29,8 @@ from specjax.drafters.lookup import LookupDrafter
 from specjax.drafters.medusa import MedusaDrafter
 from specjax.drafters.model import ModelDrafter
 from specjax.drafters.oracle import OracleDrafter
-from specjax_testing import (FALSE_ALARM, JOINT_ROWS, PROMPT, RAGGED, TINY, VOCAB, exact_joint,
-                             joint_pvalue, joint_target, model, perturbed)
+from specjax_testing import (FALSE_ALARM, JOINT_ROWS, PROMPT, TINY, VOCAB, assert_greedy_identity,
+                             exact_joint, joint_pvalue, joint_target, model, perturbed)
 
 TREE = trees.branching((2, 1))
 MENU = (0, 1, 3, TREE)
@@ -75,16 +75,8 @@ def test_every_drafter_is_greedy_identical_under_every_menu_entry(pair, kind):
   target, draft = pair
   drafter = _drafters(target, draft)[kind]
   policy = adaptive.AdaptivePolicy.create(MENU, [1.0, 1.2, 1.5, 1.6], forced=FORCED)
-  plain = decoding.generate(target, RAGGED, max_new_tokens=BUDGET)
-  eos = plain.tokens[0][5]
-  budgets = [BUDGET, 2, 7, BUDGET, 1, 13]
-  ref = decoding.generate(target, RAGGED, max_new_tokens=budgets, eos_id=eos)
-  run = decoding.speculative_generate(target, drafter, RAGGED, policy=policy,
-                                      max_new_tokens=budgets, eos_id=eos)
-  assert run.tokens == ref.tokens
-  full = decoding.speculative_generate(target, drafter, RAGGED, policy=policy,
-                                       max_new_tokens=BUDGET)
-  assert full.tokens == plain.tokens
+  run, full = assert_greedy_identity(target, drafter, None, BUDGET, policy=policy,
+                                     mixed_alpha=False)
   # a lazy drafter's plain step is a run that lasts until a row finishes: the cut budgets
   # of `run` bring it back to the speculative entries
   used = set(np.asarray(full.choices).tolist()) | set(np.asarray(run.choices).tolist())
