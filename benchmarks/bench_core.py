@@ -40,6 +40,7 @@ from flax import nnx
 
 from specjax import decoding, roofline
 from specjax.drafters.base import LM
+from specjax.models import attention
 from specjax.models import cache as kv
 from specjax.models.presets import PRESETS
 from specjax.models.transformer import Transformer, _one_row_safe_matmul
@@ -153,7 +154,7 @@ def run(dtype: str, args) -> dict:
   tok_s = (n - 1) / (plain_s - prefill_s)
   out["plain_call_tok_s"] = n / plain_s  # the whole call, prefill included
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(target, nnx.Param)))
-  read_slots = min(b for b in kv.prefix_buckets(cache_len) if b >= args.context + n)
+  read_slots = min(b for b in attention.prefix_buckets(cache_len) if b >= args.context + n)
   step_bytes = weight_bytes + kv.cache_bytes(cfg, 1, read_slots)  # the prefix attention reads
   out["plain_tok_s"] = tok_s
   out["one_forward_tok_s"] = 1.0 / fwd[1]

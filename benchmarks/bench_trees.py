@@ -39,7 +39,8 @@ from flax import nnx
 
 from specjax import decoding, sampling, trees
 from specjax.drafters.base import LM
-from specjax.drafters.model import ModelDrafter, _plan
+from specjax.drafters.levels import _plan
+from specjax.drafters.model import ModelDrafter
 from specjax.models import cache as kv
 from specjax.models.presets import PRESETS
 from specjax.models.transformer import Transformer

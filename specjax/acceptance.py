@@ -52,17 +52,17 @@ Sloppy variants (residual not updated between siblings, a rejected point mass le
 sibling order that depends on the drawn tokens) are not exact; tests/test_tree_acceptance.py
 plants each and shows the statistical test rejecting it.
 
-Planted bugs (`PLANTED_BUGS`, `planted`): named inexact variants of the whole rule (always
-accept; residual = p) that a loop traced inside `planted(...)` uses instead of the exact one.
-They are the negative controls of the exactness tool (`specjax.exactness`); the override is
-read at trace time only, so the exact path pays nothing for it.
+Planted bugs (`specjax.planted_bugs`): named inexact variants of the whole rule (always
+accept; residual = p) that a loop traced inside `planted_bugs.planted(...)` uses instead of
+the exact one, through the one hook `_PLANTED` below. They are the negative controls of the
+exactness tool (`specjax.exactness`); the override is read at trace time only, so the exact
+path pays nothing for it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, NamedTuple
 
 import flax.struct
 import jax
@@ -400,94 +400,7 @@ def accept_tree(key: jax.Array, layout: VerifyLayout, tokens_BT: jax.Array, p_BT
                       _EXACT_TREE if bug is None else bug.tree)
 
 
-# ---------------------------------------------------------------------------------------------
-# Planted bugs: negative controls for the exactness tool (specjax.exactness).
-# ---------------------------------------------------------------------------------------------
-
-
-class PlantedBug(NamedTuple):
-  """A deliberately inexact acceptance rule, for chains and for trees (a negative control:
-  an exactness check that cannot reject it cannot be trusted to reject a real bug)."""
-
-  name: str
-  description: str
-  chain: _Rule
-  tree: _TreeRule
-
-
-def _always_accept(u, p_x, q_x):
-  del p_x, q_x
-  return jnp.ones(u.shape, bool)
-
-
-PLANTED_BUGS: dict[str, PlantedBug] = {bug.name: bug for bug in (
-    PlantedBug("always_accept",
-               "every tried candidate is accepted (the test u·q(x) < p(x) is skipped), so "
-               "drafted tokens follow the draft's law q, not the target's p",
-               _Rule(accept=_always_accept), _TreeRule(accept=_always_accept)),
-    PlantedBug("residual_is_p",
-               "after a rejection the token is drawn from p instead of the residual "
-               "norm(max(0, p - q)) (trees: r is never updated between siblings), so "
-               "tokens the draft over-proposes are emitted too often; invisible at T = 0",
-               _Rule(residual=lambda p, q: p),
-               _TreeRule(update=lambda r, q, last: r, update_point=lambda r, x, last: r)),
-)}
-
-_PLANTED: contextvars.ContextVar[PlantedBug | None] = contextvars.ContextVar(
-    "specjax_planted_bug", default=None)
-
-
-def _switched(which: jax.Array) -> PlantedBug:
-  """Every planted bug in one rule: PLANTED_BUGS' i-th bug (in order) where which == i, the
-  exact rule for any other value. `which` is an int32 scalar, possibly traced, so a single
-  compiled loop runs every control; pieces a bug leaves exact are not duplicated."""
-  bugs = list(PLANTED_BUGS.values())
-
-  def merge(exact: NamedTuple, pieces: list[NamedTuple]) -> NamedTuple:
-    out = {}
-    for field, base in exact._asdict().items():
-      variants = [(i, getattr(p, field)) for i, p in enumerate(pieces)
-                  if getattr(p, field) is not base]
-      if not variants:
-        out[field] = base
-        continue
-
-      def piece(*args, base=base, variants=variants):
-        value = base(*args)
-        for i, fn in variants:
-          value = jnp.where(which == i, fn(*args), value)
-        return value
-
-      out[field] = piece
-    return type(exact)(**out)
-
-  return PlantedBug("switched", "one of PLANTED_BUGS, chosen at run time",
-                    merge(_EXACT, [b.chain for b in bugs]),
-                    merge(_EXACT_TREE, [b.tree for b in bugs]))
-
-
-@contextlib.contextmanager
-def planted(bug: str | jax.Array) -> Iterator[PlantedBug]:
-  """Negative controls only: `accept_tree` *traced* inside this context uses a planted bug
-  instead of the exact rule: `bug` is a name (a key of PLANTED_BUGS), or an int32 scalar
-  (may be traced) choosing the i-th bug of PLANTED_BUGS at run time (any other value: the
-  exact rule), so that one compiled loop serves every control.
-
-  The override is read when a program is traced, never when it runs: it costs the exact
-  path nothing, and a program compiled outside the context is unaffected. Conversely a
-  jitted function traced inside it keeps the bug in its compile cache, so trace the
-  planted loop in a jitted function of its own (as `specjax.exactness` does); never call a
-  shared compiled loop (`loop.speculative_jit`, `decoding.speculative_generate`) inside
-  this context.
-  """
-  if isinstance(bug, str):
-    if bug not in PLANTED_BUGS:
-      raise ValueError(f"planted bug must be one of {sorted(PLANTED_BUGS)}, got {bug!r}")
-    rule = PLANTED_BUGS[bug]
-  else:
-    rule = _switched(jnp.asarray(bug, jnp.int32))
-  token = _PLANTED.set(rule)
-  try:
-    yield rule
-  finally:
-    _PLANTED.reset(token)
+# The one hook of the negative controls (`specjax.planted_bugs`): while a rule is set here (a
+# `.chain` _Rule and a `.tree` _TreeRule), `accept_tree` *traced* uses its pieces instead of
+# the exact ones. Read at trace time only, so the exact path pays nothing for it.
+_PLANTED: contextvars.ContextVar = contextvars.ContextVar("specjax_planted_bug", default=None)

@@ -20,7 +20,7 @@ cells, Cauchy–Schwarz gives Σ (a − p)²/p ≥ (Σ |a − p|)² = 4δ², so 
 gives that bound at `deviation` = δ and the smallest δ detected with probability 0.99.
 
 Negative controls run alongside, through the same loop, sample size and threshold, with a
-planted acceptance bug (`acceptance.PLANTED_BUGS`: always accept; residual = p). Each
+planted acceptance bug (`planted_bugs.PLANTED_BUGS`: always accept; residual = p). Each
 compiles a loop of its own (the bug's name is a static argument), so it can never share a
 compiled program with the real path. The verdict is PASS only if the real run passes and
 every control is rejected: a check that cannot see a planted bug says nothing.
@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import optimize, stats
 
-from specjax import acceptance, decoding, loop, sampling
+from specjax import decoding, loop, planted_bugs, sampling
 from specjax.drafters.base import LM, Drafter
 from specjax.models import cache as kv
 from specjax.models.transformer import Transformer
@@ -332,10 +332,10 @@ def detectable_tv(samples: int, dof: int, false_alarm: float,
 @functools.partial(jax.jit, static_argnames=("tree", "cache_len"))
 def _planted_tokens(target, drafter, prompt_BP, prompt_len_B, budget_B, eos, sampler, key,
                     which, *, tree, cache_len: int):
-  """The speculative loop traced with the planted acceptance bugs (`acceptance.planted`),
+  """The speculative loop traced with the planted acceptance bugs (`planted_bugs.planted`),
   bug `which` (an int32 index into PLANTED_BUGS, a runtime value: one compile serves every
   control). A jit of its own, so the bugs never reach a shared compiled loop."""
-  with acceptance.planted(which):
+  with planted_bugs.planted(which):
     return loop.speculative_loop(target, drafter, prompt_BP, prompt_len_B, budget_B, eos,
                                  sampler, key, tree=tree, cache_len=cache_len).tokens
 
@@ -365,7 +365,7 @@ def _emitted(plan: _Plan, prompts, key, bug: str | None) -> tuple[list[list[int]
                                         max_new_tokens=plan.tokens, sampler=plan.sampler,
                                         seed=key, cache_len=batch.cache_len)
     return run.tokens, run.stats
-  which = jnp.asarray(list(acceptance.PLANTED_BUGS).index(bug), jnp.int32)
+  which = jnp.asarray(list(planted_bugs.PLANTED_BUGS).index(bug), jnp.int32)
   tokens = np.asarray(_planted_tokens(
       plan.target, plan.drafter, batch.prompt_BP, batch.prompt_len_B, batch.budget_B,
       jnp.asarray(-1, jnp.int32), plan.sampler, key, which, tree=plan.tree,
@@ -415,7 +415,7 @@ def check(target, drafter, *, k: int | None = None, tree: TreeSpec | DynamicTree
   up to 32).
   samples: independent rows at T > 0. false_alarm: the χ² test's size. deviation: the total
   variation δ at which the power is stated. prompt: token ids (default: 4 random ids from
-  `seed`). controls: planted bugs to run (default: every bug of `acceptance.PLANTED_BUGS`
+  `seed`). controls: planted bugs to run (default: every bug of `planted_bugs.PLANTED_BUGS`
   visible at this temperature). max_cells: the refused size of the enumerated law.
   Raises ValueError (naming the argument) before any work; returns an `ExactnessReport`.
   """
@@ -441,16 +441,16 @@ def check(target, drafter, *, k: int | None = None, tree: TreeSpec | DynamicTree
   false_alarm = _fraction("false_alarm", false_alarm, hi_closed=False)
   deviation = _fraction("deviation", deviation, hi_closed=True)
   max_cells = _int("max_cells", max_cells, 2)
-  visible = ["always_accept"] if greedy else list(acceptance.PLANTED_BUGS)
+  visible = ["always_accept"] if greedy else list(planted_bugs.PLANTED_BUGS)
   controls = visible if controls is None else [controls] if isinstance(
       controls, str) else list(controls)
   if not controls:
     raise ValueError(f"controls must name at least one planted bug of {visible}, got "
                      f"{controls!r}: a check that cannot fail says nothing")
   for name in controls:
-    if name not in acceptance.PLANTED_BUGS:
+    if name not in planted_bugs.PLANTED_BUGS:
       raise ValueError(f"controls: unknown planted bug {name!r}; known: "
-                       f"{sorted(acceptance.PLANTED_BUGS)}")
+                       f"{sorted(planted_bugs.PLANTED_BUGS)}")
     if name not in visible:
       raise ValueError(f"controls: planted bug {name!r} is invisible at temperature 0 (the "
                        f"residual of a one-hot target is the target itself); use {visible}")
@@ -496,7 +496,7 @@ def _check_chi2(plan, prompt, samples, keys, controls, s, max_cells) -> Exactnes
   for name, key in zip(controls, keys[1:]):
     bad, _ = _sample(plan, prompt, samples, key, name)
     t = chi_square(bad, cells, probs, fa)
-    results.append(ControlResult(bug=name, description=acceptance.PLANTED_BUGS[name].description,
+    results.append(ControlResult(bug=name, description=planted_bugs.PLANTED_BUGS[name].description,
                                  rejected=t.rejected, test=t))
   pw = power(samples, test.dof, s["deviation"], fa)
   missed = [c.bug for c in results if not c.rejected]
@@ -527,7 +527,7 @@ def _check_greedy(plan, prompts, keys, controls, s) -> ExactnessReport:
   for name, key in zip(controls, keys[1:]):
     bad, _ = _emitted(plan, prompts, key, name)
     differ = sum(a != b for a, b in zip(plain.tokens, bad))
-    results.append(ControlResult(bug=name, description=acceptance.PLANTED_BUGS[name].description,
+    results.append(ControlResult(bug=name, description=planted_bugs.PLANTED_BUGS[name].description,
                                  rejected=differ > 0, differing_rows=differ))
   missed = [c.bug for c in results if not c.rejected]
   rows = len(prompts)

@@ -10,18 +10,19 @@ import pytest
 from specjax import decoding, loop, sampling, trees
 from specjax.drafters.base import LM
 from specjax.drafters.model import ModelDrafter
+from specjax.models import attention
 from specjax.models import cache as kv
 from specjax.models.transformer import ModelConfig
 from specjax_testing import TINY, model, perturbed
 
 
 def test_prefix_buckets_halve_down_to_the_minimum():
-  assert kv.prefix_buckets(128) == (128,)
-  assert kv.prefix_buckets(256) == (128, 256)
-  assert kv.prefix_buckets(1024) == (128, 256, 512, 1024)
-  assert kv.prefix_buckets(8192) == (1024, 2048, 4096, 8192)
-  assert kv.prefix_buckets(1000) == (250, 500, 1000)  # odd halves end the split
-  assert kv.prefix_buckets(1000 + 1) == (1001,)
+  assert attention.prefix_buckets(128) == (128,)
+  assert attention.prefix_buckets(256) == (128, 256)
+  assert attention.prefix_buckets(1024) == (128, 256, 512, 1024)
+  assert attention.prefix_buckets(8192) == (1024, 2048, 4096, 8192)
+  assert attention.prefix_buckets(1000) == (250, 500, 1000)  # odd halves end the split
+  assert attention.prefix_buckets(1000 + 1) == (1001,)
 
 
 @pytest.mark.parametrize("mask", ["causal", "tree"])
@@ -37,13 +38,13 @@ def test_bucketed_attention_equals_reading_every_slot(monkeypatch, mask):
   block = None if mask == "causal" else jnp.asarray([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
   for lengths in ([3, 10, 7], [3, 20, 7], [40, 5, 61]):  # buckets 16, 32, 64 with minimum 8
     c = kv.set_lengths(cache, jnp.asarray(lengths, jnp.int32))
-    monkeypatch.setattr(kv, "BUCKET_MIN", 10**9)
-    full = jax.jit(lambda c, q: kv.attend(c, 0, q, block))(c, q)
-    monkeypatch.setattr(kv, "BUCKET_MIN", 8)
-    assert kv.prefix_buckets(s) == (8, 16, 32, 64)
-    bucketed = jax.jit(lambda c, q: kv.attend(c, 0, q, block))(c, q)
+    monkeypatch.setattr(attention, "BUCKET_MIN", 10**9)
+    full = jax.jit(lambda c, q: attention.attend(c, 0, q, block))(c, q)
+    monkeypatch.setattr(attention, "BUCKET_MIN", 8)
+    assert attention.prefix_buckets(s) == (8, 16, 32, 64)
+    bucketed = jax.jit(lambda c, q: attention.attend(c, 0, q, block))(c, q)
     np.testing.assert_allclose(bucketed, full, rtol=1e-6, atol=1e-6)
-    text = jax.jit(lambda c, q: kv.attend(c, 0, q, block)).lower(c, q).as_text()
+    text = jax.jit(lambda c, q: attention.attend(c, 0, q, block)).lower(c, q).as_text()
     assert "case" in text  # the run-time choice is in the program, not a retrace
 
 
@@ -69,9 +70,9 @@ def test_long_cache_generation_is_unchanged_by_buckets(monkeypatch):
     run = jax.jit(lambda *a: loop.speculative_loop(lm, drafter, *a, tree=tree, cache_len=512))
     return np.asarray(run(*args).tokens)
 
-  monkeypatch.setattr(kv, "BUCKET_MIN", 10**9)
+  monkeypatch.setattr(attention, "BUCKET_MIN", 10**9)
   ref = plain()
-  monkeypatch.setattr(kv, "BUCKET_MIN", 64)
+  monkeypatch.setattr(attention, "BUCKET_MIN", 64)
   np.testing.assert_array_equal(plain(), ref)
   for tree in (trees.chain(3), trees.branching((2, 1))):
     np.testing.assert_array_equal(spec(tree), ref)

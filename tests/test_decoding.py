@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specjax import acceptance, decoding, loop, metrics, sampling, trees
+from specjax import acceptance, decoding, loop, metrics, planted_bugs, sampling, trees
 from specjax.drafters.base import LM
 from specjax.drafters.model import ModelDrafter
 from specjax_testing import (FALSE_ALARM, PROMPT, RAGGED, TINY, VOCAB, FeatureProbe,
@@ -117,12 +117,12 @@ def test_joint_distribution_of_first_three_tokens_matches_target(joint_setup, sa
 
 def test_joint_distribution_test_catches_an_always_accept_sampler(joint_setup):
   """Negative control: the same χ² test must reject a planted 'always accept' bug
-  (`acceptance.planted`, traced in a jitted loop of its own)."""
+  (`planted_bugs.planted`, traced in a jitted loop of its own)."""
   target, draft = joint_setup
 
   @functools.partial(jax.jit, static_argnames=("tree", "cache_len"))
   def planted_loop(*args, **kwargs):
-    with acceptance.planted("always_accept"):
+    with planted_bugs.planted("always_accept"):
       return loop.speculative_loop(*args, **kwargs)
 
   sampler = sampling.make_sampler(1.0)

@@ -16,8 +16,8 @@ from flax import nnx, struct
 from specjax import decoding, loop, sampling, trees
 from specjax.data.corpus import load_corpus
 from specjax.drafters.base import LM
-from specjax.drafters.eagle import (EagleDrafter, EagleHeads, default_layers, embed,
-                                    head_logits, init_head)
+from specjax.drafters.eagle import EagleDrafter, default_layers, embed, head_logits, init_head
+from specjax.training.eagle import EagleHeads
 from specjax.training.heads import HeadTrainer, load_head, train_head
 from specjax_testing import (FALSE_ALARM, PROMPT, RAGGED, TC, TCFG, TOK, assert_greedy_identity,
                              exact_joint, first_three, joint_pvalue, model)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import struct
 
-from specjax import acceptance, exactness, sampling, trees
+from specjax import exactness, planted_bugs, sampling, trees
 from specjax.cli import main
 from specjax.drafters.base import Drafter
 from specjax.drafters.model import ModelDrafter
@@ -134,7 +134,7 @@ def test_static_tree_end_to_end_chi_square_at_positive_temperature(pair, determi
   report = _check(target, ModelDrafter.of(draft, deterministic=deterministic),
                   sampler=sampler, tree=trees.branching((2, 1)))
   _assert_passed(report)
-  assert {c.bug for c in report.controls} == set(acceptance.PLANTED_BUGS)
+  assert {c.bug for c in report.controls} == set(planted_bugs.PLANTED_BUGS)
   assert all(c.test.p_value < 1e-20 for c in report.controls)
 
 
@@ -225,7 +225,7 @@ def test_check_exact_cli_end_to_end(tmp_path, capsys):
   report = json.loads(capsys.readouterr().out)
   assert report["passed"] and report["mode"] == "chi2" and report["cells"] == 27
   assert json.loads(out.read_text()) == report
-  assert {c["bug"] for c in report["controls"]} == set(acceptance.PLANTED_BUGS)
+  assert {c["bug"] for c in report["controls"]} == set(planted_bugs.PLANTED_BUGS)
   # A false-alarm rate of 0.999 rejects almost any sample: FAIL, exit code 1, same programs.
   assert main(argv + ["--false-alarm", "0.999"]) == 1
   text = capsys.readouterr().out
@@ -265,5 +265,5 @@ def test_exactness_experiment_reduced(tmp_path):
   (record,) = runner.read_results(summary.run_dir / runner.RESULTS).values()
   m = record["metrics"]
   assert m["passed"] and m["mode"] == "chi2" and m["controls_rejected"], m["verdict"]
-  assert set(m["controls"]) == set(acceptance.PLANTED_BUGS)
+  assert set(m["controls"]) == set(planted_bugs.PLANTED_BUGS)
   assert "1/1 points PASS" in (summary.run_dir / "report.md").read_text()

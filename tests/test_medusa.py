@@ -18,10 +18,11 @@ from flax import nnx
 from specjax import acceptance, cli, decoding, loop, sampling, trees
 from specjax.data.corpus import load_corpus
 from specjax.drafters.base import LM
-from specjax.drafters.medusa import MedusaDrafter, MedusaHeads, head_logits
+from specjax.drafters.medusa import MedusaDrafter, head_logits
 from specjax.models.transformer import ModelConfig
 from specjax.training import defaults
 from specjax.training.heads import HeadTrainer, TargetBinding, load_head, train_head
+from specjax.training.medusa import MedusaHeads
 from specjax.training.trainer import params_fingerprint
 from specjax_testing import (FALSE_ALARM, PROMPT, RAGGED, TC, TCFG, TINY, TOK,
                              assert_greedy_identity, exact_joint, first_three, joint_pvalue,

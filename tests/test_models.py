@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from specjax.models import attention
 from specjax.models import cache as kv
 from specjax.models.presets import PRESETS, parse_config
 from specjax.models.transformer import ModelConfig, Transformer, param_count, rope
@@ -73,13 +74,13 @@ def test_ragged_rows_and_rollback(family):
 
 def test_attention_mask_sees_prefix_and_block():
   block = jnp.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)  # node 2's parent is node 0
-  mask = kv.attention_mask(jnp.array([2, 4]), 3, 8, block)
+  mask = attention.attention_mask(jnp.array([2, 4]), 3, 8, block)
   expect0 = np.zeros((3, 8), bool)
   expect0[:, :2] = True
   expect0[:, 2:5] = np.asarray(block)
   np.testing.assert_array_equal(mask[0], expect0)
   assert mask[1, 2].tolist() == [True] * 4 + [True, False, True] + [False]
-  causal = kv.attention_mask(jnp.array([1]), 2, 4, None)
+  causal = attention.attention_mask(jnp.array([1]), 2, 4, None)
   assert causal[0].tolist() == [[True, True, False, False], [True, True, True, False]]
 
 
@@ -112,21 +113,21 @@ def test_sliding_window_mask_counts_positions_not_slots(window):
       anc[i, j] = True
       j = parent[j]
   positions = lengths[:, None] + np.array(depth)[None]
-  base = np.asarray(kv.attention_mask(jnp.asarray(lengths), t, s, jnp.asarray(anc)))
-  got = np.asarray(kv.attention_mask(jnp.asarray(lengths), t, s, jnp.asarray(anc), window))
+  base = np.asarray(attention.attention_mask(jnp.asarray(lengths), t, s, jnp.asarray(anc)))
+  got = np.asarray(attention.attention_mask(jnp.asarray(lengths), t, s, jnp.asarray(anc), window))
   np.testing.assert_array_equal(got, _windowed_reference(lengths, positions, base, window))
   per_row = np.broadcast_to(anc, (2, t, t))
-  np.testing.assert_array_equal(np.asarray(kv.attention_mask(
+  np.testing.assert_array_equal(np.asarray(attention.attention_mask(
       jnp.asarray(lengths), t, s, jnp.asarray(per_row), window)), got)
   causal_pos = lengths[:, None] + np.arange(3)[None]
-  base = np.asarray(kv.attention_mask(jnp.asarray(lengths), 3, s, None))
-  got = np.asarray(kv.attention_mask(jnp.asarray(lengths), 3, s, None, window))
+  base = np.asarray(attention.attention_mask(jnp.asarray(lengths), 3, s, None))
+  got = np.asarray(attention.attention_mask(jnp.asarray(lengths), 3, s, None, window))
   np.testing.assert_array_equal(got, _windowed_reference(lengths, causal_pos, base, window))
   assert got.sum() == 2 * 3 * window  # every query sees exactly `window` keys here
   # a mask wider than the block (R > T): earlier levels of a tree being drafted
   wide = np.zeros((2, 4), bool)
   wide[0, [0, 2]] = wide[1, [1, 3]] = True  # level-2 nodes over level-1 parents 0 and 1
-  lv = np.asarray(kv.attention_mask(jnp.asarray(lengths), 2, s, jnp.asarray(wide), window))
+  lv = np.asarray(attention.attention_mask(jnp.asarray(lengths), 2, s, jnp.asarray(wide), window))
   for r in range(2):  # slots lengths - 2 + i hold level-1 nodes (position lengths - 2)
     for i in range(2):
       p = lengths[r] - 1  # position of a level-2 node

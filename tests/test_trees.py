@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from specjax import theory, trees
+from specjax.models import attention
 from specjax.models import cache as kv
 from specjax.models.transformer import ModelConfig
 from specjax.trees import DynamicTree, TreeSpec
@@ -206,26 +207,26 @@ def test_window_mask_node_sees_prefix_and_ancestors_only():
   """A tree written at lengths L as one block: node i sees slots [0, L) and its ancestors."""
   t = EXAMPLE
   lengths = jnp.array([3, 5])
-  mask = np.asarray(kv.attention_mask(lengths, t.n_nodes, 16, jnp.asarray(t.ancestors)))
+  mask = np.asarray(attention.attention_mask(lengths, t.n_nodes, 16, jnp.asarray(t.ancestors)))
   for b, L in enumerate([3, 5]):
     for i in range(t.n_nodes):
       visible = set(range(L)) | {L + j for j in np.flatnonzero(t.ancestors[i])}
       assert set(np.flatnonzero(mask[b, i])) == visible, (b, i)
   # Per-row masks [B, T, T] give the same answer.
-  per_row = kv.attention_mask(lengths, t.n_nodes, 16,
+  per_row = attention.attention_mask(lengths, t.n_nodes, 16,
                               jnp.broadcast_to(jnp.asarray(t.ancestors), (2, 7, 7)))
   np.testing.assert_array_equal(per_row, mask)
   # None is the causal block.
-  causal = np.asarray(kv.attention_mask(lengths, 3, 16, None))
+  causal = np.asarray(attention.attention_mask(lengths, 3, 16, None))
   np.testing.assert_array_equal(causal, np.asarray(
-      kv.attention_mask(lengths, 3, 16, jnp.tril(jnp.ones((3, 3), bool)))))
+      attention.attention_mask(lengths, 3, 16, jnp.tril(jnp.ones((3, 3), bool)))))
 
 
 def test_window_mask_looks_back_at_earlier_levels():
   """Block mask [T, R], R > T: the R - T columns before the block cover the slots just before
   lengths; slots before the window are committed (visible)."""
   window = jnp.array([[True, False, True, False], [False, True, False, True]])  # T=2, R=4
-  mask = np.asarray(kv.attention_mask(jnp.array([6]), 2, 10, window))[0]
+  mask = np.asarray(attention.attention_mask(jnp.array([6]), 2, 10, window))[0]
   # columns: slots 4, 5 (before lengths 6), then the new slots 6, 7.
   np.testing.assert_array_equal(mask[0], [1, 1, 1, 1, 1, 0, 1, 0, 0, 0])
   np.testing.assert_array_equal(mask[1], [1, 1, 1, 1, 0, 1, 0, 1, 0, 0])

@@ -90,7 +90,7 @@ def parse_tree(text: str):
 
 def _check_args(args) -> None:
   """Flags that need no model, checked before any model is loaded or built."""
-  from specjax import acceptance, sampling
+  from specjax import planted_bugs, sampling
   from specjax.drafters.oracle import check_alpha
   sampling.make_sampler(args.temperature, args.top_k, args.top_p)
   for flag, value, lo in (("--k", args.k, 1), ("--tokens", args.tokens, 1),
@@ -108,9 +108,9 @@ def _check_args(args) -> None:
   except ValueError as e:
     raise ValueError(f"--alpha: {e}") from None
   for name in _controls(args) or []:
-    if name not in acceptance.PLANTED_BUGS:
+    if name not in planted_bugs.PLANTED_BUGS:
       raise ValueError(f"--controls: unknown planted bug {name!r}; known: "
-                       f"{', '.join(acceptance.PLANTED_BUGS)}")
+                       f"{', '.join(planted_bugs.PLANTED_BUGS)}")
   if args.out is not None:
     parent = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(parent):

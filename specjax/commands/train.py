@@ -124,7 +124,7 @@ def _medusa_args(p: argparse.ArgumentParser) -> None:
 
 
 def _medusa_kind(args):
-  from specjax.drafters.medusa import MedusaHeads
+  from specjax.training.medusa import MedusaHeads
   return MedusaHeads(heads=args.heads, decay=args.decay)
 
 
@@ -142,7 +142,7 @@ def _eagle_args(p: argparse.ArgumentParser) -> None:
 
 
 def _eagle_kind(args):
-  from specjax.drafters.eagle import EagleHeads
+  from specjax.training.eagle import EagleHeads
   layers = None
   if args.layers is not None:
     try:

@@ -1,5 +1,5 @@
 """The EAGLE head (EAGLE-3 style): one decoder layer on the target's own features, drafting
-chains, static trees and EAGLE-2 dynamic trees with the level machinery of `model.py`.
+chains, static trees and EAGLE-2 dynamic trees with the level machinery of `levels.py`.
 
 The head. With f_t = the target's residual streams at a low, a middle and a high layer at
 position t (`feature_layers`, captured in the passes the target makes anyway), e(x) the
@@ -17,7 +17,8 @@ one matrix when a drafter is built, see below), and `norm` the head's own final 
 so head position t reads (feature of t, token t + 1) and predicts token t + 2. At drafting
 step 2 and later the head's own output h replaces the fused target feature u:
 x_{t+1} = combine(concat[h_t, e(x̂_{t+2})]). Training unrolls exactly this ("training-time
-test", `EagleHead.unroll`), so step 2+ sees at training what it sees at run time.
+test", `EagleHead.unroll`; the loss is the `EagleHeads` kind's, `specjax.training.eagle`), so
+step 2+ sees at training what it sees at run time.
 
 W (`width`) is the target's d_model by default (no `out`); a narrower head costs less per
 drafting pass (`head_config`). A drafter folds out and the LM head into one float32 W x V
@@ -29,7 +30,7 @@ positions [start, L) arrived with the last commit and wait in `pending` (at most
 them, D = the tree depth). Every proposal opens with one causal block over those positions
 (`_root`: inputs (f_t, e(x_{t+1})), t = start..L-1, padded to D + 1 rows); the output at
 t = L - 1 predicts the root's children and its h is the root's carried state. Tree levels
-then follow as in `model.py` with the root at slot and position L - 1 (`root_offset = -1`):
+then follow as in `levels.py` with the root at slot and position L - 1 (`root_offset = -1`):
 level d's nodes at position L - 1 + d, fed (h of the parent, e(node)). Entries written
 while drafting use h in place of target features, so `commit` never keeps them: it only
 records the verified path's features (path nodes 0..m-1 are positions L..L'-1) and rolls
@@ -38,7 +39,7 @@ target's features. No cache compaction is needed.
 
 Sampling. At T > 0 sampled candidates (a chain, or a static tree with `deterministic=False`)
 are i.i.d. draws of the head's warped law q (the stochastic rule); top-k candidates
-(`deterministic=True`, and every dynamic tree: top-k by cumulative confidence, `model.py`)
+(`deterministic=True`, and every dynamic tree: top-k by cumulative confidence, `levels.py`)
 use the point-mass rule (q = None). Either way the output law is exactly the target's.
 
 Reduced vocabulary (FR-Spec, optional): with `vocab` (token ids, e.g. the corpus's most
@@ -50,7 +51,6 @@ what changes is the head's cost (a Vr x D product instead of V x D) and its acce
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -59,7 +59,8 @@ import numpy as np
 from flax import nnx, struct
 
 from specjax.drafters.base import LM, Context
-from specjax.drafters.model import LevelDrafter, _plan
+from specjax.drafters.levels import LevelDrafter, _plan
+from specjax.models import attention
 from specjax.models import cache as kv
 from specjax.models.transformer import Block, Dense, ModelConfig, Norm, rope
 
@@ -163,9 +164,9 @@ class EagleHead(nnx.Module):
       keys.append(k)
       values.append(v)
       masks = [cols <= rows - j] + [cols == rows - j + i for i in range(1, j + 1)]
-      out = kv.causal_attention(q, jnp.concatenate(keys, axis=1),
-                                jnp.concatenate(values, axis=1),
-                                jnp.concatenate(masks, axis=1))
+      out = attention.causal_attention(q, jnp.concatenate(keys, axis=1),
+                                       jnp.concatenate(values, axis=1),
+                                       jnp.concatenate(masks, axis=1))
       x = x + attn.o(out.reshape(b, t, c.n_heads * c.head_dim))
       h = x + blk.mlp(blk.mlp_norm(x))
       outs.append(h)
@@ -290,7 +291,7 @@ class EagleDrafter(LevelDrafter):
   def of(cls, target, head: EagleHead | LM | None = None, layers=None, *,
          deterministic: bool = False, seed: int = 0, vocab=None) -> "EagleDrafter":
     """A drafter for `target` (a Transformer or LM). head: an `EagleHead`, an LM of one, or
-    trained params (`EagleHeads` kind); None: an untrained head. vocab: token ids the head
+    trained params (`training.eagle.EagleHeads`); None: an untrained head. vocab: token ids the head
     may draft (FR-Spec, e.g. `frequent_vocab`); None: the whole vocabulary."""
     target = LM.of(target)
     layers = check_layers(target.config, default_layers(target.config.n_layers)
@@ -411,108 +412,3 @@ class EagleDrafter(LevelDrafter):
     return state.replace(cache=kv.set_lengths(state.cache, start), pending=pending, start=start,
                          length=ctx.length)
 
-
-# ----------------------------------------------------------------------------- training
-
-
-@dataclasses.dataclass(frozen=True)
-class EagleHeads:
-  """The EAGLE head kind for `specjax.training.heads`: one head, trained with
-  training-time test over `steps` unrolled drafting steps.
-
-  loss = Σ_j decay^j · mean_t KL(p_target(· | x_≤t+1) ‖ q^j_t),  j = 0 .. steps-1,
-
-  q^j_t the head's law at position t on drafting step j + 1 (`EagleHead.unroll`: step 1
-  reads the target's fused features, step j + 1 the head's own h of step j one position
-  earlier, attending as it will at run time), p_target the target's softmax for the same
-  token t + 2 (the frozen pass's logits at t + 1). Tokens are the text's (teacher forcing);
-  only the features are the head's own. KL to the target, like the Medusa kind, because
-  verification compares with the target. layers: the captured target layers (None: a low,
-  a middle and a high one, `default_layers`). width: the head's decoder-layer width (None:
-  the target's d_model; else a multiple of its head_dim, `head_config`).
-  """
-
-  steps: int = 3
-  decay: float = 0.8
-  layers: tuple[int, ...] | None = None
-  width: int | None = None
-  name = "eagle"
-
-  def __post_init__(self):
-    if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
-      raise ValueError(f"steps must be an int >= 1 (unrolled drafting steps), got "
-                       f"{self.steps!r}")
-    if not (isinstance(self.decay, (int, float)) and 0.0 < self.decay <= 1.0):
-      raise ValueError(f"decay must be in (0, 1], got {self.decay!r}")
-    if self.layers is not None:
-      if not isinstance(self.layers, (tuple, list)) or not self.layers or not all(
-          isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers):
-        raise ValueError(f"layers must be a non-empty sequence of layer indices >= 0, got "
-                         f"{self.layers!r}")
-      object.__setattr__(self, "layers", tuple(self.layers))
-    if self.width is not None and (isinstance(self.width, bool)
-                                   or not isinstance(self.width, int) or self.width < 1):
-      raise ValueError(f"width must be None (the target's d_model) or an int >= 1, got "
-                       f"{self.width!r}")
-
-  @property
-  def positions(self) -> int:
-    return self.steps
-
-  def spec(self) -> dict:
-    spec = {"steps": self.steps, "decay": float(self.decay),
-            "layers": None if self.layers is None else list(self.layers)}
-    if self.width is not None:  # absent = full width (heads saved before widths existed)
-      spec["width"] = self.width
-    return spec
-
-  @classmethod
-  def from_spec(cls, spec: dict) -> "EagleHeads":
-    layers, width = spec.get("layers"), spec.get("width")
-    return cls(steps=int(spec["steps"]), decay=float(spec["decay"]),
-               layers=None if layers is None else tuple(int(i) for i in layers),
-               width=None if width is None else int(width))
-
-  def feature_layers(self, target: ModelConfig) -> tuple[int, ...]:
-    return check_layers(target, default_layers(target.n_layers) if self.layers is None
-                        else self.layers)
-
-  def init(self, target: ModelConfig, key: Array):
-    layers = self.feature_layers(target)
-    head = EagleHead(target.replace(dtype="float32"), len(layers), width=self.width,
-                     rngs=nnx.Rngs(key))
-    return nnx.state(head, nnx.Param)
-
-  def _step_logits(self, params, tp) -> list[Array]:
-    """Logits [B, T-1, V] of every unrolled step at positions t = 0..T-2."""
-    target = tp.lm.module()
-    head = head_from_params(tp.lm.config, params)
-    t = tp.tokens.shape[1]
-    pos = jnp.broadcast_to(jnp.arange(t - 1, dtype=jnp.int32), tp.tokens[:, 1:].shape)
-    hs = head.unroll(tp.features[:, :-1], embed(target, tp.tokens[:, 1:]), pos, self.steps)
-    return [head_logits(head, target, h) for h in hs]
-
-  def loss(self, params, tp) -> tuple[Array, dict]:
-    """Σ_j decay^j · KL (class doc), step j averaged over its valid positions t >= j;
-    metrics: per-step KL and top-1 agreement with the target's argmax."""
-    p = tp.logits[:, 1:]
-    logp = jax.nn.log_softmax(p, -1)
-    kls, agree = [], []
-    for j, q in enumerate(self._step_logits(params, tp)):
-      logq = jax.nn.log_softmax(q[:, j:], -1)
-      lp = logp[:, j:]
-      kls.append(jnp.mean(jnp.sum(jnp.exp(lp) * (lp - logq), -1)))
-      agree.append(jnp.mean(jnp.argmax(q[:, j:], -1) == jnp.argmax(p[:, j:], -1)))
-    kl = jnp.stack(kls)
-    weights = jnp.asarray([self.decay ** j for j in range(self.steps)], jnp.float32)
-    return jnp.sum(weights * kl) / jnp.sum(weights), {"kl": kl, "agree": jnp.stack(agree)}
-
-  def guesses(self, params, tp, ranks: int) -> Array:
-    """int32 [B, T, J, R]: for the chain rooted at token t + 1, step j + 1's top-R guesses
-    for token t + 2 + j (computed at position t + j; rows past the window are padding)."""
-    b, t = tp.tokens.shape
-    out = []
-    for j, q in enumerate(self._step_logits(params, tp)):
-      top = jax.lax.top_k(q[:, j:], ranks)[1].astype(jnp.int32)  # [B, T-1-j, R]
-      out.append(jnp.concatenate([top, jnp.zeros((b, j + 1, ranks), jnp.int32)], axis=1))
-    return jnp.stack(out, axis=2)

@@ -38,7 +38,8 @@ import numpy as np
 from flax import nnx, struct
 
 from specjax.drafters.base import LM, Context
-from specjax.drafters.model import ModelDrafter, ModelDraftState, _plan
+from specjax.drafters.levels import _plan
+from specjax.drafters.model import ModelDrafter, ModelDraftState
 from specjax.models import cache as kv
 from specjax.models.transformer import graphdef_for
 

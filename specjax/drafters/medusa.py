@@ -9,17 +9,8 @@ where LMHead is the target's own (tied embedding or lm_head; shared, not copied)
 of a cycle is x_L, the target's own token sampled from h at L - 1; head j guesses token
 L + 1 + j. W_j, b_j start at zero, so an untrained head is the target's LM head itself.
 
-Training (`MedusaHeads.loss`, run by `specjax.training.heads`): for every position t of a
-text window, head j is fitted to the target's own distribution for token t + 2 + j,
-
-    loss = Σ_j w_j · mean_t KL(p_target(· | x_≤t+1+j) ‖ softmax(logits_j(h_t))),
-    w_j = decay^j (Medusa's λ_j = 0.8^j by default).
-
-KL to the target rather than cross-entropy to the text: verification compares candidates
-with the target, not with the corpus, so the target's law is the label that matters; it
-carries the whole distribution per position (lower-variance gradients than one sampled
-token) and comes from the same frozen forward that produces h, at no extra cost. Its
-minimiser is the same in expectation as cross-entropy on text the target itself generated.
+Training: the `MedusaHeads` kind (`specjax.training.medusa`) fits head j to the target's own
+distribution for token t + 2 + j.
 
 Drafting (`MedusaDrafter`). The loop hands the drafter the target's final-norm output of
 every prompt position (`init`) and of every verified node (`commit`); it keeps, per row,
@@ -36,7 +27,6 @@ refused (Medusa's candidates do not depend on the path).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -45,7 +35,6 @@ import numpy as np
 from flax import struct
 
 from specjax.drafters.base import LM, Context, Drafter, Proposal
-from specjax.models.transformer import ModelConfig
 from specjax.trees import DynamicTree, TreeSpec
 
 Array = jax.Array
@@ -65,64 +54,6 @@ def head_logits(params: dict, target: LM, hidden_XD: Array) -> Array:
   lead = states.shape[:-1]
   flat = states.reshape((1, -1, states.shape[-1]))
   return target.module().logits(flat).astype(jnp.float32).reshape(lead + (-1,))
-
-
-@dataclasses.dataclass(frozen=True)
-class MedusaHeads:
-  """The Medusa head kind for `specjax.training.heads` (module doc): K heads, loss weights
-  decay^j."""
-
-  heads: int = 4
-  decay: float = 0.8
-  name = "medusa"
-
-  def __post_init__(self):
-    if not isinstance(self.heads, int) or isinstance(self.heads, bool) or self.heads < 1:
-      raise ValueError(f"heads must be an int >= 1, got {self.heads!r}")
-    if not (isinstance(self.decay, (int, float)) and 0.0 < self.decay <= 1.0):
-      raise ValueError(f"decay must be in (0, 1], got {self.decay!r}")
-
-  @property
-  def positions(self) -> int:
-    return self.heads
-
-  def spec(self) -> dict:
-    return {"heads": self.heads, "decay": float(self.decay)}
-
-  @classmethod
-  def from_spec(cls, spec: dict) -> "MedusaHeads":
-    return cls(heads=int(spec["heads"]), decay=float(spec["decay"]))
-
-  def feature_layers(self, target: ModelConfig) -> tuple[int, ...]:
-    return (target.n_layers,)
-
-  def init(self, target: ModelConfig, key: Array) -> dict:
-    """W_j = 0, b_j = 0: every head starts as the target's LM head."""
-    del key
-    d = target.d_model
-    return {"w": jnp.zeros((self.heads, d, d), jnp.float32),
-            "b": jnp.zeros((self.heads, d), jnp.float32)}
-
-  def loss(self, params: dict, tp) -> tuple[Array, dict]:
-    """Σ_j decay^j · KL(target at t+1+j ‖ head j at t), averaged over positions; metrics:
-    per-head KL and teacher-forced top-1 agreement with the target's argmax."""
-    logits_BTKV = head_logits(params, tp.lm, tp.features[:, :, 0])
-    t = tp.tokens.shape[1]
-    kls, agree = [], []
-    for j in range(self.heads):
-      q = logits_BTKV[:, :t - 1 - j, j]
-      p = tp.logits[:, 1 + j:]
-      logp, logq = jax.nn.log_softmax(p, -1), jax.nn.log_softmax(q, -1)
-      kls.append(jnp.mean(jnp.sum(jnp.exp(logp) * (logp - logq), -1)))
-      agree.append(jnp.mean(jnp.argmax(q, -1) == jnp.argmax(p, -1)))
-    kl = jnp.stack(kls)
-    weights = jnp.asarray([self.decay ** j for j in range(self.heads)], jnp.float32)
-    return jnp.sum(weights * kl), {"kl": kl, "agree": jnp.stack(agree)}
-
-  def guesses(self, params: dict, tp, ranks: int) -> Array:
-    """int32 [B, T, K, R]: head j's top-R tokens at t, guesses for token t + 2 + j."""
-    logits_BTKV = head_logits(params, tp.lm, tp.features[:, :, 0])
-    return jax.lax.top_k(logits_BTKV, ranks)[1].astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------- drafter

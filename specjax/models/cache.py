@@ -6,10 +6,8 @@ Contract (everything outside this file relies on this and nothing else):
 - `write` puts T new keys/values at slots `[lengths[b], lengths[b] + T)` of each row without
   moving `lengths`; committing is `commit` (or `set_lengths`), rollback is moving the index
   back. Rejected entries are never erased: they lie beyond `lengths` and get overwritten.
-- A block mask may be wider than the block: `block_mask[T, R]` (or per row `[B, T, R]`)
-  with R >= T covers the R - T slots just before `lengths` and then the T new ones, so a
-  token-tree level written at `lengths` sees only its ancestors among the earlier levels
-  (slots before the window are committed and always visible). R == T is the plain block.
+- Attention (`attention.py`: block masks, sliding windows, the prefix-bucket read) reads a
+  layer through `layer_view` and nothing else.
 - `gather_block` moves selected entries of a block into contiguous slots starting at
   `lengths` (token trees compact the accepted path with it); `lengths` is unchanged.
 
@@ -18,12 +16,12 @@ buffer per layer, batch and KV heads merged, K stored transposed:
     K[layer]: (B·Hkv, head_dim, S)     V[layer]: (B·Hkv, S, head_dim)
 so q·Kᵀ and p·V are plain batched NN matmuls and per-layer buffers are updated in place
 inside the generation loop (a stacked [L, B, S, H, D] buffer made XLA copy the whole cache
-every step). Grouped-query heads sharing one KV head are stacked as extra query rows.
+every step). Grouped-query heads sharing one KV head are stacked as extra query rows
+(`LayerView.group`).
 """
 
 from __future__ import annotations
 
-import math
 import os
 
 import jax
@@ -31,8 +29,6 @@ import jax.numpy as jnp
 from flax import struct
 
 Array = jax.Array
-
-_NEG_INF = -1e30
 
 
 @struct.dataclass
@@ -148,54 +144,6 @@ def write(cache: KVCache, layer: int, k_BTHD: Array, v_BTHD: Array) -> KVCache:
   return cache.replace(k=ks, v=vs)
 
 
-def attention_mask(lengths_B: Array, t: int, s: int, block_mask: Array | None,
-                   window: int | None = None) -> Array:
-  """mask[b, i, j]: query i (at slot lengths[b] + i) may attend to slot j.
-
-  block_mask None: causal over the new block, every slot before lengths[b] visible.
-  block_mask [T, R] or [B, T, R], R >= T: column c is slot lengths[b] - (R - T) + c (the
-  last T columns are the new tokens). Slot j is visible if it lies before the window
-  (committed) or block_mask[i, j - lengths[b] + R - T] is True.
-
-  window W (sliding-window attention, `transformers`' convention kv > q - W): of the slots
-  visible so, only those whose position is within W - 1 of the query's stay visible. The
-  slots a query sees hold exactly the positions 0..p of its own sequence in increasing slot
-  order (committed prefix, then its ancestors in the block), so the distance p - p_j is the
-  number of visible slots after j: `lengths + i - j` when causal, else the count of visible
-  block columns after j (plus, for a committed slot, the committed slots after it).
-  """
-  slots = jnp.arange(s, dtype=jnp.int32)[None, :]  # [1, S]
-  if block_mask is None:
-    rel = slots - lengths_B[:, None]  # [B, S] index of the slot within the new block
-    allowed = rel[:, None, :] <= jnp.arange(t, dtype=jnp.int32)[None, :, None]  # [B, T, S]
-    allowed = allowed | (rel < 0)[:, None, :]
-    if window is not None:  # distance = (lengths + i) - j
-      allowed = allowed & (jnp.arange(t, dtype=jnp.int32)[None, :, None] - rel[:, None, :]
-                           < window)
-    return allowed
-  r = block_mask.shape[-1]
-  rel = slots - lengths_B[:, None] + (r - t)  # [B, S] column of the slot in the window
-  committed = rel < 0
-  in_window = (rel >= 0) & (rel < r)
-  rel = jnp.clip(rel, 0, r - 1)
-  b = lengths_B.shape[0]
-  index = jnp.broadcast_to(rel[:, None, :], (b, t, s))
-  if block_mask.ndim == 2:
-    allowed = jnp.take(block_mask, rel, axis=1).transpose(1, 0, 2)  # [B, T, S]
-  else:  # per-row masks [B, T, R]
-    allowed = jnp.take_along_axis(block_mask, index, axis=2)
-  allowed = committed[:, None, :] | (in_window[:, None, :] & allowed)
-  if window is None:
-    return allowed
-  visible = jnp.broadcast_to(block_mask, (b, t, r)).astype(jnp.int32)
-  after_BTR = jnp.cumsum(visible[..., ::-1], axis=-1)[..., ::-1] - visible  # visible cols > c
-  n_win_BT = jnp.sum(visible, axis=-1)
-  start = (lengths_B - (r - t))[:, None, None]  # slot of column 0
-  distance = jnp.where(committed[:, None, :], start - 1 - slots[:, None, :] + n_win_BT[..., None],
-                       jnp.take_along_axis(after_BTR, index, axis=2))
-  return allowed & (distance < window)
-
-
 def gather_block(cache: KVCache, index_BP: Array, span: int) -> KVCache:
   """Slot lengths[b] + j receives the entry at slot lengths[b] + index[b, j], j < P.
 
@@ -229,85 +177,71 @@ def compact(cache: KVCache, path_BP: Array, span: int, new_lengths_B: Array) -> 
   return set_lengths(gather_block(cache, path_BP, span), new_lengths_B)
 
 
-# Attention reads only the live prefix of the cache: the S slots are split into a few
-# static prefix sizes (S, S/2, S/4, ... down to BUCKET_MIN) and each call reads the smallest
-# one that holds every row's visible slots, chosen at run time with `lax.switch` (one
-# compiled program; a long cache early in a generation costs what its content costs, not
-# what its capacity costs). Caches below 2 * BUCKET_MIN slots use one path. 128: on XLA:CPU
-# the switch costs nothing measurable even for the 6-layer embedded target, and a GPT-2-small
-# step at context 64 in a 512-slot cache drops from 21.5 to 20.0 ms (BUILD_NOTES.md).
-BUCKET_MIN = 128
-BUCKETS_MAX = 4
+# ----------------------------------------------------------------------------- reading
+#
+# What attention (`attention.attend`) reads of one layer. Queries enter the buffers' layout
+# with `LayerView.group` and leave it with `ungroup`; in between they are rows [N, R, D]
+# (N buffer rows, R query rows each) that only this file interprets.
 
 
-def prefix_buckets(s: int) -> tuple[int, ...]:
-  """The ascending static prefix sizes attention may read from a cache of s slots."""
-  sizes = [s]
-  while (len(sizes) < BUCKETS_MAX and sizes[-1] % 2 == 0 and sizes[-1] // 2 >= BUCKET_MIN):
-    sizes.append(sizes[-1] // 2)
-  return tuple(reversed(sizes))
+@struct.dataclass
+class LayerView:
+  """One layer's keys and values and the committed lengths, as attention reads them: a
+  pytree (an operand of `lax.switch`) whose arrays are in the private layout, so only its
+  methods look into them."""
 
+  k: Array  # (B·Hkv, head_dim, S)
+  v: Array  # (B·Hkv, S, head_dim)
+  lengths: Array  # int32 [B]
 
-def attend(cache: KVCache, layer: int, q_BTHD: Array, block_mask_TT: Array | None,
-           window: int | None = None) -> Array:
-  """Attention of T queries over the committed prefix and the new block. Returns [B,T,H,D].
+  @property
+  def slots(self) -> int:
+    """S, the cache's capacity in slots."""
+    return self.v.shape[1]
 
-  block_mask_TT: None (causal), [T, R] or [B, T, R]; window: sliding window or None (see
-  attention_mask). Reads the smallest prefix bucket holding slots [0, max(lengths) + T)
-  (`prefix_buckets`); the slots beyond it are masked for every query anyway."""
-  b, t, h, d = q_BTHD.shape
-  hkv = cache.n_kv_heads
-  g = h // hkv
-  kbuf, vbuf = cache.k[layer], cache.v[layer]
-  # [B, T, Hkv, G, D] -> [B, Hkv, G, T, D] -> [B·Hkv, G·T, D]: GQA groups become query rows.
-  q = q_BTHD.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b * hkv, g * t, d)
-  q = (q * (1.0 / math.sqrt(d))).astype(kbuf.dtype)
-  rows = g * t
-  if rows == 1:  # XLA:CPU runs a one-row product on a ~10x slower path: pad to 2 rows
-    # (docs/xla_notes.md, trap 3).
-    q = jnp.concatenate([q, q], axis=1)
+  @property
+  def dtype(self):
+    """The storage dtype (queries are cast to it for the products)."""
+    return self.k.dtype
 
-  def over(s: int):
-    def run(q, kbuf, vbuf, lengths):
-      scores = jnp.einsum("nrd,nds->nrs", q, kbuf[:, :, :s], preferred_element_type=jnp.float32)
-      scores = scores[:, :rows]
-      mask = attention_mask(lengths, t, s, block_mask_TT, window)  # [B, T, S]
-      mask = jnp.broadcast_to(mask[:, None, None], (b, hkv, g, t, s)).reshape(b * hkv, rows, s)
-      probs = jax.nn.softmax(jnp.where(mask, scores, _NEG_INF), axis=-1)
-      if rows == 1:
-        probs = jnp.concatenate([probs, probs], axis=1)
-      return jnp.einsum("nrs,nsd->nrd", probs.astype(vbuf.dtype), vbuf[:, :s],
-                        preferred_element_type=jnp.float32)[:, :rows]
-    return run
+  def _groups(self, heads: int) -> tuple[int, int, int]:
+    b = self.lengths.shape[0]
+    hkv = self.v.shape[0] // b
+    return b, hkv, heads // hkv
 
-  sizes = prefix_buckets(vbuf.shape[1])
-  args = (q, kbuf, vbuf, cache.lengths)
-  if len(sizes) == 1:
-    out = over(sizes[0])(*args)
-  else:
-    needed = jnp.max(cache.lengths) + t  # every query's visible slots lie below this
-    index = jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < needed)
-    out = jax.lax.switch(index, [over(s) for s in sizes], *args)
-  return out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+  def group(self, q_BTHD: Array) -> Array:
+    """Queries [B, T, H, D] as buffer rows [B·Hkv, G·T, D]: the G = H ÷ Hkv query heads of
+    one KV head become its extra query rows."""
+    _, t, h, d = q_BTHD.shape
+    b, hkv, g = self._groups(h)
+    return q_BTHD.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b * hkv, g * t, d)
 
+  def group_mask(self, mask_BTS: Array, heads: int) -> Array:
+    """A mask [B, T, S] on the rows of `group` for `heads` query heads: [B·Hkv, G·T, S]."""
+    _, t, s = mask_BTS.shape
+    b, hkv, g = self._groups(heads)
+    return jnp.broadcast_to(mask_BTS[:, None, None], (b, hkv, g, t, s)).reshape(b * hkv,
+                                                                                g * t, s)
 
-def causal_attention(q_BTHD: Array, k_BTKD: Array, v_BTKD: Array,
-                     block_mask_TT: Array | None = None, window: int | None = None) -> Array:
-  """Cache-free attention over the T tokens themselves (training and scoring); block_mask_TT
-  [T, T] (None: causal) and window as in `attention_mask` with an empty cache."""
-  b, t, h, d = q_BTHD.shape
-  hkv = k_BTKD.shape[2]
-  q = q_BTHD.reshape(b, t, hkv, h // hkv, d) * (1.0 / math.sqrt(d))
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, k_BTKD.astype(jnp.float32),
+  def ungroup(self, out_NRD: Array, heads: int) -> Array:
+    """Buffer rows [B·Hkv, G·T, D] back to [B, T, H, D] (the inverse of `group`)."""
+    b, hkv, g = self._groups(heads)
+    d = out_NRD.shape[-1]
+    t = out_NRD.shape[1] // g
+    return out_NRD.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, heads, d)
+
+  def scores(self, q_NRD: Array, s: int) -> Array:
+    """float32 [N, R, s]: each query row's products with the keys of slots [0, s)."""
+    return jnp.einsum("nrd,nds->nrs", q_NRD, self.k[:, :, :s],
                       preferred_element_type=jnp.float32)
-  if window is not None:
-    mask = attention_mask(jnp.zeros((1,), jnp.int32), t, t, block_mask_TT, window)[0]
-  elif block_mask_TT is None:
-    mask = jnp.tril(jnp.ones((t, t), bool))
-  else:
-    mask = block_mask_TT
-  scores = jnp.where(mask, scores, _NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BTKD.astype(jnp.float32),
-                   preferred_element_type=jnp.float32)
-  return out.reshape(b, t, h, d)
+
+  def mix(self, probs_NRS: Array, s: int) -> Array:
+    """float32 [N, R, D]: the values of slots [0, s) weighted by probs (cast to the storage
+    dtype, accumulated in float32)."""
+    return jnp.einsum("nrs,nsd->nrd", probs_NRS.astype(self.v.dtype), self.v[:, :s],
+                      preferred_element_type=jnp.float32)
+
+
+def layer_view(cache: KVCache, layer: int) -> LayerView:
+  """What attention reads of `layer` (`LayerView`)."""
+  return LayerView(k=cache.k[layer], v=cache.v[layer], lengths=cache.lengths)

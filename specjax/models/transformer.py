@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax.models import attention
 from specjax.models import cache as kv
 
 Array = jax.Array
@@ -423,10 +424,10 @@ class Attention(nnx.Module):
       k = rope(k, positions_BT, freqs)
     window = c.window_of(layer)
     if cache is None:
-      out = kv.causal_attention(q, k, v, block_mask_TT, window=window)
+      out = attention.causal_attention(q, k, v, block_mask_TT, window=window)
     else:
       cache = kv.write(cache, layer, k, v)
-      out = kv.attend(cache, layer, q, block_mask_TT, window=window)
+      out = attention.attend(cache, layer, q, block_mask_TT, window=window)
     return self.o(out.reshape(b, t, c.n_heads * c.head_dim)), cache
 
 

@@ -4,7 +4,7 @@ and the per-position acceptance of a head against the target's greedy tokens.
 A *head kind* says what a head is and how it learns; this module does the rest for every
 kind (optimizer, data, progress, checkpoints, resume, binding to the target, evaluation).
 
-    kind = MedusaHeads(heads=4)                         # specjax.drafters.medusa
+    kind = MedusaHeads(heads=4)                         # specjax.training.medusa
     result = HeadTrainer(kind, target_config, target_params, TrainConfig(...), data,
                          tokenizer, out_dir=DIR).run()
     head = load_head(DIR, target=(target_config, target_params))   # refused for another target
@@ -13,7 +13,7 @@ kind (optimizer, data, progress, checkpoints, resume, binding to the target, eva
 The head-kind contract (duck-typed; `HeadKind` documents it). A kind is a frozen, hashable
 dataclass (static under jit) with:
 
-    name: str                                   registry key ("medusa"); `KINDS` maps it
+    name: str                                   its name ("medusa"), stored in checkpoints
     spec() -> dict / from_spec(dict)            JSON hyper-parameters (stored in checkpoints)
     positions: int                              J: draft positions it predicts (K heads, ...)
     feature_layers(target_config) -> tuple      the target layers it reads (`capture`)
@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import pathlib
 import time
 from typing import Any, Callable, Protocol
@@ -75,6 +74,8 @@ from specjax.models.transformer import ModelConfig, cast_floats
 from specjax.training.config import TrainConfig
 from specjax.training.losses import positions_for
 from specjax.training.checkpointed import CheckpointedRun, _log
+from specjax.training.eagle import EagleHeads
+from specjax.training.medusa import MedusaHeads
 from specjax.training.trainer import (_with_learning_rate, f32_graphdef, learning_rate,
                                       make_optimizer, params_fingerprint, param_total)
 
@@ -82,12 +83,10 @@ Array = jax.Array
 
 HEAD_KIND = "specjax-head"  # metadata "kind" of a head checkpoint
 
-# name -> "module:attribute" of the kind class (imported on use: the kinds live with their
-# drafters, which import nothing from training).
-KINDS: dict[str, str] = {
-    "medusa": "specjax.drafters.medusa:MedusaHeads",
-    "eagle": "specjax.drafters.eagle:EagleHeads",
-}
+# The one name -> class table of the head kinds: it resolves a name that comes from outside
+# (a checkpoint's metadata, `kind_from_spec` for the default heads). Code that knows the kind
+# imports its class.
+KINDS: dict[str, type] = {kind.name: kind for kind in (MedusaHeads, EagleHeads)}
 
 
 class HeadKind(Protocol):
@@ -104,10 +103,10 @@ class HeadKind(Protocol):
 
 
 def kind_class(name: str) -> type:
+  """The head kind class named `name` (ValueError for an unknown name)."""
   if name not in KINDS:
     raise ValueError(f"head kind must be one of {sorted(KINDS)}, got {name!r}")
-  module, attr = KINDS[name].split(":")
-  return getattr(importlib.import_module(module), attr)
+  return KINDS[name]
 
 
 def kind_from_spec(name: str, spec: dict) -> HeadKind:

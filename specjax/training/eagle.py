@@ -1,0 +1,123 @@
+"""The EAGLE head kind (`EagleHeads`): what training an EAGLE head on a frozen target means
+(its spec, the target layers it reads, init, loss, guesses), for the head trainer of
+`heads.py`. The head itself (`EagleHead`, its unrolled training-time test, `head_logits`)
+and its drafter live in `specjax.drafters.eagle`; this module is only imported to train or
+load a head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.drafters.eagle import (EagleHead, check_layers, default_layers, embed,
+                                    head_from_params, head_logits)
+from specjax.models.transformer import ModelConfig
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleHeads:
+  """The EAGLE head kind for `specjax.training.heads`: one head, trained with
+  training-time test over `steps` unrolled drafting steps.
+
+  loss = Σ_j decay^j · mean_t KL(p_target(· | x_≤t+1) ‖ q^j_t),  j = 0 .. steps-1,
+
+  q^j_t the head's law at position t on drafting step j + 1 (`EagleHead.unroll`: step 1
+  reads the target's fused features, step j + 1 the head's own h of step j one position
+  earlier, attending as it will at run time), p_target the target's softmax for the same
+  token t + 2 (the frozen pass's logits at t + 1). Tokens are the text's (teacher forcing);
+  only the features are the head's own. KL to the target, like the Medusa kind, because
+  verification compares with the target. layers: the captured target layers (None: a low,
+  a middle and a high one, `default_layers`). width: the head's decoder-layer width (None:
+  the target's d_model; else a multiple of its head_dim, `head_config`).
+  """
+
+  steps: int = 3
+  decay: float = 0.8
+  layers: tuple[int, ...] | None = None
+  width: int | None = None
+  name = "eagle"
+
+  def __post_init__(self):
+    if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
+      raise ValueError(f"steps must be an int >= 1 (unrolled drafting steps), got "
+                       f"{self.steps!r}")
+    if not (isinstance(self.decay, (int, float)) and 0.0 < self.decay <= 1.0):
+      raise ValueError(f"decay must be in (0, 1], got {self.decay!r}")
+    if self.layers is not None:
+      if not isinstance(self.layers, (tuple, list)) or not self.layers or not all(
+          isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers):
+        raise ValueError(f"layers must be a non-empty sequence of layer indices >= 0, got "
+                         f"{self.layers!r}")
+      object.__setattr__(self, "layers", tuple(self.layers))
+    if self.width is not None and (isinstance(self.width, bool)
+                                   or not isinstance(self.width, int) or self.width < 1):
+      raise ValueError(f"width must be None (the target's d_model) or an int >= 1, got "
+                       f"{self.width!r}")
+
+  @property
+  def positions(self) -> int:
+    return self.steps
+
+  def spec(self) -> dict:
+    spec = {"steps": self.steps, "decay": float(self.decay),
+            "layers": None if self.layers is None else list(self.layers)}
+    if self.width is not None:  # absent = full width (heads saved before widths existed)
+      spec["width"] = self.width
+    return spec
+
+  @classmethod
+  def from_spec(cls, spec: dict) -> "EagleHeads":
+    layers, width = spec.get("layers"), spec.get("width")
+    return cls(steps=int(spec["steps"]), decay=float(spec["decay"]),
+               layers=None if layers is None else tuple(int(i) for i in layers),
+               width=None if width is None else int(width))
+
+  def feature_layers(self, target: ModelConfig) -> tuple[int, ...]:
+    return check_layers(target, default_layers(target.n_layers) if self.layers is None
+                        else self.layers)
+
+  def init(self, target: ModelConfig, key: Array):
+    layers = self.feature_layers(target)
+    head = EagleHead(target.replace(dtype="float32"), len(layers), width=self.width,
+                     rngs=nnx.Rngs(key))
+    return nnx.state(head, nnx.Param)
+
+  def _step_logits(self, params, tp) -> list[Array]:
+    """Logits [B, T-1, V] of every unrolled step at positions t = 0..T-2."""
+    target = tp.lm.module()
+    head = head_from_params(tp.lm.config, params)
+    t = tp.tokens.shape[1]
+    pos = jnp.broadcast_to(jnp.arange(t - 1, dtype=jnp.int32), tp.tokens[:, 1:].shape)
+    hs = head.unroll(tp.features[:, :-1], embed(target, tp.tokens[:, 1:]), pos, self.steps)
+    return [head_logits(head, target, h) for h in hs]
+
+  def loss(self, params, tp) -> tuple[Array, dict]:
+    """Σ_j decay^j · KL (class doc), step j averaged over its valid positions t >= j;
+    metrics: per-step KL and top-1 agreement with the target's argmax."""
+    p = tp.logits[:, 1:]
+    logp = jax.nn.log_softmax(p, -1)
+    kls, agree = [], []
+    for j, q in enumerate(self._step_logits(params, tp)):
+      logq = jax.nn.log_softmax(q[:, j:], -1)
+      lp = logp[:, j:]
+      kls.append(jnp.mean(jnp.sum(jnp.exp(lp) * (lp - logq), -1)))
+      agree.append(jnp.mean(jnp.argmax(q[:, j:], -1) == jnp.argmax(p[:, j:], -1)))
+    kl = jnp.stack(kls)
+    weights = jnp.asarray([self.decay ** j for j in range(self.steps)], jnp.float32)
+    return jnp.sum(weights * kl) / jnp.sum(weights), {"kl": kl, "agree": jnp.stack(agree)}
+
+  def guesses(self, params, tp, ranks: int) -> Array:
+    """int32 [B, T, J, R]: for the chain rooted at token t + 1, step j + 1's top-R guesses
+    for token t + 2 + j (computed at position t + j; rows past the window are padding)."""
+    b, t = tp.tokens.shape
+    out = []
+    for j, q in enumerate(self._step_logits(params, tp)):
+      top = jax.lax.top_k(q[:, j:], ranks)[1].astype(jnp.int32)  # [B, T-1-j, R]
+      out.append(jnp.concatenate([top, jnp.zeros((b, j + 1, ranks), jnp.int32)], axis=1))
+    return jnp.stack(out, axis=2)
