@@ -2,13 +2,25 @@
 
 Subcommand modules are imported lazily so that `specjax theory ...` does not pay for
 importing JAX model code it does not use.
+
+Every parser is a `Parser` (argparse makes subcommand parsers of the parent's class), which
+applies three rules to all commands at once:
+  - a usage error (an unknown flag, a missing or bad value) is one line
+    `specjax: error: argument --flag: ...` and exit status 2, like every expected failure;
+  - `type=int` flags take Python ints (`parse_int`: '12', '-3', '1_000', or a whole number
+    in e-notation such as '1e6'), refused outside the 64-bit range that JAX and NumPy convert
+    without overflow, naming the flag and the text given;
+  - a value that starts with '-' and a digit or '.' ('-1,-1,0,0,1', '-0.5,0.2') is a value,
+    never an option: `--parents -1,-1,0,0,1` works as `--parents=-1,-1,0,0,1` does.
 """
 
 from __future__ import annotations
 
 import argparse
+import decimal
 import errno
 import importlib
+import re
 import sys
 
 # subcommand name(s) -> module exposing `add_parser(subparsers)` or `add_parsers(subparsers)`;
@@ -23,9 +35,54 @@ COMMANDS = {
 }
 
 
+INT_BITS = 64  # integer flags: |value| < 2**63 (what int64 / a C long holds)
+
+
+def parse_int(text: str) -> int:
+  """The value of a `type=int` flag as a Python int: an integer ('12', '-3', '1_000') or a
+  whole number in decimal or e-notation ('1e6', '2.5e3'), with |value| < 2**63. Anything
+  else raises ArgumentTypeError with the text given (argparse prefixes the flag)."""
+  try:
+    number = decimal.Decimal(text.strip())
+  except (decimal.InvalidOperation, ValueError):
+    number = None
+  if number is None or not number.is_finite():
+    raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}")
+  limit = 2 ** (INT_BITS - 1)
+  if number.adjusted() >= len(str(limit)):  # far too large to convert digit by digit
+    raise argparse.ArgumentTypeError(f"must be an integer with |value| < 2**{INT_BITS - 1}, "
+                                     f"got {text!r}")
+  if number != number.to_integral_value():
+    raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}")
+  value = int(number)
+  if not -limit <= value < limit:
+    raise argparse.ArgumentTypeError(f"must be an integer with |value| < 2**{INT_BITS - 1}, "
+                                     f"got {text!r}")
+  return value
+
+
+# A value, not an option, when it starts like a negative number: '-1', '-.5', '-1,-1,0'
+# (argparse itself accepts only '-1' and '-1.5', and takes '-1,-1,0' for an unknown option).
+_NEGATIVE_NUMBER_LIKE = re.compile(r"^-\.?\d")
+
+
+class Parser(argparse.ArgumentParser):
+  """argparse with the CLI's rules (module doc): one-line usage errors, checked ints,
+  values that start like negative numbers."""
+
+  def __init__(self, *args, **kwargs) -> None:
+    super().__init__(*args, **kwargs)
+    self.register("type", int, parse_int)  # type=int resolves to parse_int
+    self._negative_number_matcher = _NEGATIVE_NUMBER_LIKE  # argparse's own test, widened
+
+  def error(self, message: str):
+    """A usage error: one line on stderr, exit status 2 (SystemExit, as argparse's)."""
+    self.exit(2, f"specjax: error: {' '.join(message.split())} "
+                 f"(see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(
-      prog="specjax", description="Exact speculative decoding in JAX.")
+  parser = Parser(prog="specjax", description="Exact speculative decoding in JAX.")
   subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
   subparsers.required = True
   for name, module_name in COMMANDS.items():

@@ -295,8 +295,24 @@ def _eos(eos_id, vocab_size: int) -> Array:
   return jnp.asarray(eos_id, jnp.int32)
 
 
+class NonFiniteLogitsError(ValueError):
+  """A run whose target logits (or draft probabilities) held a NaN or ±inf: its tokens are
+  meaningless. The loops count such passes (`loop.LoopState.nonfinite`, one reduction per
+  pass, no host sync); the host refuses the result. `generation` holds it for inspection."""
+
+  def __init__(self, passes: int, generation: "Generation"):
+    super().__init__(
+        f"the target's logits (or the draft's probabilities) were NaN or infinite in {passes} "
+        f"decoding pass(es): the generated tokens are meaningless; check the model's weights "
+        f"(a checkpoint holding NaN/inf) and numerics (dtype, norm_eps, positions past "
+        f"max_len)")
+    self.passes, self.generation = passes, generation
+
+
 def _collect(state: loop.LoopState, batch: Batch, seconds: float, k: int,
              tree: Any = None, policy: Any = None) -> Generation:
+  """The loop's final state as a Generation on the host; raises NonFiniteLogitsError when
+  the loop counted non-finite logits (a run can never silently return NaN-driven tokens)."""
   tokens = np.asarray(state.tokens)
   length = np.asarray(state.length)
   out = [tokens[b, p:l + 1].tolist() for b, (p, l) in enumerate(zip(batch.prompt_len_B, length))]
@@ -311,8 +327,12 @@ def _collect(state: loop.LoopState, batch: Batch, seconds: float, k: int,
                  plain_steps=np.asarray(a.plain_steps),
                  stopping={"stopped": np.asarray(a.stopped),
                            "skipped": np.asarray(a.skipped)})
-  return Generation(tokens=out, prompt_lengths=batch.prompt_len_B.tolist(), stats=stats,
-                    seconds=seconds, k=k, tree=tree, **extra)
+  run = Generation(tokens=out, prompt_lengths=batch.prompt_len_B.tolist(), stats=stats,
+                   seconds=seconds, k=k, tree=tree, **extra)
+  passes = int(np.sum(np.asarray(state.nonfinite)))  # vmapped loops: one count per instance
+  if passes:
+    raise NonFiniteLogitsError(passes, run)
+  return run
 
 
 def _check_opt_in(value) -> bool:

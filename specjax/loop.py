@@ -38,6 +38,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specjax import acceptance, sampling, trees
@@ -123,9 +124,22 @@ class LoopState:
   draft: Any = None  # drafter state (speculative loops only)
   stats: Stats | None = None
   adapt: Any = None  # AdaptState (adaptive loop only)
+  # int32 []: target passes (plain steps, verifications) in which an active row's logits, or
+  # the draft's probabilities q, held a NaN or ±inf; the host API refuses such a run.
+  nonfinite: Any = np.int32(0)
 
   def context(self) -> Context:
     return Context(tokens=self.tokens, length=self.length)
+
+
+def _nonfinite(active_B, *arrays_B) -> Array:
+  """1 (int32) if an active row of any of the arrays (None: skipped) holds a NaN or ±inf,
+  else 0: one reduction over values the pass already computed, no host sync."""
+  bad_B = jnp.zeros(active_B.shape, bool)
+  for x in arrays_B:
+    if x is not None:
+      bad_B = bad_B | ~jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim)))
+  return jnp.any(bad_B & active_B).astype(jnp.int32)
 
 
 def _not_finished(state: LoopState) -> Array:
@@ -198,7 +212,8 @@ def generate_loop(target: LM, prompt_BP, prompt_len_B, budget_B, eos, sampler, k
     length = s.length + active.astype(jnp.int32)
     done = s.done | _finished(length + 1 - prompt_len_B, budget_B, active & (nxt == eos))
     return s.replace(tokens=tokens, length=length, done=done, key=key,
-                     cache=kv.set_lengths(cache, length))
+                     cache=kv.set_lengths(cache, length),
+                     nonfinite=s.nonfinite + _nonfinite(active, logits))
 
   init = LoopState(tokens=tokens, length=length, done=done, cache=cache, key=key)
   return jax.lax.while_loop(_not_finished, body, init)
@@ -289,6 +304,7 @@ def _spec_cycle(target, drafter, s: LoopState, tree, sampler, draft_key, accept_
     cache = kv.gather_block(cache, result.path, layout.n_nodes)
   new = s.replace(tokens=tokens, length=length, done=done,
                   cache=kv.set_lengths(cache, length),
+                  nonfinite=s.nonfinite + _nonfinite(active, logits, proposal.q),
                   draft=drafter.commit(draft, ctx, tree, result.path, n,
                                        **extra(features[0] if capture else None)))
   if stop is not None:  # fillers are not drafts (after emission and commit, which use all)

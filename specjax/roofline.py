@@ -355,7 +355,9 @@ def best_k(hw: Hardware, wl: Workload, batch: float, alpha: float, c: float, k_m
            draft_cost: str = "full", context_len: int | None = None) -> tuple[int, float]:
   """argmax over k in 0..k_max of gain (0 = speculation off, gain 1); smallest k on ties."""
   a, _, cc, dc = _spec_args(alpha, 0, c, draft_cost)
-  ks = np.arange(_int("k_max", k_max, 0) + 1)
+  km = theory.check_size("k_max", _int("k_max", k_max, 0), theory.MAX_K,
+                         "k = 0..k_max are all evaluated")
+  ks = np.arange(km + 1)
   g = _gain_arr(hw, wl, _batch(batch), a, ks, cc, _context(wl, context_len), dc)
   g[0] = 1.0  # exactly: no speculation
   i = int(np.argmax(g))
@@ -476,7 +478,9 @@ class AdaptiveKPolicy:
   policy's at acceptance α. k_for_batch(B) = min over b <= B of that choice: made monotone
   non-increasing in B (the running minimum only matters where the raw optimum wiggles).
   Precomputed for B = 1..max_batch; larger batches use the max_batch value. Hashable, so it
-  can be a static argument. Building it imports JAX (the policy's module).
+  can be a static argument. Building it imports JAX (the policy's module). Sizes are
+  refused before anything is built: max_batch × (k_max + 1) and (k_max + 1) × k_max² at
+  most `theory.MAX_TABLE_CELLS` (k_max <= 215).
   """
 
   hardware: Hardware
@@ -493,8 +497,13 @@ class AdaptiveKPolicy:
     from specjax import adaptive  # lazy: the policy module imports JAX
 
     a, _, cc, dc = _spec_args(self.alpha, 0, self.c, self.draft_cost)
-    k_max = _int("k_max", self.k_max, 0)
+    k_max = theory.check_size("k_max", _int("k_max", self.k_max, 0), theory.MAX_K,
+                              "menu k = 0..k_max")
     n = _int("max_batch", self.max_batch, 1)
+    theory.check_size("max_batch × (k_max + 1)", n * (k_max + 1), theory.MAX_TABLE_CELLS,
+                      "cycle times tabulated for every batch 1..max_batch and k")
+    theory.check_size("(k_max + 1) × k_max²", (k_max + 1) * k_max**2, theory.MAX_TABLE_CELLS,
+                      "the policy's per-entry node tables")
     b_B = np.arange(1, n + 1)
     b_B1 = b_B.astype(np.float64)[:, None]
     L = self.workload.context_len

@@ -28,8 +28,41 @@ __all__ = [
     "expected_tokens", "speedup", "optimal_k", "speedup_table", "alpha_sample_size",
     "effective_sample_size", "sibling_ranks", "node_depths", "tree_node_probs",
     "tree_expected_tokens", "chain_expected_tokens", "bursty_expected_tokens",
-    "SimulationResult", "simulate_chain", "simulate_tree",
+    "SimulationResult", "simulate_chain", "simulate_tree", "MAX_K", "MAX_TABLE_CELLS",
+    "MAX_DRAWS", "MIN_HALF_WIDTH", "check_size", "chain_draws",
 ]
+
+# ----------------------------------------------------------------------------- size limits
+# Work sizes are refused before anything is allocated, naming the value and the limit: the
+# closed forms and the Monte Carlo below allocate float64 arrays of these sizes.
+
+MAX_K = 1_000_000  # chain lengths searched or priced: a few float64 arrays of k (8 MB each)
+MAX_TABLE_CELLS = 10_000_000  # speedup-table (α × k) entries: 80 MB of float64
+# Monte Carlo: uniforms drawn by one simulation (chains: cycles × k, held at once as
+# [cycles, k] draws, accept flags and run counts, ~17 B each; trees: samples × depth, with
+# ~60 B per sample live). 10^7 draws: at most ~0.6 GB and seconds, with a standard error of
+# τ already below 10^-3.
+MAX_DRAWS = 10_000_000
+# alpha_sample_size: n ~ z²/(4h²) drafted tokens; at h = 1e-9 that is ~10^18 (z = 1.96),
+# beyond it h² underflows and the Wilson search overflows floats.
+MIN_HALF_WIDTH = 1e-9
+
+
+def chain_draws(cycles: int, k: int, rho: float = 0.0, streams: int = 1000) -> int:
+  """Uniforms `simulate_chain` draws (its MAX_DRAWS check): cycles × k independent, or
+  streams × (cycles per stream + 20 burn-in cycles) × (k + 1) for bursty acceptance; a k of
+  0 counts as 1 (the per-cycle arrays remain)."""
+  if rho == 0.0:
+    return cycles * max(k, 1)
+  return streams * (20 + max(cycles // streams, 2)) * (k + 1)
+
+
+def check_size(name: str, value: int, limit: int, what: str) -> int:
+  """`value` if it is at most `limit`, else ValueError naming both and what they size."""
+  if value > limit:
+    raise ValueError(f"{name} = {value:,} exceeds the limit of {limit:,} ({what})")
+  return value
+
 
 # ----------------------------------------------------------------------------- validation
 
@@ -112,7 +145,8 @@ def optimal_k(alpha: float, c: float, k_max: int = 16) -> tuple[int, float]:
   """
   a = float(_check_unit("alpha", alpha))
   cc = float(_check_nonneg("c", c))
-  km = int(_check_int("k_max", k_max, 1))
+  km = check_size("k_max", int(_check_int("k_max", k_max, 1)), MAX_K,
+                  "k = 1..k_max are all evaluated")
   s = np.asarray(speedup(a, np.arange(1, km + 1), cc))
   i = int(np.argmax(s))  # first maximum: the smallest k among ties
   return i + 1, float(s[i])
@@ -121,7 +155,9 @@ def optimal_k(alpha: float, c: float, k_max: int = 16) -> tuple[int, float]:
 def speedup_table(alphas: Sequence[float], c: float, k_max: int) -> np.ndarray:
   """speedup[i, j] for alphas[i] and k = j + 1, j < k_max: the lecture's α × k table."""
   a = _check_unit("alphas", alphas).reshape(-1, 1)
-  kk = np.arange(1, int(_check_int("k_max", k_max, 1)) + 1).reshape(1, -1)
+  km = check_size("k_max", int(_check_int("k_max", k_max, 1)), MAX_K, "columns k = 1..k_max")
+  check_size("len(alphas) × k_max", a.size * km, MAX_TABLE_CELLS, "table entries")
+  kk = np.arange(1, km + 1).reshape(1, -1)
   return np.asarray(speedup(a, kk, c))
 
 
@@ -157,8 +193,9 @@ def alpha_sample_size(alpha: float, half_width: float, confidence: float = 0.95,
   """
   a = float(_check_unit("alpha", alpha))
   h = float(_finite_array("half_width", half_width))
-  if not 0.0 < h <= 0.5:
-    raise ValueError(f"half_width must be in (0, 0.5], got {half_width!r}")
+  if not MIN_HALF_WIDTH <= h <= 0.5:
+    raise ValueError(f"half_width must be in [{MIN_HALF_WIDTH:g}, 0.5] (narrower needs over "
+                     f"10^17 drafted tokens and overflows floats), got {half_width!r}")
   z = _z(confidence)
   r = _check_rho("rho", rho)
   if method == "wald":
@@ -302,7 +339,7 @@ def bursty_expected_tokens(alpha: float, k: int, rho: float) -> float:
   predicts more rejections (the next cycle starts in a bad spell).
   """
   a = float(_check_unit("alpha", alpha))
-  kk = int(_check_int("k", k, 0))
+  kk = check_size("k", int(_check_int("k", k, 0)), MAX_K, "chain length")
   r = _check_burst(rho)
   p11, p01 = _markov(a, r)
   tau, to_one = np.zeros(2), np.zeros(2)  # per previous state s: E[τ | s], P(next s = 1 | s)
@@ -344,6 +381,7 @@ def simulate_chain(alpha: float, k: int, *, cycles: int = 100_000, seed: int = 0
   r = _check_burst(rho)
   rng = np.random.default_rng(int(_check_int("seed", seed, 0)))
   if r == 0.0:
+    check_size("cycles × k", chain_draws(n, kk), MAX_DRAWS, "uniforms one simulation draws")
     accept_NK = rng.random((n, kk)) < a
     n_acc_N = np.cumprod(accept_NK, axis=1).sum(axis=1)
     tau_N = 1.0 + n_acc_N
@@ -354,6 +392,8 @@ def simulate_chain(alpha: float, k: int, *, cycles: int = 100_000, seed: int = 0
   s = int(_check_int("streams", streams, 2))
   per_stream = max(n // s, 2)
   burn = 20
+  check_size("streams × (cycles per stream + 20 burn-in) × (k + 1)",
+             chain_draws(n, kk, r, s), MAX_DRAWS, "uniforms one simulation draws")
   p11, p01 = _markov(a, r)
   state_S = rng.random(s) < a  # latent state of the previous position, stationary start
   tau_sum_S = np.zeros(s)
@@ -389,8 +429,10 @@ def simulate_tree(parents: Sequence[int], rank_probs: Any, *, samples: int = 100
   tree_node_probs(p, rank_probs)  # validates rank_probs against the tree
   probs = np.atleast_2d(_check_unit("rank_probs", rank_probs))
   n = int(_check_int("samples", samples, 2))
-  rng = np.random.default_rng(int(_check_int("seed", seed, 0)))
   ranks, depth = sibling_ranks(p), node_depths(p)
+  check_size("samples × depth", n * int(depth.max()), MAX_DRAWS,
+             f"uniforms one simulation draws; the tree is {int(depth.max())} deep")
+  rng = np.random.default_rng(int(_check_int("seed", seed, 0)))
   max_depth, max_rank = int(depth.max()), probs.shape[-1]
   # child[v + 1, r] = index of the rank-r child of node v (v = -1: the root), or -1.
   child = np.full((p.size + 1, max_rank), -1, dtype=np.int64)

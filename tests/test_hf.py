@@ -315,3 +315,68 @@ def test_flax_msgpack_import_and_export(models, tmp_path, family):
   assert again.config == imported.config and sorted(again.params) == sorted(imported.params)
   for k, v in imported.params.items():
     np.testing.assert_array_equal(again.params[k], v, err_msg=k)
+
+
+# ----------------------------------------------------------------------------- config values
+# Issue 29: config.json values are checked (type, finiteness, range) before they become
+# ModelConfig fields, the error naming the key; nothing is rounded or read as truthy.
+
+GPT2_JSON = {"model_type": "gpt2", "vocab_size": 300, "n_embd": 64, "n_layer": 2, "n_head": 4,
+             "n_positions": 128}
+QWEN2_JSON = {"model_type": "qwen2", "vocab_size": 300, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 256}
+
+
+@pytest.mark.parametrize("base, key, value", [
+    (GPT2_JSON, "layer_norm_epsilon", -1.0), (GPT2_JSON, "layer_norm_epsilon", float("nan")),
+    (GPT2_JSON, "n_layer", 2.5), (GPT2_JSON, "n_layer", "2"), (GPT2_JSON, "n_embd", True),
+    (GPT2_JSON, "tie_word_embeddings", "no"), (GPT2_JSON, "tie_word_embeddings", 1),
+    (GPT2_JSON, "n_inner", 256.5), (GPT2_JSON, "vocab_size", 0),
+    (GPT2_JSON, "scale_attn_weights", 1),
+    (QWEN2_JSON, "rms_norm_eps", float("inf")), (QWEN2_JSON, "num_key_value_heads", 1.5),
+    (QWEN2_JSON, "rope_theta", "1e6"), (QWEN2_JSON, "rope_theta", float("nan")),
+    (QWEN2_JSON, "use_sliding_window", "false"), (QWEN2_JSON, "head_dim", 16.0),
+    (QWEN2_JSON, "tie_word_embeddings", "false"), (QWEN2_JSON, "max_window_layers", -1),
+])
+def test_config_values_are_checked_naming_the_key(base, key, value):
+  config = {**base, key: value, **({"use_sliding_window": True}
+                                   if key == "max_window_layers" else {})}
+  with pytest.raises(ValueError, match=f"config.json: {key}"):
+    hf.config_from_hf(config)
+
+
+def test_config_values_that_are_fine_still_read():
+  _, c = hf.config_from_hf({**GPT2_JSON, "layer_norm_epsilon": 1e-6, "tie_word_embeddings":
+                            False, "n_inner": 200})
+  assert (c.norm_eps, c.tie_embeddings, c.d_ff, c.n_layers) == (1e-6, False, 200, 2)
+  _, c = hf.config_from_hf({**QWEN2_JSON, "rope_theta": 1000000, "use_sliding_window": True,
+                            "sliding_window": 8, "max_window_layers": 1})
+  assert (c.rope_theta, c.sliding_window, c.window_first_layer) == (1e6, 8, 1)
+  llama3 = {**QWEN2_JSON, "model_type": "llama", "rope_scaling": {
+      "rope_type": "llama3", "factor": float("nan"), "low_freq_factor": 1.0,
+      "high_freq_factor": 4.0, "original_max_position_embeddings": 128}}
+  with pytest.raises(ValueError, match="config.json: rope_scaling.factor"):
+    hf.config_from_hf(llama3)
+
+
+def test_a_config_claiming_a_billion_layers_is_read_at_once_and_refused_at_import(tmp_path):
+  """Nothing in the reader is sized by n_layers (Qwen2's windowed layers are not listed);
+  import refuses the parameters against memory before reading a tensor."""
+  import time
+
+  from specjax.models.transformer import ModelConfig
+  start = time.perf_counter()
+  _, c = hf.config_from_hf({**QWEN2_JSON, "num_hidden_layers": 10**9,
+                            "use_sliding_window": True, "max_window_layers": 5})
+  assert (c.n_layers, c.window_first_layer) == (10**9, 5)
+  small = ModelConfig.gpt2(vocab_size=300, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2,
+                           d_ff=32, max_len=32)
+  params = {k: np.zeros(s, np.float32) for k, s in hf.param_shapes(small).items()}
+  d = hf.export_hf((small, params), tmp_path / "m")
+  config = json.loads((d / "config.json").read_text())
+  (d / "config.json").write_text(json.dumps({**config, "n_layer": 10**9}))
+  with pytest.raises(ValueError, match=r"Hugging Face model .*n_layers=1000000000.*more than "
+                     "this machine's"):
+    hf.import_hf(d)
+  assert time.perf_counter() - start < 10

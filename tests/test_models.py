@@ -304,3 +304,152 @@ def test_one_row_bf16_padding_is_decided_per_shape_and_changes_no_result(monkeyp
   for k in (key, ("btd,vd->btv", 3, 48, (100, 48))):  # measured (CPU), False elsewhere
     assert isinstance(tr.pad_one_row_bf16(*k), bool)
   tr.pad_one_row_bf16.cache_clear()
+
+
+# ----------------------------------------------------------------------------- validation
+# Issue 29, item 5: every ModelConfig field is checked at construction (type, finiteness,
+# range); a NaN in the logits during decoding surfaces as an error, never as a result.
+
+
+def test_every_model_config_field_has_a_rule():
+  """A new field cannot skip validation: __post_init__ checks every field by its rule."""
+  import dataclasses
+
+  from specjax.models import transformer as tr
+  assert set(tr._FIELD_RULES) == {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("norm_eps", float("nan")), ("norm_eps", -1.0), ("norm_eps", 0.0), ("norm_eps", 2.0),
+    ("norm_eps", "1e-5"), ("rope_theta", float("inf")), ("rope_theta", 0.0),
+    ("rope_theta", "10000"), ("rope_factor", float("nan")), ("rope_factor", 0.5),
+    ("rope_low_freq_factor", -1.0), ("rope_high_freq_factor", float("inf")),
+    ("n_layers", 2.5), ("n_layers", True), ("n_layers", "2"), ("n_layers", np.int64(2)),
+    ("vocab_size", 2**31), ("d_ff", 0), ("rope_original_max_len", 8192.0),
+    ("tie_embeddings", "no"), ("tie_embeddings", 1), ("use_bias", "false"),
+    ("qkv_bias", None), ("qk_norm", np.bool_(True)), ("sliding_window", 2.5),
+    ("head_dim_override", 16.0), ("window_first_layer", -1), ("cache_dtype", "float16"),
+    ("norm", None), ("dtype", ["float32"]),
+])
+def test_model_config_refuses_bad_field_values(field, value):
+  with pytest.raises(ValueError, match=f"ModelConfig.{field} must be"):
+    TINY["gpt2"].replace(**{field: value})
+
+
+def test_model_config_accepts_its_ranges_edges():
+  cfg = TINY["llama"]
+  assert cfg.replace(norm_eps=1.0, rope_theta=10000).rope_theta == 10000  # ints are reals
+  assert cfg.replace(rope_factor=1.0, window_first_layer=cfg.n_layers).rope_factor == 1.0
+  assert cfg.replace(vocab_size=2**31 - 1).vocab_size == 2**31 - 1  # a description only
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("tiny-gpt2:norm_eps=nan", r"norm_eps must be a finite number in \(0, 1\], got nan"),
+    ("tiny-gpt2:norm_eps=-1", r"norm_eps must be a finite number in \(0, 1\], got -1.0"),
+    ("tiny-gpt2:n_layers=2.5", "n_layers must be an int, got '2.5'"),
+    ("tiny-gpt2:tie_embeddings=no", "tie_embeddings must be true or false, got 'no'"),
+    ("tiny-llama:rope_theta=inf", "rope_theta must be a finite number"),
+    ('{"vocab_size": 10, "d_model": 8, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, '
+     '"d_ff": 16, "max_len": 32, "use_bias": "false"}', "use_bias must be true or false"),
+    ('{"vocab_size": 10, "d_model": 8, "n_layers": 2.5, "n_heads": 2, "n_kv_heads": 1, '
+     '"d_ff": 16, "max_len": 32}', "n_layers must be an int"),
+])
+def test_parse_config_refuses_bad_values(spec, match):
+  with pytest.raises(ValueError, match=match):
+    parse_config(spec)
+
+
+# ----------------------------------------------------------------------------- size vs memory
+# Issue 29, item 6: one helper (`check_params_fit`) refuses, before anything is built, a
+# config whose parameters exceed this machine's memory; `param_count` is closed form.
+
+
+@pytest.mark.parametrize("cfg", [
+    TINY["gpt2"], TINY["llama"], TINY["gpt2"].replace(tie_embeddings=False, use_bias=False),
+    TINY["llama"].replace(qkv_bias=True, tie_embeddings=True),  # Qwen2
+    TINY["llama"].replace(qk_norm=True, head_dim_override=12, sliding_window=4),  # Qwen3
+    TINY["gpt2"].replace(norm="rmsnorm", positions="rope", mlp="swiglu", n_kv_heads=2),
+], ids=["gpt2", "llama", "untied-no-bias", "qwen2", "qwen3", "mixed"])
+def test_param_count_closed_form_equals_the_abstract_model(cfg):
+  from specjax.models.transformer import abstract_model
+  leaves = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_model(cfg)[1]))
+  assert param_count(cfg) == leaves
+
+
+def test_models_that_cannot_fit_are_refused_before_anything_is_built():
+  import time
+
+  from specjax.models.transformer import abstract_model, check_params_fit, param_bytes
+  huge = PRESETS["tiny-gpt2"].replace(n_layers=10**9)  # a valid description
+  start = time.perf_counter()
+  assert param_count(huge) > 4 * 10**13  # closed form: instant at any size
+  for build in (lambda: Transformer(huge, rngs=nnx.Rngs(0)), lambda: abstract_model(huge)):
+    with pytest.raises(ValueError, match=r"n_layers=1000000000.*more than this machine's "
+                       r".* GB .*lower n_layers"):
+      build()
+  assert time.perf_counter() - start < 5
+  small = PRESETS["tiny-gpt2"]
+  assert check_params_fit(small) == param_bytes(small) == 4 * param_count(small)
+  assert param_bytes(small.replace(dtype="bfloat16")) == 2 * param_count(small)
+  with pytest.raises(ValueError, match="target: .* more than this machine's 0.0001 GB "
+                     r"\(the given limit\)"):
+    check_params_fit(small, what="target", limit=10**5)
+
+
+# ----------------------------------------------------------------------------- NaN logits
+
+
+def _nan_model(cfg, seed=0):
+  """A model whose final norm holds one NaN: every logit it produces is NaN."""
+  m = model(cfg, seed)
+  m.final_norm.scale[...] = m.final_norm.scale[...].at[1].set(jnp.nan)
+  return m
+
+
+def test_loops_count_non_finite_logits_and_the_host_api_refuses_them():
+  """The loops count the passes with NaN/inf logits in the loop state (no host sync);
+  generate / speculative_generate raise NonFiniteLogitsError (a ValueError) instead of
+  returning NaN-driven tokens, the run attached; finite runs count 0 and return."""
+  from specjax import decoding, loop, sampling, trees
+  cfg = TINY["gpt2"]
+  good, draft = model(cfg), model(cfg.replace(n_layers=1), seed=1)
+  bad = _nan_model(cfg)
+  prompts = [[1, 2, 3], [4, 5]]
+  batch = decoding.prepare_batch(prompts, vocab_size=cfg.vocab_size, max_len=cfg.max_len,
+                                 max_new_tokens=5)
+  args = (batch.prompt_BP, batch.prompt_len_B, batch.budget_B, jnp.asarray(-1, jnp.int32),
+          sampling.make_sampler(0.0), jax.random.key(0))
+  for m, want in ((good, 0), (bad, 4)):  # 5 tokens: prefill's, then 4 decoding passes
+    state = loop.generate_jit(LM.of(m), *args, cache_len=batch.cache_len)
+    assert int(state.nonfinite) == want
+  assert len(decoding.generate(good, prompts, max_new_tokens=5).tokens[0]) == 5
+  t1 = sampling.make_sampler(1.0)
+  calls = {
+      "plain": lambda: decoding.generate(bad, prompts, max_new_tokens=5),
+      "chain": lambda: decoding.speculative_generate(bad, draft, prompts, k=2, max_new_tokens=5),
+      "tree-T1": lambda: decoding.speculative_generate(
+          bad, draft, prompts, tree=trees.branching((2, 1)), max_new_tokens=5,
+          sampler=t1),
+      # a NaN draft at T > 0 would corrupt the acceptance rule: its q is counted too
+      "draft-T1": lambda: decoding.speculative_generate(good, _nan_model(cfg, 1), prompts, k=2,
+                                                        max_new_tokens=5, sampler=t1),
+  }
+  for name, call in calls.items():
+    with pytest.raises(decoding.NonFiniteLogitsError, match="NaN or infinite") as e:
+      call()
+    assert isinstance(e.value, ValueError) and e.value.passes >= 1, name
+    assert len(e.value.generation.tokens) == 2, name
+
+
+def test_generate_command_reports_nan_logits_as_one_line_exit_2(tmp_path, capsys):
+  """`specjax generate` on a checkpoint whose weights hold a NaN: exit 2, one line
+  (was: eight "\\x00" tokens, α = 1.000 and "identical to plain: True", exit 0)."""
+  from specjax import cli
+  from specjax.checkpoints import save_model
+  cfg = TINY["gpt2"].replace(vocab_size=300)  # the byte tokenizer's 259 ids fit
+  save_model(tmp_path / "ck", _nan_model(cfg))
+  code = cli.main(["generate", "--target", str(tmp_path / "ck"), "--draft-config", "self",
+                   "--max-new-tokens", "4", "--repeats", "1"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 2 and len(err) == 1, err
+  assert err[0].startswith("specjax: error: ") and "NaN or infinite" in err[0]

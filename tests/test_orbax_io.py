@@ -174,3 +174,112 @@ def test_checkpoint_from_another_topology_restores_here(tmp_path):
                                   np.arange(6.0).reshape(2, 3))
     np.testing.assert_array_equal(np.asarray(restored.opt_state["b"]), np.ones(3))
     assert restored.params["w"].devices() == {jax.devices()[0]}
+
+
+# ----------------------------------------------------------------------------- damaged steps
+
+
+def _truncate_arrays(step):
+  """Cut every file of the params item's data folders ('d/': array bytes and, for arrays
+  this small, the b-tree nodes they are inlined in) to a third."""
+  for f in (step / "params").rglob("*"):
+    if f.is_file() and f.parent.name == "d":
+      f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+
+
+def _empty(step):
+  import shutil
+  for child in step.iterdir():
+    shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+
+DAMAGE = {  # name -> (damage the step folder, what the message names)
+    "no-meta": (lambda s: __import__("shutil").rmtree(s / "meta"), "'meta' item"),
+    "empty-step": (_empty, "the step holds nothing"),
+    "no-params": (lambda s: __import__("shutil").rmtree(s / "params"), "'params' item"),
+    "no-manifest": (lambda s: (s / "params" / "manifest.ocdbt").unlink(), "manifest.ocdbt"),
+    "meta-not-json": (lambda s: (s / "meta" / "metadata").write_text("{not"), "meta/metadata"),
+    "meta-not-object": (lambda s: (s / "meta" / "metadata").write_text("[1]"), "meta/metadata"),
+    "array-metadata-not-json": (lambda s: (s / "params" / "_METADATA").write_text("x{"),
+                                "_METADATA"),
+    "truncated-arrays": (_truncate_arrays, "cannot read its arrays"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DAMAGE))
+def test_a_damaged_step_is_a_value_error_naming_the_directory(tmp_path, name):
+  """Missing items, files or bytes, unparseable JSON: ValueError naming the directory and
+  the step and saying it is damaged (a missing file named without asking orbax), never
+  KeyError, a JSON error or orbax's bare Exception."""
+  orbax_io.save(tmp_path, 3, params=_state(), config=Cfg(), metadata={"kind": "x"})
+  damage, names = DAMAGE[name]
+  damage(tmp_path / "3")
+  with pytest.raises(ValueError) as e:
+    orbax_io.restore(tmp_path, params_target=_state(), config=Cfg())
+  msg = str(e.value)
+  assert f"checkpoint {str(tmp_path)!r} step 3 is damaged" in msg and names in msg, msg
+  assert "\n" not in msg
+  if name.startswith(("no-meta", "empty", "meta")):  # read_meta alone refuses it too
+    with pytest.raises(ValueError, match="step 3 is damaged"):
+      orbax_io.read_meta(tmp_path)
+
+
+def test_listing_a_damaged_step_logs_nothing(tmp_path, caplog):
+  """An empty step folder makes orbax warn ("Metadata file does not exist") each time it
+  lists the directory; read-only access drops that (the read itself names the damage)."""
+  orbax_io.save(tmp_path, 3, params=_state())
+  _empty(tmp_path / "3")
+  with caplog.at_level("DEBUG"):
+    assert orbax_io.latest_step(tmp_path) == 3
+    with pytest.raises(ValueError, match="damaged"):
+      orbax_io.read_meta(tmp_path)
+  assert not [r for r in caplog.records if str(tmp_path) in r.getMessage()]
+
+
+def test_only_the_echo_of_an_aborted_read_is_silenced(monkeypatch):
+  """The unraisable-hook and asyncio-log filters drop exactly what an aborted orbax read
+  leaves behind ("Event loop is closed", an orbax read coroutine closed by the garbage
+  collector, an unretrieved tensorstore error) and pass everything else on."""
+  import logging
+  import sys
+  import types
+  seen = []
+  monkeypatch.setattr(sys, "unraisablehook", seen.append)
+  orbax_io._quiet_aborted_reads()
+  orbax_io._quiet_aborted_reads()  # installed once
+  assert isinstance(sys.unraisablehook, orbax_io._QuietUnraisableHook)
+  assert sys.unraisablehook.previous == seen.append
+
+  def unraisable(exc, obj=None):
+    return types.SimpleNamespace(exc_type=type(exc), exc_value=exc, exc_traceback=None,
+                                 err_msg=None, object=obj)
+
+  async def not_orbax():
+    pass
+  coroutine = not_orbax()
+  coroutine.close()
+  orbax_code = types.SimpleNamespace(
+      co_filename="/x/site-packages/orbax/checkpoint/_src/serialization/serialization.py")
+  sys.unraisablehook(unraisable(RuntimeError("Event loop is closed")))
+  sys.unraisablehook(unraisable(Exception("read"), types.SimpleNamespace(cr_code=orbax_code)))
+  assert seen == []
+  others = [unraisable(RuntimeError("another")), unraisable(ValueError("x"), coroutine)]
+  for u in others:
+    sys.unraisablehook(u)
+  assert seen == others
+
+  filters = [f for f in logging.getLogger("asyncio").filters
+             if isinstance(f, orbax_io._AbortedTaskFilter)]
+  assert len(filters) == 1
+
+  def record(msg, exc=None):
+    return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, msg, None,
+                             (type(exc), exc, None) if exc else None)
+
+  monkeypatch.setattr(orbax_io, "_read_failed", False)
+  never = "_GatheringFuture exception was never retrieved\nfuture: <...>"
+  assert not filters[0].filter(record(never, ValueError("Error reading in OCDBT database")))
+  assert filters[0].filter(record(never, ValueError("something else")))
+  assert filters[0].filter(record("Task was destroyed but it is pending!"))
+  monkeypatch.setattr(orbax_io, "_read_failed", True)  # after a failed restore: any
+  assert not filters[0].filter(record(never, ValueError("something else")))

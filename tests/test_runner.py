@@ -176,13 +176,19 @@ def test_two_process_jax_distributed_sweep_splits_and_merges(config, tmp_path):
   assert main(["run", str(config), "--coordinator", "localhost:1", "--process-id", "0"]) == 2
 
 
+def _record(pid: str, **extra) -> dict:
+  """A minimal well-formed result record (one the toy config's report can plot)."""
+  return {"id": pid, "params": {"x": 0, "name": pid}, "status": "ok",
+          "metrics": {"value": 0.0}, **extra}
+
+
 def test_torn_last_line_is_ignored_and_fenced(tmp_path):
   path = tmp_path / runner.RESULTS
-  runner.append_result(path, {"id": "a", "status": "ok"})
+  runner.append_result(path, _record("a"))
   with open(path, "a") as f:
     f.write('{"id": "b", "sta')  # a writer killed mid-line
   assert set(runner.read_results(path)) == {"a"}
-  runner.append_result(path, {"id": "c", "status": "ok"})
+  runner.append_result(path, _record("c"))
   assert set(runner.read_results(path)) == {"a", "c"}
 
 
@@ -353,7 +359,7 @@ def test_records_are_standard_json_failed_and_non_finite_points_included(tmp_pat
   assert all(r["metrics"]["ratio"] == float("inf") and r["metrics"]["spread"] !=
              r["metrics"]["spread"] for r in read)
   path = tmp_path / "nested.jsonl"
-  runner.append_result(path, {"id": "n", "m": {"h": [1.0, float("-inf")]}})
+  runner.append_result(path, _record("n", m={"h": [1.0, float("-inf")]}))
   assert _strict(path.read_text())["non_finite"] == {"m.h[1]": "-inf"}
   assert runner.read_results(path)["n"]["m"]["h"] == [1.0, float("-inf")]
 
@@ -429,3 +435,156 @@ def test_sweep_frees_compiled_programs_near_the_memory_mapping_limit(tmp_path, m
   assert len(cleared) == 2  # after each of the two groups
   monkeypatch.setattr(runner, "memory_mappings", lambda: None)  # no /proc: nothing to do
   assert runner.free_compiled_programs_if_needed() is False and len(cleared) == 2
+
+
+# ----------------------------------------------------------------------------- issue 29
+
+
+def _corrupt(path: pathlib.Path) -> list[int]:
+  """Appends five corrupt lines among good ones to results file `path`; returns their line
+  numbers (1-based): invalid UTF-8 (the probe's 0xff), a record without params, a JSON
+  array, status ok without metrics, and a torn line; a good record and a blank line lie
+  between them."""
+  lines = path.read_bytes().splitlines(keepends=True) if path.exists() else []
+  n = len(lines)
+  bad = [b'{"id": "u", "params": {}, "status": "ok", "metrics": {"v": "\xff\xfe"}}\n',
+         b'{"id": "np", "status": "ok", "metrics": {}}\n',
+         b'[1, 2, 3]\n',
+         b'{"id": "nm", "params": {}, "status": "ok"}\n',
+         b'{"id": "torn", "par\n']
+  good = json.dumps(_record("g")).encode() + b"\n"
+  with open(path, "ab") as f:
+    f.write(bad[0] + bad[1] + good + b"\n" + bad[2] + bad[3] + bad[4])
+  return [n + 1, n + 2, n + 5, n + 6, n + 7]
+
+
+def test_every_corrupt_line_is_skipped_and_reported_once_with_its_number(tmp_path, capsys):
+  path = tmp_path / runner.RESULTS
+  runner.append_result(path, _record("a"))
+  numbers = _corrupt(path)
+  assert numbers == [2, 3, 6, 7, 8]
+  runner.append_result(path, _record("z"))  # an append after a torn line still reads back
+  records, skipped = runner.scan_results(path)
+  assert set(records) == {"a", "g", "z"} and skipped == numbers
+  capsys.readouterr()
+  assert set(runner.read_results(path)) == {"a", "g", "z"}
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == [f"specjax: warning: skipped 5 corrupt lines in {str(path)!r}: lines 2, 3, 6, "
+                 "7, 8 (not valid UTF-8, JSON or a result record; the other lines are used)"]
+  runner.read_results(path)  # the same file and lines: not reported again
+  assert capsys.readouterr().err == ""
+  assert runner.read_results(tmp_path / "missing.jsonl") == {}
+  (tmp_path / "adir.jsonl").mkdir()
+  with pytest.raises(runner.RunDirError, match="cannot read .*adir.jsonl"):
+    runner.read_results(tmp_path / "adir.jsonl")
+  many = runner.skipped_lines_message("f", list(range(1, 14)))
+  assert "lines 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, ... (3 more)" in many
+
+
+def test_run_resumes_and_merge_joins_past_corrupt_lines(config, tmp_path, capsys):
+  """The probe's case: one line of invalid UTF-8 (and a record without params) stopped
+  `specjax run` and `specjax merge` for good."""
+  out = tmp_path / "run"
+  assert launch.run(str(config), out=str(out), progress=False).ok == 10
+  path = out / runner.RESULTS
+  lines = path.read_bytes().splitlines(keepends=True)
+  # two finished points' lines damaged: one flipped to invalid UTF-8, one losing its params
+  lines[3] = lines[3].replace(b'"status"', b'"st\xffatus"')
+  rec = json.loads(lines[5])
+  del rec["params"]
+  lines[5] = json.dumps(rec).encode() + b"\n"
+  path.write_bytes(b"".join(lines))
+  capsys.readouterr()
+  assert main(["run", str(config), "--out", str(out), "--no-progress", "--json"]) == 0
+  cap = capsys.readouterr()
+  summary = json.loads(cap.out)
+  assert (summary["skipped"], summary["ok"], summary["failed"]) == (8, 2, 0)  # 2 run again
+  warnings = [l for l in cap.err.splitlines() if "corrupt" in l]
+  assert warnings == [f"specjax: warning: skipped 2 corrupt lines in {str(path)!r}: lines 4, "
+                      "6 (not valid UTF-8, JSON or a result record; the other lines are used)"]
+  assert "10 points finished" in (out / "report.md").read_text()
+  records = runner.read_results(path)
+  assert len(records) == 10 and all(r["status"] == "ok" for r in records.values())
+
+  # merge: a shard with corrupt lines joins with the rest, named in one warning
+  shards = [launch.run(str(config), out=str(tmp_path / f"s{i}"), shard_index=i, num_shards=2,
+                       progress=False).run_dir for i in range(2)]
+  numbers = _corrupt(shards[1] / runner.RESULTS)
+  capsys.readouterr()
+  assert main(["merge", *map(str, shards), "--out", str(tmp_path / "merged")]) == 0
+  err = capsys.readouterr().err
+  assert f"skipped 5 corrupt lines in {str(shards[1] / runner.RESULTS)!r}: lines " + ", ".join(
+      map(str, numbers)) in err and "Traceback" not in err
+  merged = runner.read_results(tmp_path / "merged" / runner.RESULTS)
+  assert set(merged) == set(records) | {"g"}  # every good line kept, the corrupt ones not
+
+
+def test_damaged_config_json_is_reported_as_damaged_not_as_another_run(config, tmp_path,
+                                                                       capsys):
+  out = tmp_path / "run"
+  launch.run(str(config), out=str(out), progress=False)
+  cfg = out / "config.json"
+  text = cfg.read_text()
+  before = (out / runner.RESULTS).read_bytes()
+  capsys.readouterr()
+  for damage in (text[:len(text) // 2], b"\xff" + text.encode(), "[]", '{"name": "toy"}'):
+    cfg.write_bytes(damage.encode() if isinstance(damage, str) else damage)
+    assert main(["run", str(config), "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert f"{str(cfg)!r} is damaged" in err[0] and "holds a different run" not in err[0]
+    assert "remove that directory" in err[0]
+    assert main(["merge", str(out), "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot merge {str(out)!r}: {str(cfg)!r} is damaged" in err[0]
+    assert not (tmp_path / "m").exists()
+  assert (out / runner.RESULTS).read_bytes() == before  # nothing was written
+  # without --out: a damaged directory under runs/NAME is named and passed over
+  root = tmp_path / "root"
+  first = launch.run(str(config), root=str(root), progress=False).run_dir
+  (first / "config.json").write_text("{")
+  capsys.readouterr()
+  second = launch.run(str(config), root=str(root), progress=False)
+  assert second.run_dir != first and not second.resumed and second.ok == 10
+  assert f"ignoring run directory {str(first)!r}: {str(first / 'config.json')!r} is damaged" in (
+      capsys.readouterr().err)
+
+
+@pytest.fixture
+def umask():
+  """Sets the process umask for a test (restored after)."""
+  old = os.umask(0o022)
+  os.umask(old)
+  yield os.umask
+  os.umask(old)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o002])
+def test_run_directory_files_get_the_modes_the_umask_gives(config, tmp_path, umask, mask):
+  umask(mask)
+  out = tmp_path / "run"
+  launch.run(str(config), out=str(out), progress=False)
+  file_mode, dir_mode = 0o666 & ~mask, 0o777 & ~mask
+  assert out.stat().st_mode & 0o777 == dir_mode
+  for name in ("config.gin", "config.json", "environment.json", runner.RESULTS, "report.md",
+               runner.LOCK):
+    assert (out / name).stat().st_mode & 0o777 == file_mode, name
+  assert main(["merge", str(out), "--out", str(tmp_path / "merged")]) == 0
+  for p in [tmp_path / "merged", *(tmp_path / "merged").iterdir()]:
+    assert p.stat().st_mode & 0o777 == (dir_mode if p.is_dir() else file_mode), p
+  assert not [p for p in out.iterdir() if ".tmp" in p.name]  # no temporary file left
+
+
+def test_atomic_write_text_keeps_the_old_file_when_the_write_fails(tmp_path, monkeypatch):
+  import errno
+  path = tmp_path / "report.md"
+  runner.atomic_write_text(path, "old")
+
+  def full(fd):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(os, "fsync", full)
+  with pytest.raises(runner.RunDirError, match="no space left on device writing .*report.md"):
+    runner.atomic_write_text(path, "new " * 1000)
+  monkeypatch.undo()
+  assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["report.md"]

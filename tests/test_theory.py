@@ -243,3 +243,37 @@ def test_theory_imports_without_jax():
           "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)")
   root = pathlib.Path(__file__).resolve().parents[1]
   subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+# ----------------------------------------------------------------------------- size limits
+# Issue 29, item 6: work sizes are refused before anything is allocated, naming the value
+# and the limit (were: hangs and MemoryError at k_max 10^8, samples 10^13).
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: theory.optimal_k(0.8, 0.1, 10**8), r"k_max = 100,000,000 exceeds the limit of "
+     r"1,000,000"),
+    (lambda: theory.speedup_table([0.8], 0.1, 10**8), "k_max = 100,000,000"),
+    (lambda: theory.speedup_table([0.5] * 20, 0.1, 10**6), r"len\(alphas\) × k_max"),
+    (lambda: theory.bursty_expected_tokens(0.8, 10**9, 0.5), "k = 1,000,000,000"),
+    (lambda: theory.simulate_chain(0.8, 4, cycles=10**13), "cycles × k"),
+    (lambda: theory.simulate_chain(0.8, 0, cycles=10**13), "cycles × k"),
+    (lambda: theory.simulate_chain(0.8, 4, cycles=10**13, rho=0.5), "streams ×"),
+    (lambda: theory.simulate_chain(0.8, 4, cycles=10**4, rho=0.5, streams=10**9), "streams ×"),
+    (lambda: theory.simulate_tree([-1, 0], [0.5], samples=10**13), "samples × depth"),
+    (lambda: theory.alpha_sample_size(0.5, 1e-300, method="wilson"), r"half_width must be in "
+     r"\[1e-09, 0.5\]"),
+])
+def test_work_sizes_beyond_the_limits_are_refused(call, match):
+  with pytest.raises(ValueError, match=match):
+    call()
+
+
+def test_work_at_the_limits_still_runs():
+  assert theory.optimal_k(1.0, 0.0, theory.MAX_K)[0] == theory.MAX_K  # α = 1, c = 0: deepest
+  assert theory.speedup_table([0.8] * 10, 0.1, theory.MAX_K).shape == (10, theory.MAX_K)
+  assert theory.chain_draws(10**5, 4) == 4 * 10**5
+  assert theory.chain_draws(10**5, 4, rho=0.5) == 1000 * (20 + 100) * 5
+  n = theory.alpha_sample_size(0.5, theory.MIN_HALF_WIDTH, method="wilson")
+  assert 9e16 < n < 1e18 and n == pytest.approx(theory.alpha_sample_size(
+      0.5, theory.MIN_HALF_WIDTH), rel=1e-6)

@@ -30,7 +30,7 @@ import os
 import pathlib
 from typing import Any
 
-from specjax.checkpoints.trained import TRAINED_KIND, load_trained
+from specjax.checkpoints.trained import TRAINED_KIND, load_trained, stored_config
 
 MODEL_KIND = "specjax-model"  # written by save_model (import-hf)
 
@@ -78,7 +78,7 @@ def load_checkpoint(directory: str | os.PathLike, *, config=None, step: int | No
   listing each differing field (orbax_io.restore).
   """
   from specjax.checkpoints import orbax_io
-  from specjax.models.transformer import ModelConfig, abstract_model, from_params
+  from specjax.models.transformer import abstract_model, from_params
   directory = pathlib.Path(directory)
   if not is_orbax_dir(directory):
     raise ValueError(f"no specjax checkpoint found in {str(directory)!r}")
@@ -87,7 +87,7 @@ def load_checkpoint(directory: str | os.PathLike, *, config=None, step: int | No
   if kind == TRAINED_KIND:
     trained = load_trained(directory, step=step, config=config)
     return trained.module(), {**trained.metadata, "step": trained.step}
-  stored = orbax_io.config_from_json(meta["config"], ModelConfig)
+  stored = stored_config(directory, meta)
   _, target = abstract_model(stored)
   restored = orbax_io.restore(directory, params_target=target, config=config or stored,
                               step=step)
@@ -134,7 +134,6 @@ def describe(path: str | os.PathLike) -> dict:
   import math
 
   from specjax.checkpoints import hf, orbax_io
-  from specjax.models.transformer import ModelConfig
   path = pathlib.Path(path)
   if not path.is_dir():
     raise ValueError(f"checkpoint path {str(path)!r} is not a directory")
@@ -153,8 +152,9 @@ def describe(path: str | os.PathLike) -> dict:
             "config": config.to_dict(), "parameters": params, "bytes": nbytes,
             "dtypes": dtypes, "tensors": len(headers), "disk_bytes": disk}
   if is_orbax_dir(path):
+    orbax_io.check_step(path)  # the files a restore needs: a damaged step is named here
     meta = orbax_io.read_meta(path)
-    config = orbax_io.config_from_json(meta["config"], ModelConfig)
+    config = stored_config(path, meta)
     shapes = _stored_arrays(path, orbax_io.latest_step(path))
     if shapes:
       params = sum(math.prod(s) for s, _ in shapes)

@@ -1,10 +1,19 @@
-"""Output directories written all or nothing: checked first, assembled aside, renamed in.
+"""Outputs written all or nothing: files and directories built aside and renamed in.
 
     out = prepare_output_dir(path, overwrite)     # refuse a non-empty directory up front
     with assembling(out) as tmp:                  # a temporary sibling of `out`
       ... write files into tmp ...
     # success: tmp was renamed to `out` (replacing it); any error: tmp is removed and
     # nothing was written at `out`.
+
+    atomic_write(path, text_or_bytes)             # one file: old or new, never half
+
+Both are the project's one way of writing a file or directory that a reader may see while it
+is written or after a kill (run directories, the model cache, tokenizers). What they create
+gets the modes the process's umask gives (0644 files, 0755 directories under umask 022),
+like any file the process writes directly: temporary names are created with `os.open(...,
+O_EXCL, 0o666)` / `os.mkdir(..., 0o777)`, not with `tempfile.mkstemp` / `mkdtemp`, whose
+0600 / 0700 would survive the rename.
 """
 
 from __future__ import annotations
@@ -13,9 +22,67 @@ import contextlib
 import errno
 import os
 import pathlib
+import secrets
 import shutil
-import tempfile
 from typing import Iterator
+
+
+def _temp_name(parent: pathlib.Path, name: str, kind: str) -> pathlib.Path:
+  """A fresh hidden sibling name `.NAME.KIND-PID-RANDOM` in `parent`."""
+  return parent / f".{name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def make_temp_dir(parent: str | os.PathLike, name: str, kind: str = "tmp") -> pathlib.Path:
+  """Creates and returns a new empty directory `.NAME.KIND-...` in `parent` (which must
+  exist), with the umask's mode (0755 under umask 022; `tempfile.mkdtemp` gives 0700)."""
+  parent = pathlib.Path(parent)
+  while True:
+    path = _temp_name(parent, name, kind)
+    try:
+      os.mkdir(path, 0o777)
+      return path
+    except FileExistsError:
+      continue
+
+
+def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
+  """Writes `data` (str: as UTF-8) to `path` all or nothing: into a temporary sibling,
+  fsync'd, then renamed over `path` (and the directory fsync'd, best effort). A reader, or
+  the next process after a kill or a full disk, sees the old file or the new one, never
+  half of one. The file gets the umask's mode (0644 under umask 022). An OSError (ENOSPC,
+  EACCES, ...) leaves `path` as it was, removes the temporary file and propagates."""
+  path = pathlib.Path(path)
+  blob = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+  while True:
+    tmp = _temp_name(path.parent, path.name, "tmp")
+    try:
+      fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+      break
+    except FileExistsError:
+      continue
+  try:
+    try:
+      view = memoryview(blob)
+      while view:
+        view = view[os.write(fd, view):]
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+    os.replace(tmp, path)
+  except BaseException:
+    try:
+      os.unlink(tmp)
+    except OSError:
+      pass
+    raise
+  try:  # the rename itself survives a power cut once the directory is on disk
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+      os.fsync(dfd)
+    finally:
+      os.close(dfd)
+  except OSError:
+    pass
 
 
 def prepare_output_dir(out: str | os.PathLike, overwrite: bool) -> pathlib.Path:
@@ -35,7 +102,7 @@ def prepare_output_dir(out: str | os.PathLike, overwrite: bool) -> pathlib.Path:
     raise NotADirectoryError(errno.ENOTDIR, f"cannot create it: {str(parent)!r} is a file",
                              str(out))
   try:
-    os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=parent))
+    os.rmdir(make_temp_dir(parent, out.name, "probe"))
   except OSError as e:
     raise OSError(e.errno, f"cannot write under {str(parent)!r}: {e.strerror or e}",
                   str(out)) from None
@@ -56,9 +123,10 @@ def publish_dir(tmp: pathlib.Path, out: pathlib.Path) -> None:
 @contextlib.contextmanager
 def assembling(out: pathlib.Path) -> Iterator[pathlib.Path]:
   """A temporary sibling directory of `out`, published at `out` when the block succeeds and
-  removed when it raises (KeyboardInterrupt included)."""
+  removed when it raises (KeyboardInterrupt included). The published directory has the
+  umask's mode (0755 under umask 022), like one made with mkdir."""
   out.parent.mkdir(parents=True, exist_ok=True)
-  tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+  tmp = make_temp_dir(out.parent, out.name)
   try:
     yield tmp
     publish_dir(tmp, out)

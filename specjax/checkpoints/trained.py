@@ -35,9 +35,17 @@ class TrainedModel:
     return from_params(self.config, self.params)
 
 
+def stored_config(directory: str | pathlib.Path, meta: dict) -> ModelConfig:
+  """The ModelConfig of a checkpoint's meta item; ValueError naming the directory."""
+  try:
+    return orbax_io.config_from_json(meta["config"], ModelConfig)
+  except ValueError as e:
+    raise ValueError(f"checkpoint {str(directory)!r} is damaged or from another version: "
+                     f"{e}") from None
+
+
 def read_model_config(directory: str | pathlib.Path, step: int | None = None) -> ModelConfig:
-  meta = orbax_io.read_meta(directory, step)
-  return orbax_io.config_from_json(meta["config"], ModelConfig)
+  return stored_config(directory, orbax_io.read_meta(directory, step))
 
 
 def load_trained(directory: str | pathlib.Path, *, step: int | None = None,
@@ -52,7 +60,7 @@ def load_trained(directory: str | pathlib.Path, *, step: int | None = None,
   meta = orbax_io.read_meta(directory, step)
   if meta.get("metadata", {}).get("kind") != TRAINED_KIND:
     raise ValueError(f"{str(directory)!r} is not a specjax training checkpoint")
-  stored = orbax_io.config_from_json(meta["config"], ModelConfig)
+  stored = stored_config(directory, meta)
   _, target = abstract_model(stored.replace(dtype="float32"))  # stored in float32
   restored = orbax_io.restore(directory, params_target=target, config=config or stored,
                               step=step)

@@ -294,12 +294,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
   for i, text in enumerate(report["texts"]):
     print(f"--- row {i}: {texts[i]!r} ->\n{text}")
-  s = report["speculative"]
-  print(f"\nplain:        {report['plain']['tokens_per_s']:8.1f} tok/s")
-  print(f"speculative:  {s['tokens_per_s']:8.1f} tok/s   (k={args.k}, speedup "
-        f"{report['speedup']:.2f}x)")
-  print(f"α = {s['alpha']:.3f} [{s['alpha_ci'][0]:.3f}, {s['alpha_ci'][1]:.3f}]   τ = {s['tau']:.2f} "
-        f"tokens/verification")
-  if args.temperature == 0:
-    print(f"greedy outputs identical to plain decoding: {report['identical_to_plain']}")
+  print()
+  print("\n".join(summary_lines(report, args.temperature)))
   return 0
+
+
+def summary_lines(report: dict, temperature: float) -> list[str]:
+  """The text summary of a `run` report: tokens/s of both, speedup, α with its interval,
+  τ. A run that drafted nothing (--k auto choosing k = 0 every cycle) has no α: printed as
+  "n/a (no drafts)", as a run without verifications has no τ."""
+  s = report["speculative"]
+  if s.get("alpha") is None:
+    alpha = "α = n/a (no drafts)"
+  else:
+    low, high = s["alpha_ci"]
+    alpha = f"α = {s['alpha']:.3f} [{low:.3f}, {high:.3f}]"
+  tau = ("τ = n/a (no verifications)" if s.get("tau") is None
+         else f"τ = {s['tau']:.2f} tokens/verification")
+  lines = [f"plain:        {report['plain']['tokens_per_s']:8.1f} tok/s",
+           f"speculative:  {s['tokens_per_s']:8.1f} tok/s   (k={report['k']}, speedup "
+           f"{report['speedup']:.2f}x)",
+           f"{alpha}   {tau}"]
+  if temperature == 0:
+    lines.append(f"greedy outputs identical to plain decoding: {report['identical_to_plain']}")
+  return lines

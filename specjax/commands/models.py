@@ -70,7 +70,8 @@ def target_from_flags(args, pair=None):
 def draft_from_flags(spec: str | None, args, target, pair=None):
   """The draft Transformer for the --draft value `spec`: 'self' (the target itself),
   'default' (the default `pair`'s draft), a checkpoint directory, or, when None, a random
-  model from --draft-config on the target's vocabulary (seed --seed + 1)."""
+  model from --draft-config on the target's vocabulary (seed --seed + 1, wrapped into the
+  int64 range that a JAX key takes)."""
   if spec == "self":
     return target
   if spec == "default":
@@ -80,5 +81,5 @@ def draft_from_flags(spec: str | None, args, target, pair=None):
   from flax import nnx
 
   from specjax.models.transformer import Transformer
-  return Transformer(config_from_flag("--draft-config", args.draft_config,
-                                      target.config.vocab_size), rngs=nnx.Rngs(args.seed + 1))
+  config = config_from_flag("--draft-config", args.draft_config, target.config.vocab_size)
+  return Transformer(config, rngs=nnx.Rngs((args.seed + 1) % 2**63))

@@ -167,6 +167,20 @@ def _finite(x: Any) -> bool:
   return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+def _check_size(flags: str, value: int, limit: int, what: str) -> None:
+  """A work size checked before any work (`theory.MAX_*`), the error naming the flags."""
+  if value > limit:
+    raise ValueError(f"{flags} = {value:,} exceeds the limit of {limit:,} ({what}): lower it")
+
+
+def _max_policy_k() -> int:
+  """The largest k_max whose adaptive-policy tables fit: (k + 1)·k² <= MAX_TABLE_CELLS."""
+  k = int(round(theory.MAX_TABLE_CELLS ** (1 / 3)))
+  while (k + 1) * k * k > theory.MAX_TABLE_CELLS:
+    k -= 1
+  return k
+
+
 def _check_alpha(flag: str, a: float) -> None:
   _check_flag(flag, a, _finite(a) and 0.0 <= a <= 1.0, "a number in [0, 1]")
 
@@ -303,6 +317,10 @@ def _table(args) -> int:
   _check_flag("--c", args.c, _finite(args.c) and args.c >= 0, "a finite number >= 0")
   _check_k("--k-max", args.k_max)
   _check_k("--k-search", args.k_search)
+  _check_size("--k-max", args.k_max, theory.MAX_K, "every k = 1..K is a column")
+  _check_size("--k-search", args.k_search, theory.MAX_K, "every k = 1..K is evaluated")
+  _check_size("number of --alphas × --k-max", len(alphas) * args.k_max, theory.MAX_TABLE_CELLS,
+              "table entries")
   grid = theory.speedup_table(alphas, args.c, args.k_max)
   best = [theory.optimal_k(a, args.c, args.k_search) for a in alphas]
   if args.plot:
@@ -343,6 +361,7 @@ def _optimal_k(args) -> int:
     _check_alpha("--alpha", a)
   _check_flag("--c", args.c, _finite(args.c) and args.c >= 0, "a finite number >= 0")
   _check_k("--k-max", args.k_max)
+  _check_size("--k-max", args.k_max, theory.MAX_K, "every k = 1..K is evaluated")
   rows = []
   for a in alphas:
     k, s = theory.optimal_k(a, args.c, args.k_max)
@@ -394,6 +413,8 @@ def _adaptive(args) -> int:
   for b in batches:
     _check_k("--batches", b)
   menu = _ints("--menu", args.menu)
+  _check_size("number of --menu entries × (largest k)²", len(menu) * max(menu) ** 2,
+              theory.MAX_TABLE_CELLS, "the policy tabulates every entry's node pairs")
   lazy = loop.LAZY_SLOTS if args.lazy_slots is None else args.lazy_slots
   if lazy < 0:
     raise ValueError(f"--lazy-slots must be an int >= 0, got {lazy}")
@@ -436,6 +457,14 @@ def _roofline(args) -> int:
   batches = _ints("--batches", args.batches)
   for b in batches:
     _check_k("--batches", b)
+  # the adaptive-k policy tabulates cycle times for every batch 1..max(4096, B) and k, and
+  # its menu's node tables grow as (k_max + 1)·k_max²
+  _check_size("--k-max", args.k_max, _max_policy_k(),
+              f"the adaptive-k policy's tables hold (k + 1)·k² <= {theory.MAX_TABLE_CELLS:,} "
+              "entries")
+  _check_size("largest --batches", max(batches), theory.MAX_TABLE_CELLS // (args.k_max + 1),
+              f"the adaptive-k policy tabulates every batch 1..B × k = 0..{args.k_max}, at most "
+              f"{theory.MAX_TABLE_CELLS:,} entries")
   hw, wl = _hardware(args), _workload(args)
   a, k, c = args.alpha, args.k, args.c
   policy = roofline.AdaptiveKPolicy(hw, wl, a, c, k_max=args.k_max, draft_cost=args.draft_cost,
@@ -533,7 +562,8 @@ def _sample_size(args) -> int:
         f"α = 0 or 1, so it would answer 0 tokens; give --alpha in (0, 1) (your best guess "
         f"of α) or use --method wilson, which stays positive there")
   _check_flag("--half-width", args.half_width,
-              _finite(args.half_width) and 0 < args.half_width <= 0.5, "in (0, 0.5]")
+              _finite(args.half_width) and theory.MIN_HALF_WIDTH <= args.half_width <= 0.5,
+              f"in [{theory.MIN_HALF_WIDTH:g}, 0.5] (narrower needs over 10^17 drafted tokens)")
   _check_flag("--confidence", args.confidence,
               _finite(args.confidence) and 0 < args.confidence < 1, "in (0, 1)")
   _check_flag("--rho", args.rho, _finite(args.rho) and -1 < args.rho < 1, "in (-1, 1)")
@@ -587,6 +617,10 @@ def _burstiness(args) -> int:
   rhos = _floats("--rhos", args.rhos)
   for rho in rhos:
     _check_flag("--rhos", rho, _finite(rho) and 0 <= rho < 1, "numbers in [0, 1)")
+  _check_size("--k", args.k, theory.MAX_K, "chain length")
+  _check_size("--cycles × --k", max(theory.chain_draws(args.cycles, args.k, rho) for rho in rhos),
+              theory.MAX_DRAWS, "uniforms one simulation draws; bursty rows: 1000 streams "
+              "with 20 burn-in cycles each")
   rows = []
   for rho in rhos:
     sim = theory.simulate_chain(args.alpha, args.k, cycles=args.cycles, seed=args.seed, rho=rho)
@@ -609,6 +643,11 @@ def _tree(args) -> int:
   parents = _ints("--parents", args.parents)
   probs = _floats("--rank-probs", args.rank_probs)
   tau = theory.tree_expected_tokens(parents, probs)
+  if args.samples:
+    _check_k("--samples", args.samples, 2)
+    depth = int(theory.node_depths(parents).max())
+    _check_size("--samples × tree depth", args.samples * depth, theory.MAX_DRAWS,
+                f"uniforms one simulation draws; the tree is {depth} deep")
   doc = {"parents": parents, "rank_probs": probs, "expected_tokens": tau,
          "node_probs": [float(x) for x in theory.tree_node_probs(parents, probs)]}
   if args.samples:

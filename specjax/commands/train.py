@@ -19,6 +19,7 @@ import argparse
 import functools
 import json
 import pathlib
+import re
 import sys
 
 
@@ -175,7 +176,10 @@ def _head_args(p: argparse.ArgumentParser) -> None:
 
 
 def _train_config(base, args, objective: str):
+  """`base` with the schedule flags given; TrainConfig's refusal of a value names the flag
+  (`--seed must be an int >= 0, got -1`, not `TrainConfig.seed ...`)."""
   changes = {"objective": objective}
+  flags = {}  # field -> the flag that set it
   for field, name in (("steps", "steps"), ("batch_size", "batch_size"), ("seq_len", "seq_len"),
                       ("grad_accum", "grad_accum"), ("lr", "lr"), ("dtype", "dtype"),
                       ("seed", "seed"), ("eval_every", "eval_every"),
@@ -183,9 +187,16 @@ def _train_config(base, args, objective: str):
     value = getattr(args, name, None)
     if value is not None:
       changes[field] = value
+      flags[field] = "--" + name.replace("_", "-")
   if "steps" in changes and "warmup_steps" not in changes:
     changes["warmup_steps"] = min(base.warmup_steps, max(0, changes["steps"] // 10))
-  return base.replace(**changes)
+  try:
+    return base.replace(**changes)
+  except ValueError as e:
+    message = str(e)
+    for field, flag in flags.items():
+      message = re.sub(rf"\bTrainConfig\.{field}\b", flag, message)
+    raise ValueError(message) from None
 
 
 def _load_data(args, tokenizer):

@@ -71,8 +71,8 @@ class ByteTokenizer:
     return {"kind": "byte"}
 
   def save(self, directory: str | pathlib.Path) -> None:
-    path = pathlib.Path(directory) / "tokenizer.json"
-    path.write_text(json.dumps(self.to_spec()))
+    """Writes DIRECTORY/tokenizer.json all or nothing (`_save_json`)."""
+    _save_json(directory, json.dumps(self.to_spec()))
 
   def __eq__(self, other: object) -> bool:
     return isinstance(other, ByteTokenizer)
@@ -82,6 +82,14 @@ class ByteTokenizer:
 
   def __repr__(self) -> str:
     return "ByteTokenizer(vocab_size=259)"
+
+
+def _save_json(directory: str | pathlib.Path, text: str) -> None:
+  """DIRECTORY/tokenizer.json = `text`, written aside, fsync'd and renamed in
+  (`checkpoints.dirs.atomic_write`): a process killed while saving leaves the old file or
+  the new one, never a truncated tokenizer.json that every later load would refuse."""
+  from specjax.checkpoints.dirs import atomic_write  # here: that package imports this one
+  atomic_write(pathlib.Path(directory) / "tokenizer.json", text)
 
 
 _MISSING_TOKENIZERS = (
@@ -160,8 +168,8 @@ class BPETokenizer:
             "sha256": hashlib.sha256(text.encode()).hexdigest()}
 
   def save(self, directory: str | pathlib.Path) -> None:
-    path = pathlib.Path(directory) / "tokenizer.json"
-    path.write_text(self.to_json())
+    """Writes DIRECTORY/tokenizer.json all or nothing (`_save_json`)."""
+    _save_json(directory, self.to_json())
 
   def __repr__(self) -> str:
     return f"BPETokenizer(vocab_size={self.vocab_size})"

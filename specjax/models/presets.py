@@ -26,13 +26,20 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def _coerce(field: dataclasses.Field, text: str):
+  """The value of `field=text` in a `NAME:field=value` spec; ValueError naming the field
+  when the text is not of the field's type (ranges are ModelConfig's to check)."""
   kind = field.type if isinstance(field.type, type) else str(field.type)
-  if kind == "int | None":  # sliding_window=none, head_dim_override=64
-    return None if text.lower() in ("none", "null") else int(text)
-  if kind in (int, "int"):
-    return int(text)
-  if kind in (float, "float"):
-    return float(text)
+  try:
+    if kind == "int | None":  # sliding_window=none, head_dim_override=64
+      return None if text.lower() in ("none", "null") else int(text)
+    if kind in (int, "int"):
+      return int(text)
+    if kind in (float, "float"):
+      return float(text)
+  except ValueError:
+    allowed = "an int" if "int" in str(kind) else "a number"
+    raise ValueError(f"{field.name} must be {allowed}"
+                     f"{' or none' if kind == 'int | None' else ''}, got {text!r}") from None
   if kind in (bool, "bool"):
     if text.lower() not in ("true", "false", "1", "0"):
       raise ValueError(f"{field.name} must be true or false, got {text!r}")

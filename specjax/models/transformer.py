@@ -43,9 +43,73 @@ Array = jax.Array
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
+_INT32_MAX = 2**31 - 1  # token ids, positions and cache slots are int32
+
+# What each ModelConfig field may hold on its own (`check_field`); rules between fields are in
+# `ModelConfig.__post_init__`. kinds: ("int", lo) an int in [lo, 2**31 - 1], ("int?", lo) the
+# same or None, ("bool",) True or False, ("float", lo, hi, lo_open, hi_open) a finite real
+# number in that interval, ("choice", values).
+_FIELD_RULES: dict[str, tuple] = {
+    "vocab_size": ("int", 1), "d_model": ("int", 1), "n_layers": ("int", 1),
+    "n_heads": ("int", 1), "n_kv_heads": ("int", 1), "d_ff": ("int", 1), "max_len": ("int", 1),
+    "norm": ("choice", ("layernorm", "rmsnorm")), "positions": ("choice", ("learned", "rope")),
+    "rope_theta": ("float", 0.0, math.inf, True, True), "mlp": ("choice", ("gelu", "swiglu")),
+    "tie_embeddings": ("bool",), "use_bias": ("bool",), "qkv_bias": ("bool",),
+    "norm_eps": ("float", 0.0, 1.0, True, False), "dtype": ("choice", tuple(_DTYPES)),
+    "head_dim_override": ("int?", 1), "rope_scaling": ("choice", ("none", "llama3")),
+    "rope_factor": ("float", 1.0, math.inf, False, True),
+    "rope_low_freq_factor": ("float", 0.0, math.inf, True, True),
+    "rope_high_freq_factor": ("float", 0.0, math.inf, True, True),
+    "rope_original_max_len": ("int", 1), "qk_norm": ("bool",), "sliding_window": ("int?", 1),
+    "window_first_layer": ("int", 0), "cache_dtype": ("choice", tuple(_DTYPES)),
+}
+
+
+def check_field(name: str, value, label: str | None = None):
+  """Checks one ModelConfig field's value on its own and returns it unchanged.
+
+  ints must be Python ints (not bools, not 2.5, not "2"), bools real bools ("no" and 1 are
+  refused), floats finite real numbers (ints allowed) in the field's range, choices one of
+  their strings. Raises ValueError naming `label` (default `ModelConfig.<name>`), the value
+  and what is allowed: readers of other formats pass their own key as the label (the
+  Hugging Face reader: `config.json: layer_norm_epsilon`).
+  """
+  label = label or f"ModelConfig.{name}"
+  if name not in _FIELD_RULES:
+    raise ValueError(f"unknown ModelConfig field {name!r}; allowed: {sorted(_FIELD_RULES)}")
+  kind, *rule = _FIELD_RULES[name]
+  is_int = isinstance(value, int) and not isinstance(value, bool)
+  if kind in ("int", "int?"):
+    if kind == "int?" and value is None:
+      return value
+    if not is_int or not rule[0] <= value <= _INT32_MAX:
+      none = "None or " if kind == "int?" else ""
+      raise ValueError(f"{label} must be {none}an int in [{rule[0]}, 2**31 - 1], got {value!r}")
+  elif kind == "bool":
+    if not isinstance(value, bool):
+      raise ValueError(f"{label} must be true or false (a bool), got {value!r}")
+  elif kind == "float":
+    lo, hi, lo_open, hi_open = rule
+    real = is_int or isinstance(value, float)
+    inside = real and math.isfinite(value) and (lo < value if lo_open else lo <= value) and (
+        value < hi if hi_open else value <= hi)
+    if not inside:
+      interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+      raise ValueError(f"{label} must be a finite number in {interval}, got {value!r}")
+  elif not isinstance(value, str) or value not in rule[0]:
+    raise ValueError(f"{label} must be one of {rule[0]}, got {value!r}")
+  return value
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Static model description (hashable: usable as a static jit argument)."""
+  """Static model description (hashable: usable as a static jit argument).
+
+  Validated once, at construction (`check_field` per field, then the rules between fields):
+  a bad value raises ValueError naming the field. A config is only a description (the
+  roofline prices 70B models from one); building a model from it is checked against this
+  machine's memory (`check_params_fit`).
+  """
 
   vocab_size: int
   d_model: int
@@ -78,51 +142,28 @@ class ModelConfig:
   cache_dtype: Literal["float32", "bfloat16"] = "float32"
 
   def __post_init__(self):
-    positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_len")
-    for name in positive:
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
-    if self.head_dim_override is not None:
-      hd = self.head_dim_override
-      if not isinstance(hd, int) or isinstance(hd, bool) or hd < 1:
-        raise ValueError(f"ModelConfig.head_dim_override must be None or a positive int, got "
-                         f"{hd!r}")
-    elif self.d_model % self.n_heads:
+    """Every field checked alone (`check_field`: type, finiteness, range), then the rules
+    between fields. Runs once per construction; nothing downstream re-validates."""
+    for f in dataclasses.fields(self):
+      check_field(f.name, getattr(self, f.name))
+    if self.head_dim_override is None and self.d_model % self.n_heads:
       raise ValueError(f"ModelConfig.d_model ({self.d_model}) must be divisible by "
                        f"n_heads ({self.n_heads})")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(f"ModelConfig.n_heads ({self.n_heads}) must be divisible by "
                        f"n_kv_heads ({self.n_kv_heads})")
-    choices = {"norm": ("layernorm", "rmsnorm"), "positions": ("learned", "rope"),
-               "mlp": ("gelu", "swiglu"), "dtype": tuple(_DTYPES),
-               "rope_scaling": ("none", "llama3"), "cache_dtype": tuple(_DTYPES)}
-    for name, allowed in choices.items():
-      if getattr(self, name) not in allowed:
-        raise ValueError(f"ModelConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
     if self.positions == "rope" and self.head_dim % 2:
       raise ValueError(f"rope needs an even head_dim, got {self.head_dim}")
-    if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
-      raise ValueError(f"ModelConfig.rope_theta must be positive and finite, got {self.rope_theta}")
     if self.rope_scaling == "llama3":
       if self.positions != "rope":
         raise ValueError("ModelConfig.rope_scaling='llama3' needs positions='rope'")
-      if not (math.isfinite(self.rope_factor) and self.rope_factor >= 1):
-        raise ValueError(f"ModelConfig.rope_factor must be >= 1, got {self.rope_factor}")
-      if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor < math.inf:
-        raise ValueError("ModelConfig.rope_low_freq_factor must be positive and below "
+      if not self.rope_low_freq_factor < self.rope_high_freq_factor:
+        raise ValueError("ModelConfig.rope_low_freq_factor must be below "
                          f"rope_high_freq_factor, got {self.rope_low_freq_factor} and "
                          f"{self.rope_high_freq_factor}")
-      if not isinstance(self.rope_original_max_len, int) or self.rope_original_max_len < 1:
-        raise ValueError("ModelConfig.rope_original_max_len must be a positive int, got "
-                         f"{self.rope_original_max_len!r}")
-    w = self.sliding_window
-    if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
-      raise ValueError(f"ModelConfig.sliding_window must be None or a positive int, got {w!r}")
-    first = self.window_first_layer
-    if not isinstance(first, int) or isinstance(first, bool) or not 0 <= first <= self.n_layers:
+    if self.window_first_layer > self.n_layers:
       raise ValueError(f"ModelConfig.window_first_layer must be an int in [0, n_layers="
-                       f"{self.n_layers}], got {first!r}")
+                       f"{self.n_layers}], got {self.window_first_layer!r}")
 
   @property
   def head_dim(self) -> int:
@@ -181,8 +222,10 @@ def abstract_model(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
   params is the nnx.Param state with `jax.ShapeDtypeStruct` leaves (`nnx.eval_shape`): a
   restore target, or a shape/dtype listing. A Transformer holds nothing but nnx.Param, so
   `nnx.merge(graphdef, real_params)` rebuilds the module from arrays of this structure.
-  Each call returns a fresh state (callers may fill it in place).
+  Each call returns a fresh state (callers may fill it in place). Refuses (ValueError) a
+  config whose parameters exceed this machine's memory (`check_params_fit`).
   """
+  check_params_fit(config)  # before the structure is traced: one Python object per layer
   model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
   graphdef, params, _ = nnx.split(model, nnx.Param, ...)
   return graphdef, params
@@ -229,8 +272,60 @@ def with_dtype(model: "Transformer", dtype: str) -> "Transformer":
 
 
 def param_count(config: ModelConfig) -> int:
-  """Number of parameters, from the config alone (no allocation)."""
-  return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_model(config)[1]))
+  """Number of parameters, from the config alone in closed form (`roofline.param_counts`,
+  tested against the abstract model's leaves): nothing is traced, so it answers at once for
+  any size, 10^9 layers included."""
+  from specjax import roofline  # plain numpy
+  return roofline.param_counts(config)["total"]
+
+
+def param_bytes(config: ModelConfig) -> int:
+  """Bytes of the parameters in the config's dtype (float32: 4 per parameter, bf16: 2)."""
+  return param_count(config) * jnp.dtype(config.jnp_dtype).itemsize
+
+
+@functools.lru_cache(maxsize=1)
+def machine_memory() -> tuple[int, str] | None:
+  """(bytes, what) of the memory a model is built in: the default device's limit when it
+  reports one (accelerators), else the host's physical memory; None when neither is known.
+  Read once per process."""
+  try:
+    stats = jax.local_devices()[0].memory_stats() or {}
+  except Exception:  # noqa: BLE001 - backends without memory stats (CPU)
+    stats = {}
+  if stats.get("bytes_limit"):
+    return int(stats["bytes_limit"]), f"{jax.local_devices()[0].device_kind} memory"
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def check_params_fit(config: ModelConfig, *, what: str = "model",
+                     limit: int | None = None) -> int:
+  """The one check of "parameter bytes of a ModelConfig vs memory", made before a model is
+  built from a config (`Transformer.__init__`, `abstract_model`, so every restore target,
+  Hugging Face import, trainer and CLI model goes through it): refuses (ValueError) a config
+  whose parameters alone exceed `limit` bytes (default: `machine_memory()`, the device's
+  limit or the host's physical memory), naming the config's sizes, the bytes and the limit.
+  Parameters that fit can still leave too little for caches and activations: those are
+  checked where they are sized (`cache.check_fits`, the trainer's estimate). Costs a few
+  multiplications (`param_count` is closed form). Returns the parameter bytes."""
+  need = param_bytes(config)
+  source = "the given limit"
+  if limit is None:
+    known = machine_memory()
+    if known is None:
+      return need
+    limit, source = known
+  if need > limit:
+    c = config
+    raise ValueError(
+        f"{what}: a ModelConfig with n_layers={c.n_layers}, d_model={c.d_model}, "
+        f"d_ff={c.d_ff}, vocab_size={c.vocab_size} has {param_count(c):,} parameters, "
+        f"{need / 1e9:.4g} GB in {c.dtype}, more than this machine's {limit / 1e9:.4g} GB "
+        f"({source}): lower n_layers, d_model, d_ff or vocab_size")
+  return need
 
 
 # ----------------------------------------------------------------------------- layers
@@ -471,6 +566,7 @@ class Transformer(nnx.Module):
   """Decoder-only LM. See the module docstring for the call contract."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    check_params_fit(config)  # before any parameter is allocated
     c, dt = config, config.jnp_dtype
     self.config = c
     self.embed = nnx.Param(_normal(0.02)(rngs.params(), (c.vocab_size, c.d_model), dt))

@@ -22,6 +22,7 @@ import json
 import pathlib
 import re
 import sys
+import tokenize
 from typing import Sequence
 
 import gin
@@ -95,20 +96,67 @@ def _explain_gin_error(err: Exception, texts: list[str]) -> str:
   return msg
 
 
+# What gin raises for text it cannot parse or bind; tokenize.TokenError (an unclosed bracket
+# or string) is not wrapped by gin and derives from Exception only.
+_GIN_ERRORS = (ImportError, ValueError, TypeError, AttributeError, SyntaxError, KeyError,
+               IndexError, tokenize.TokenError)
+
+
+def _read_config(path: pathlib.Path) -> str:
+  """The text of a gin config file; a binary or non-UTF-8 file raises ValueError naming it
+  (an unreadable one raises OSError naming it)."""
+  data = path.read_bytes()
+  nul = data.find(b"\0")
+  if nul >= 0:
+    raise ValueError(f"gin config {str(path)!r} is a binary file (a NUL byte at offset "
+                     f"{nul}), not gin text: give a .gin config")
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"gin config {str(path)!r} is not UTF-8 text (byte 0x{data[e.start]:02x} "
+                     f"at offset {e.start}): give a .gin config") from None
+
+
+def _gin_message(err: Exception, texts: list[str]) -> str:
+  """One message for anything in _GIN_ERRORS: the closest valid names for an unknown
+  binding, the line of an unclosed bracket, the new home of `Sweep` for an old import."""
+  if isinstance(err, tokenize.TokenError):
+    what = err.args[0] if err.args else "cannot be tokenized"
+    where = err.args[1] if len(err.args) > 1 else None
+    line = f" (line {where[0]})" if isinstance(where, tuple) and where else ""
+    return f"{what}{line}: an unclosed bracket, brace or string?"
+  if isinstance(err, ImportError):  # gin re-raises it with the config line appended
+    hint = ("\n`Sweep` now lives in the library: `import specjax.sweeps as sweeps` and bind "
+            "`sweeps.Sweep`" if "experiments.common" in str(err) else "")
+    return f"{err}{hint}"
+  return _explain_gin_error(err, texts)
+
+
 def load_sweep(config: str, bindings: Sequence[str] = ()) -> tuple[Sweep, str]:
-  """Parses the config (+ command-line bindings) and builds the Sweep it binds."""
+  """Parses the config, then each command-line binding, and builds the Sweep they bind (as
+  gin.parse_config_files_and_bindings does). An error names its source: the .gin file, or
+  the --gin_param binding it is in."""
   path = resolve_config(config)
+  bindings = list(bindings)
+  text = _read_config(path)
   gin.clear_config()
   try:
-    gin.parse_config_files_and_bindings([str(path)], list(bindings))
+    gin.parse_config_file(str(path))
+  except _GIN_ERRORS as e:
+    raise ValueError(f"bad gin config {str(path)!r}: {_gin_message(e, [text])}") from None
+  for binding in bindings:
+    try:
+      gin.parse_config(binding)
+    except _GIN_ERRORS as e:
+      raise ValueError(f"bad --gin_param {binding!r}: "
+                       f"{_gin_message(e, [text, *bindings])}") from None
+  try:
+    gin.finalize()
     sweep = gin.get_configurable(Sweep)()
-  except ImportError as e:  # gin re-raises it with the config line appended
-    hint = ("\n`Sweep` now lives in the library: `import specjax.sweeps as sweeps` and bind "
-            "`sweeps.Sweep`" if "experiments.common" in str(e) else "")
-    raise ValueError(f"bad gin config {str(path)!r}: {e}{hint}") from None
-  except (ValueError, TypeError, AttributeError, SyntaxError) as e:
-    raise ValueError(f"bad gin config {str(path)!r}: "
-                     f"{_explain_gin_error(e, [path.read_text(), *bindings])}") from None
+  except _GIN_ERRORS as e:
+    given = f" with --gin_param {', '.join(map(repr, bindings))}" if bindings else ""
+    raise ValueError(f"bad gin config {str(path)!r}{given}: "
+                     f"{_gin_message(e, [text, *bindings])}") from None
   sweep.check()
   return sweep, gin.config_str()
 

@@ -26,25 +26,35 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
 
 
 def results_table(name: str, records: Sequence[dict], axes: Sequence[str]) -> str:
-  """Every point: its swept parameters, status, and scalar metrics."""
+  """Every point: its swept parameters, status, and scalar metrics.
+
+  `records` are result records as `runner.read_results` returns them (the one reader of
+  results.jsonl, which skips corrupt lines); a record lacking "params" or "metrics" (one
+  built by hand) shows empty cells instead of failing the report."""
   ok = [r for r in records if r.get("status") == "ok"]
   failed = [r for r in records if r.get("status") != "ok"]
   metric_names: list[str] = []
   for r in ok:
-    for k, v in r.get("metrics", {}).items():
+    for k, v in (r.get("metrics") or {}).items():
       scalar = v is None or isinstance(v, (int, float, bool, str))
       if scalar and k not in metric_names:
         metric_names.append(k)
-  rows = [{**{a: r["params"].get(a) for a in axes}, **r.get("metrics", {})}
-          for r in sorted(ok, key=lambda r: r.get("index", 0))]
+  rows = [{**{a: (r.get("params") or {}).get(a) for a in axes}, **(r.get("metrics") or {})}
+          for r in sorted(ok, key=_index)]
   text = f"# {name}\n\n{len(ok)} points finished, {len(failed)} failed.\n\n"
   if rows:
     text += markdown_table(rows, list(axes) + metric_names) + "\n"
   if failed:
     text += "## Failed points\n\n" + markdown_table(
-        [{**r["params"], "error": r.get("error", "")} for r in failed],
+        [{**(r.get("params") or {}), "error": r.get("error", "")} for r in failed],
         list(axes) + ["error"]) + "\n"
   return text
+
+
+def _index(record: dict) -> int:
+  """A record's position in the sweep (0 when it has none usable)."""
+  index = record.get("index", 0)
+  return index if isinstance(index, int) else 0
 
 
 def new_figure(**kwargs):

@@ -8,13 +8,17 @@ Run directory `runs/NAME/TIMESTAMP/`:
 - `config.gin` (operative gin config), `config.json` (sweep, shard, fingerprint),
   `environment.json` (versions, backend, device kind and count, seed);
 - `results.jsonl`: one JSON line per finished point, written with a single append + fsync,
-  so a killed run loses at most the point in flight. A torn last line is ignored on read and
-  fenced off with a newline before the next append. Later lines win: a point recorded as
-  failed is retried on the next run and its new line supersedes the old one;
+  so a killed run loses at most the point in flight. A torn last line is fenced off with a
+  newline before the next append. Every reader (resume, reports, merge) parses the file with
+  `read_results`, which skips a corrupt line (torn, not UTF-8, not JSON, not a record) with
+  a one-line warning naming the file and line numbers, and uses the others. Later lines
+  win: a point recorded as failed is retried on the next run and its new line supersedes
+  the old one;
 - `report.md` and PNG plots, rebuilt from results.jsonl after every run;
 - `.lock`: one writer per directory (`RunLock`); a second run into it is refused.
 Re-running the same command finds the directory whose fingerprint (operative config + shard)
-matches and resumes there; a different config never writes into an existing directory.
+matches and resumes there; a different config never writes into an existing directory, and a
+damaged config.json is reported as damaged (naming it), never taken for another run.
 Records are standard JSON (non-finite floats become null, listed under "non_finite"); a full
 disk rolls back the partial line and ends the run with a one-line `RunDirError`. A point's
 randomness comes from its own parameters (`point_seed`), never from its place in a group.
@@ -115,24 +119,90 @@ def shard(points: list[Point], shard_index: int, num_shards: int) -> list[Point]
 # ----------------------------------------------------------------------------- results file
 
 
-def read_results(path: str | os.PathLike) -> dict[str, dict]:
-  """Latest record per point id; torn or corrupt lines (a killed writer) are skipped."""
+def _record_problem(record) -> str | None:
+  """Why `record` (a parsed line) is not a result record, or None if it is one: a JSON
+  object with a string "id", a "params" object and a string "status", a "metrics" object
+  when the status is "ok", an int "index" and a string "finished" where present. These are
+  the fields the readers (resume, merge, reports) rely on."""
+  if not isinstance(record, dict):
+    return "not a JSON object"
+  if not isinstance(record.get("id"), str):
+    return "no string 'id'"
+  if not isinstance(record.get("params"), dict):
+    return "no 'params' object"
+  if not isinstance(record.get("status"), str):
+    return "no string 'status'"
+  if record["status"] == "ok" and not isinstance(record.get("metrics"), dict):
+    return "status 'ok' without a 'metrics' object"
+  index = record.get("index", 0)
+  if isinstance(index, bool) or not isinstance(index, int):
+    return "'index' is not an int"
+  if not isinstance(record.get("finished", ""), str):
+    return "'finished' is not a string"
+  return None
+
+
+def scan_results(path: str | os.PathLike) -> tuple[dict[str, dict], list[int]]:
+  """(latest record per point id, the 1-based numbers of the lines skipped as corrupt).
+
+  The one parser of results.jsonl. A line is skipped, never fatal, when it is not valid
+  UTF-8, not JSON, or not a record (`_record_problem`: e.g. a line torn by a killed writer,
+  a flipped byte, a record without "params"); every other line is used, later lines
+  winning. Blank lines are not counted as corrupt. A missing file is an empty result; a
+  file that cannot be read (permissions, a directory) raises `RunDirError` naming it."""
   path = pathlib.Path(path)
   latest: dict[str, dict] = {}
+  skipped: list[int] = []
   if not path.exists():
-    return latest
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      line = line.strip()
-      if not line:
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError:
-        continue
-      if isinstance(record, dict) and "id" in record:
+    return latest, skipped
+  try:
+    with open(path, "rb") as f:
+      for number, raw in enumerate(f, start=1):
+        if not raw.strip():
+          continue
+        try:
+          record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+          skipped.append(number)
+          continue
+        if _record_problem(record) is not None:
+          skipped.append(number)
+          continue
         latest[record["id"]] = _restore_non_finite(record)
-  return latest
+  except OSError as e:
+    raise RunDirError(f"cannot read {str(path)!r} (results): {e.strerror or e}",
+                      e.errno) from None
+  return latest, skipped
+
+
+_warned: set[tuple[str, tuple[int, ...]]] = set()  # (file, skipped lines) already reported
+SHOWN_LINES = 10  # line numbers a warning lists before "..."
+
+
+def skipped_lines_message(path: str | os.PathLike, skipped: Sequence[int]) -> str:
+  """One line: "skipped N corrupt line(s) in FILE: lines 3, 7" (at most SHOWN_LINES
+  numbers, then the count of the rest)."""
+  shown = ", ".join(str(n) for n in skipped[:SHOWN_LINES])
+  if len(skipped) > SHOWN_LINES:
+    shown += f", ... ({len(skipped) - SHOWN_LINES} more)"
+  s = "" if len(skipped) == 1 else "s"
+  return (f"skipped {len(skipped)} corrupt line{s} in {str(path)!r}: line{s} {shown} (not "
+          f"valid UTF-8, JSON or a result record; the other lines are used)")
+
+
+def read_results(path: str | os.PathLike, *, warn: bool = True) -> dict[str, dict]:
+  """Latest record per point id (`scan_results`), for every reader of results.jsonl
+  (resume, reports, merge). Corrupt lines are skipped; with `warn`, a one-line warning
+  naming the file and the lines goes to stderr, once per process for the same file and
+  lines (a run reads its file several times)."""
+  records, skipped = scan_results(path)
+  if skipped and warn:
+    key = (str(pathlib.Path(path).absolute()), tuple(skipped))
+    if key not in _warned:
+      _warned.add(key)
+      print(f"specjax: warning: {skipped_lines_message(path, skipped)}", file=sys.stderr,
+            flush=True)
+  return records
 
 
 def _restore_non_finite(record: dict) -> dict:
@@ -186,7 +256,7 @@ def append_result(path: str | os.PathLike, record: dict) -> None:
     clean["non_finite"] = {**clean.get("non_finite", {}), **notes}
   line = json.dumps(clean, sort_keys=True, allow_nan=False) + "\n"
   try:
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # umask applies
   except OSError as e:
     raise _write_failed(path, e, "results") from None
   size = None
@@ -240,16 +310,14 @@ def _finite(x, where: str, notes: dict):
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-  """Writes `text` to a temporary file and renames it over `path`: readers see the old or
-  the new file, never half of one; a failed write (ENOSPC) leaves the old file and raises
-  `RunDirError`."""
+  """Writes `text` all or nothing (`checkpoints.dirs.atomic_write`: a temporary file,
+  fsync, rename; the umask's mode): readers see the old or the new file, never half of
+  one; a failed write (ENOSPC) leaves the old file and raises `RunDirError`."""
+  from specjax.checkpoints.dirs import atomic_write  # imported when first needed: heavy
   path = pathlib.Path(path)
-  tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
   try:
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write(path, text)
   except OSError as e:
-    tmp.unlink(missing_ok=True)
     raise _write_failed(path, e, path.name) from None
 
 
@@ -303,14 +371,41 @@ def _check_writable(path: pathlib.Path, what: str = "output directory") -> None:
     raise RunDirError(f"{what} {str(path)!r} is not writable", errno.EACCES)
 
 
+class DamagedConfig(ValueError):
+  """A run directory's config.json that cannot be read as one (not UTF-8, not JSON, not
+  an object with a string "fingerprint"); the message names the file."""
+
+
+def read_run_config(run_dir: str | os.PathLike) -> dict:
+  """RUN_DIR/config.json as a dict holding a string "fingerprint". A damaged file (a write
+  cut short by an old version or a full disk, an edit) raises `DamagedConfig` naming it;
+  one that cannot be opened raises `RunDirError`."""
+  cfg = pathlib.Path(run_dir) / "config.json"
+  try:
+    data = cfg.read_bytes()
+  except OSError as e:
+    raise RunDirError(f"cannot read {str(cfg)!r}: {e.strerror or e}", e.errno) from None
+  try:
+    config = json.loads(data.decode("utf-8"))
+  except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    raise DamagedConfig(f"{str(cfg)!r} is damaged (not valid JSON: {e})") from None
+  if not isinstance(config, dict) or not isinstance(config.get("fingerprint"), str):
+    raise DamagedConfig(f"{str(cfg)!r} is damaged (not a run config: no string "
+                        f"'fingerprint')")
+  return config
+
+
 def _claim(out: pathlib.Path, fp: str) -> bool:
-  """Whether `out` holds this run (resume) or nothing yet; refuses anything else."""
+  """Whether `out` holds this run (resume) or nothing yet; refuses anything else, and a
+  damaged config.json as damaged (naming it), not as another run."""
   cfg = out / "config.json"
   if cfg.exists():
     try:
-      old = json.loads(cfg.read_text()).get("fingerprint")
-    except (json.JSONDecodeError, AttributeError):
-      old = "unreadable"
+      old = read_run_config(out)["fingerprint"]
+    except DamagedConfig as e:
+      raise DamagedConfig(f"--out {str(out)!r}: {e}, so this run cannot tell whether to "
+                          f"resume there; remove that directory (or repair the file) or "
+                          f"choose another --out: nothing was written") from None
     if old != fp:
       raise ValueError(f"--out {str(out)!r} holds a different run (fingerprint {old}, this "
                        f"config {fp}); choose another directory: nothing was written")
@@ -333,12 +428,14 @@ def resolve_run_dir(root: str | os.PathLike, name: str, fp: str,
   _check_writable(base)
   if base.exists():
     for d in sorted(base.iterdir(), reverse=True):
-      cfg = d / "config.json"
-      if cfg.exists():
+      if (d / "config.json").exists():
         try:
-          if json.loads(cfg.read_text()).get("fingerprint") == fp:
+          if read_run_config(d)["fingerprint"] == fp:
             return d, True
-        except json.JSONDecodeError:
+        except DamagedConfig as e:
+          print(f"specjax: warning: ignoring run directory {str(d)!r}: {e} (if it is this "
+                f"run, repair that file or remove the directory)", file=sys.stderr,
+                flush=True)
           continue
   stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
   d = base / stamp
@@ -362,7 +459,7 @@ class RunLock:
 
   def acquire(self) -> "RunLock":
     try:
-      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # umask applies
     except OSError as e:
       raise _write_failed(self.path, e, "lock") from None
     try:
@@ -566,14 +663,27 @@ def merge(run_dirs: Sequence[str | os.PathLike], out: str | os.PathLike) -> path
   if not run_dirs:
     raise ValueError("merge needs at least one run directory")
   dirs = [pathlib.Path(d) for d in run_dirs]
-  configs = []
+  configs, texts = [], set()
   for d in dirs:
     if not d.is_dir():
       raise ValueError(f"{str(d)!r} is not a directory: merge takes run directories")
     if not (d / "config.json").exists():
       raise ValueError(f"{str(d)!r} is not a specjax run directory (no config.json)")
-    configs.append(json.loads((d / "config.json").read_text()))
-  texts = {(d / "config.gin").read_text() for d in dirs}
+    try:
+      configs.append(read_run_config(d))
+    except DamagedConfig as e:
+      raise DamagedConfig(f"cannot merge {str(d)!r}: {e}; nothing was written") from None
+    gin = d / "config.gin"
+    try:
+      texts.add(gin.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+      raise ValueError(f"{str(d)!r} is not a complete specjax run directory (no "
+                       f"config.gin): nothing was written") from None
+    except UnicodeDecodeError:
+      raise ValueError(f"cannot merge {str(d)!r}: {str(gin)!r} is damaged (not valid "
+                       f"UTF-8): nothing was written") from None
+    except OSError as e:
+      raise RunDirError(f"cannot read {str(gin)!r}: {e.strerror or e}", e.errno) from None
   if len(texts) != 1:
     raise ValueError("cannot merge runs of different configs (their config.gin differ)")
   out = pathlib.Path(out)

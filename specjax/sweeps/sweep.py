@@ -32,7 +32,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import math
 from typing import Any, Callable, Mapping, Sequence
+
+# The most points one sweep may have (the cartesian product of its axes, all shards
+# together: every shard expands the whole product). The runner keeps each point's parameters,
+# id and result record in memory, ~0.5 KB a point (10^7 points took 5 GB before printing
+# anything), so 10^6 points hold ~0.5 GB: more than any study runs, and what a small host holds.
+MAX_POINTS = 1_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +61,8 @@ class Sweep:
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
   def check(self) -> None:
-    """Names and shape of the sweep: field types, unknown or missing parameters, bad
+    """Names and shape of the sweep: field types, the number of points (at most
+    `MAX_POINTS`, checked before any point is built), unknown or missing parameters, bad
     vectorized axes."""
     if not isinstance(self.name, str) or not self.name.isidentifier():
       raise ValueError(f"Sweep.name must be an identifier-like string, got {self.name!r}")
@@ -106,6 +114,12 @@ class Sweep:
                          f"{values!r} ({type(values).__name__})")
       if len(values) == 0:
         raise ValueError(f"Sweep.axes[{name!r}] is empty: give at least one value")
+    points = math.prod(len(v) for v in self.axes.values())  # exact: Python ints
+    if points > MAX_POINTS:
+      sizes = " × ".join(f"{name} {len(v):,}" for name, v in self.axes.items())
+      raise ValueError(f"Sweep.axes make {points:,} points ({sizes}), more than the "
+                       f"{MAX_POINTS:,} a sweep may have (each point's parameters and result "
+                       f"are kept in memory): split the sweep or use fewer values per axis")
     if not isinstance(self.fixed, Mapping) or not all(isinstance(k, str) for k in self.fixed):
       raise bad("fixed", self.fixed, 'a dict of parameter name -> value, e.g. {"samples": 1000}')
     for field in ("vectorized", "summary_columns"):

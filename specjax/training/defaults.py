@@ -20,11 +20,16 @@ target and its tokenizer; <key> hashes the model and training configs, the token
 cache format, so changing a preset never loads a stale model) and
 <preset>-<corpus>-draft-<key> (the draft; <key> hashes its configs, the target's entry and
 its parameter fingerprint). A build happens in <entry>.partial (holding a file lock, so
-concurrent first uses train once), resumes there if a previous build was killed, is verified,
-and is renamed into place atomically. The entry's manifest.json records the recipe, the
-corpus fingerprint, the figures measured at build time and a sha256 of every file; a load
-re-checks all of it (plus the parameter fingerprint), and an entry that fails is reported,
-moved aside and rebuilt, never used.
+concurrent first uses train once; a process that waits for it prints one line naming the
+entry and the holder's pid), resumes there if a previous build was killed, is verified, and
+is renamed into place atomically. A partial that cannot be resumed (a truncated
+tokenizer.json or checkpoint step, a stale build) is discarded, saying why, and built from
+scratch. Its files are written all or nothing (`checkpoints.dirs.atomic_write`). The entry's
+manifest.json records the recipe, the corpus fingerprint, the figures measured at build time
+and a sha256 of every file; a load re-checks all of it (plus the parameter fingerprint), and
+an entry that fails is reported, moved aside and rebuilt, never used. What cannot be mended
+(an entry that cannot be moved aside, a fresh build that does not verify) is one line
+(`CacheEntryError`) naming the directory and what to do.
 
 Default draft heads (`load_default_heads("medusa")`, one `DEFAULT_HEADS` entry per kind) are
 trained for the default target on first use (the EAGLE head by the quickstart's first run,
@@ -53,6 +58,7 @@ from flax import nnx
 from specjax.data.batches import TokenData
 from specjax.data.corpus import EMBEDDED, load_corpus
 from specjax.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
+from specjax.checkpoints.dirs import atomic_write
 from specjax.checkpoints.trained import load_trained
 from specjax.models.transformer import ModelConfig, Transformer, from_params
 from specjax.training.config import TrainConfig
@@ -144,7 +150,21 @@ def _file_digests(root: pathlib.Path) -> dict[str, str]:
 
 
 class CacheError(Exception):
-  """A cache entry that is missing, partial or corrupt (the message says which)."""
+  """A cache entry that is missing, partial or corrupt (the message says which). Caught
+  inside this module (the entry is rebuilt); what cannot be mended reaches the caller as
+  `CacheEntryError`."""
+
+
+class CacheEntryError(ValueError):
+  """A cache entry (or its `.partial` build) that cannot be used or mended here: one line
+  naming the directory and what to do (a ValueError, so the CLI prints it without a
+  traceback)."""
+
+
+def _one_line(e: BaseException) -> str:
+  """`e` as one short line (TensorStore and orbax errors span many)."""
+  text = " ".join(str(e).split()) or type(e).__name__
+  return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _check_manifest(entry: pathlib.Path, recipe: dict, what: str) -> dict:
@@ -154,17 +174,33 @@ def _check_manifest(entry: pathlib.Path, recipe: dict, what: str) -> dict:
   if not manifest_path.is_file():
     raise CacheError("no manifest (partial entry)")
   try:
-    manifest = json.loads(manifest_path.read_text())
-  except (OSError, json.JSONDecodeError) as e:
-    raise CacheError(f"unreadable manifest: {e}") from e
+    manifest = json.loads(manifest_path.read_bytes().decode("utf-8"))
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise CacheError(f"unreadable manifest: {_one_line(e)}") from e
+  if not isinstance(manifest, dict):
+    raise CacheError("unreadable manifest: not a JSON object")
   if manifest.get("recipe") != recipe:
     raise CacheError(f"manifest recipe differs from the current {what}")
-  digests = _file_digests(entry)
+  try:
+    digests = _file_digests(entry)
+  except OSError as e:
+    raise CacheError(f"cannot read its files: {_one_line(e)}") from e
   if digests != manifest.get("files"):
-    expected = manifest.get("files") or {}
+    expected = manifest.get("files")
+    expected = expected if isinstance(expected, dict) else {}
     bad = sorted(k for k in set(digests) | set(expected) if digests.get(k) != expected.get(k))
     raise CacheError(f"{len(bad)} file(s) differ from the manifest checksums, e.g. {bad[:3]}")
   return manifest
+
+
+def _manifest_field(manifest: dict, *keys: str):
+  """manifest[keys[0]][keys[1]]...; CacheError where the manifest lacks it."""
+  value = manifest
+  for key in keys:
+    if not isinstance(value, dict) or key not in value:
+      raise CacheError(f"manifest lacks {'.'.join(keys)}")
+    value = value[key]
+  return value
 
 
 def _load_checked(entry: pathlib.Path, recipe: dict, role: str):
@@ -174,21 +210,37 @@ def _load_checked(entry: pathlib.Path, recipe: dict, role: str):
   try:
     trained = load_trained(entry / role, config=ModelConfig.from_dict(recipe[role]))
   except Exception as e:  # noqa: BLE001 (any failure to restore means a bad entry)
-    raise CacheError(f"checkpoint does not restore: {e}") from e
-  if params_fingerprint(trained.params) != manifest[role]["fingerprint"]:
+    raise CacheError(f"checkpoint does not restore: {_one_line(e)}") from e
+  if params_fingerprint(trained.params) != _manifest_field(manifest, role, "fingerprint"):
     raise CacheError("parameter fingerprints differ from the manifest")
   return trained
 
 
 @contextlib.contextmanager
-def _lock(path: pathlib.Path):
+def _lock(path: pathlib.Path, entry: pathlib.Path):
+  """An exclusive `flock` on `path` for the block (one builder of `entry` at a time; the
+  kernel drops it when the holder dies). The holder's pid is written into the file; a
+  process that has to wait says so in one line naming `entry` and that pid, before it
+  blocks (a first build takes minutes)."""
   path.parent.mkdir(parents=True, exist_ok=True)
-  with open(path, "w") as f:
-    fcntl.flock(f, fcntl.LOCK_EX)
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # not truncated: it names the holder
+  try:
     try:
-      yield
-    finally:
-      fcntl.flock(f, fcntl.LOCK_UN)
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = os.pread(fd, 32, 0).decode("utf-8", "replace").strip()
+      who = f"pid {holder}" if holder.isdigit() else "pid unknown"
+      _log(f"waiting for another process ({who}) that is building or loading {entry}; "
+           "this one goes on when it is done (a first build takes minutes)")
+      fcntl.flock(fd, fcntl.LOCK_EX)
+    try:  # best effort: the pid is only for the message above
+      os.ftruncate(fd, 0)
+      os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+      pass
+    yield
+  finally:
+    os.close(fd)  # drops the flock
 
 
 def _build_tokenizer(preset, corpus, out: pathlib.Path) -> Tokenizer:
@@ -319,28 +371,73 @@ def _cached_build(entry: pathlib.Path, rebuild: bool, verify_and_load: Callable,
   else discard the entry, build into `entry.partial` (build(partial) -> the manifest body,
   recipe included; a build interrupted there resumes), write the manifest with the files'
   digests, verify the partial and rename it into place (atomic: the entry appears complete or
-  not at all). Logs `training` before and ready(result, body) after."""
-  with _lock(entry.parent / f".{entry.name}.lock"):
+  not at all). Logs `training` before and ready(result, body) after.
+
+  A `.partial` left by an earlier build that cannot be resumed (a truncated tokenizer.json
+  or checkpoint step, a build of another recipe; anything but an interrupt, a missing
+  package or exhausted memory) is discarded with one line saying why, and the build starts
+  over. What cannot be mended (an entry that cannot be moved aside, a fresh build that does
+  not verify) raises `CacheEntryError`: one line naming the directory and what to do."""
+  with _lock(entry.parent / f".{entry.name}.lock", entry):
     if entry.exists() and not rebuild:
       try:
         return verify_and_load(entry)
       except CacheError as e:
-        _log(f"{unusable} ({e}); rebuilding them")
+        _log(f"{unusable} ({e}); rebuilding")
     if entry.exists():
-      bad = entry.with_name(f".{entry.name}.bad-{os.getpid()}-{int(time.time())}")
-      entry.rename(bad)
-      shutil.rmtree(bad, ignore_errors=True)
+      _discard(entry, "cannot move {path} aside to rebuild it ({error}): remove it and "
+               "re-run (or run `specjax train defaults`)")
     partial = entry.with_name(entry.name + ".partial")
-    if partial.exists():
+
+    def build_and_verify():
+      body = build(partial)
+      manifest = {**body, "files": _file_digests(partial)}
+      atomic_write(partial / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+      return verify_and_load(partial), body
+
+    resuming = partial.exists()
+    if resuming:
       _log(f"resuming an interrupted {build_name} in {partial}")
     _log(training)
-    body = build(partial)
-    manifest = {**body, "files": _file_digests(partial)}
-    (partial / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    result = verify_and_load(partial)
+    try:
+      result, body = build_and_verify()
+    except (ImportError, MemoryError):
+      raise  # a fresh build would fail alike: keep what the partial holds
+    except Exception as e:  # noqa: BLE001 (a partial that cannot be resumed is rebuilt)
+      if not resuming:
+        if isinstance(e, CacheError):
+          raise CacheEntryError(
+              f"the {build_name} just made in {partial} does not verify ({e}): remove "
+              f"{partial} and re-run") from e
+        raise
+      _log(f"the interrupted {build_name} in {partial} cannot be resumed ({_one_line(e)}); "
+           "discarding it and building from scratch")
+      _discard(partial)
+      try:
+        result, body = build_and_verify()
+      except CacheError as e:
+        raise CacheEntryError(
+            f"the {build_name} just made in {partial} does not verify ({e}): remove "
+            f"{partial} and re-run") from e
     os.replace(partial, entry)
     _log(ready(result, body))
     return result
+
+
+def _discard(path: pathlib.Path, refusal: str = "cannot remove the damaged build {path} "
+             "({error}): remove it and re-run") -> None:
+  """Removes `path` (a directory, or a file where one belongs): renamed aside first (one
+  step, so a kill leaves nothing half-removed under its name), then deleted. Where it
+  cannot be moved, CacheEntryError(refusal with {path} and {error} filled in)."""
+  aside = path.with_name(f".{path.name}.bad-{os.getpid()}-{int(time.time())}")
+  try:
+    path.rename(aside)
+  except OSError as e:
+    raise CacheEntryError(refusal.format(path=path, error=_one_line(e))) from None
+  if aside.is_dir() and not aside.is_symlink():
+    shutil.rmtree(aside, ignore_errors=True)
+  else:
+    aside.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- default heads
@@ -402,8 +499,8 @@ def _verify_and_load_heads(entry: pathlib.Path, recipe: dict, target: DefaultTar
     head = load_head(entry / "head", target=(target.target_config, target.target_params),
                      kind=recipe["kind"])
   except Exception as e:  # noqa: BLE001 (any failure to restore means a bad entry)
-    raise CacheError(f"head checkpoint does not restore: {e}") from e
-  if params_fingerprint(head.params) != manifest["fingerprint"]:
+    raise CacheError(f"head checkpoint does not restore: {_one_line(e)}") from e
+  if params_fingerprint(head.params) != _manifest_field(manifest, "fingerprint"):
     raise CacheError("head parameter fingerprint differs from the manifest")
   return head
 

@@ -3,8 +3,13 @@
 `config_from_hf` maps a config dict to (family, ModelConfig) and refuses every option that
 would make specjax compute something else (RoPE scalings other than llama3, non-tanh GELU,
 biases Llama does not have, interleaved sliding-window layers, ...), naming the field, its
-value and what is allowed. Fields a hand-written config.json may leave out take transformers'
-defaults.
+value and what is allowed. Every value it reads is checked for type, finiteness and range
+before it becomes a ModelConfig field (`transformer.check_field`), the error naming the
+config.json key: `"n_layer": 2.5`, `"layer_norm_epsilon": NaN` or `"tie_word_embeddings":
+"no"` are refused, never rounded or read as truthy. Nothing here is sized by the config (no
+per-layer lists), so a config claiming 10^9 layers is read at once; building a model from
+it is refused against memory (`transformer.check_params_fit`). Fields a hand-written
+config.json may leave out take transformers' defaults.
 `family_for` / `hf_config_for` go the other way, for export.
 """
 
@@ -15,7 +20,7 @@ import os
 import pathlib
 from typing import Iterable, Mapping
 
-from specjax.models.transformer import ModelConfig
+from specjax.models.transformer import ModelConfig, check_field
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
@@ -96,19 +101,23 @@ def rope_fields_of(hf: Mapping, default: float = 10000.0) -> dict:
   factor = spec.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
   if factor not in (None, 1, 1.0):
     raise ValueError(f"config.json: partial_rotary_factor={factor} is not supported (needs 1.0)")
-  theta = next((t for t in (spec.get("rope_theta"), hf.get("rope_theta")) if t is not None),
-               default)
-  out = {"rope_theta": float(theta)}
+  if spec.get("rope_theta") is not None:
+    theta, key = spec["rope_theta"], f"{field}.rope_theta"
+  elif hf.get("rope_theta") is not None:
+    theta, key = hf["rope_theta"], "rope_theta"
+  else:
+    theta, key = default, "rope_theta"
+  out = {"rope_theta": float(check_field("rope_theta", theta, f"config.json: {key}"))}
   if kind == "llama3":
     out["rope_scaling"] = "llama3"
     for name, ours in _LLAMA3_FIELDS.items():
-      value = spec.get(name)
+      value, key = spec.get(name), f"{field}.{name}"
       if name == "original_max_position_embeddings" and value is None:
-        value = hf.get("original_max_position_embeddings")
-      if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"config.json: {field}.{name}={value!r}: rope type 'llama3' needs a "
-                         "number")
-      out[ours] = int(value) if ours == "rope_original_max_len" else float(value)
+        value, key = hf.get("original_max_position_embeddings"), name
+      if value is None:
+        raise ValueError(f"config.json: {key}={value!r}: rope type 'llama3' needs a number")
+      check_field(ours, value, f"config.json: {key}")
+      out[ours] = value if ours == "rope_original_max_len" else float(value)
     if spec.get("attention_factor") not in (None, 1, 1.0):
       raise ValueError(f"config.json: {field}.attention_factor={spec['attention_factor']!r} is "
                        "not supported (needs 1.0)")
@@ -120,21 +129,51 @@ def rope_theta_of(hf: Mapping, default: float = 10000.0) -> float:
   return rope_fields_of(hf, default)["rope_theta"]
 
 
-def _need(hf: Mapping, family: str, *names: str):
-  """The first present field among `names` (aliases), else the family default, else an error."""
+def _need(hf: Mapping, family: str, *names: str) -> tuple[str, object]:
+  """(key, value) of the first present field among `names` (aliases), else the family
+  default, else an error."""
   for name in names:
     if hf.get(name) is not None:
-      return hf[name]
+      return name, hf[name]
   for name in names:
     if name in _DEFAULTS[family]:
-      return _DEFAULTS[family][name]
+      return name, _DEFAULTS[family][name]
   raise ValueError(f"config.json ({family}) lacks the field {names[0]!r}")
+
+
+def _field(hf: Mapping, family: str, ours: str, *names: str):
+  """The ModelConfig field `ours` read from the first present key among `names` (or its
+  default), checked (`check_field`) with the error naming the config.json key."""
+  key, value = _need(hf, family, *names)
+  return check_field(ours, value, f"config.json: {key}")
+
+
+def _optional(hf: Mapping, ours: str, name: str, default=None):
+  """Like `_field` for a key that may be absent or null (then `default`)."""
+  value = hf.get(name)
+  return default if value is None else check_field(ours, value, f"config.json: {name}")
+
+
+def _flag(hf: Mapping, family: str, name: str) -> bool:
+  """A true/false key (JSON true or false only: "no" or 1 are refused)."""
+  value = hf.get(name, _DEFAULTS[family].get(name, False))
+  if not isinstance(value, bool):
+    raise ValueError(f"config.json: {name} must be true or false, got {value!r}")
+  return value
+
+
+def _count(hf: Mapping, family: str, name: str, minimum: int = 0) -> int:
+  """A count that is no ModelConfig field of its own (max_window_layers): an int >= minimum."""
+  _, value = _need(hf, family, name)
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise ValueError(f"config.json: {name} must be an int >= {minimum}, got {value!r}")
+  return value
 
 
 def _require(hf: Mapping, family: str, name: str, allowed: Iterable, why: str) -> None:
   value = hf.get(name, _DEFAULTS[family].get(name))
   allowed = tuple(allowed)
-  if value not in allowed:
+  if not any(value == a and type(value) is type(a) for a in allowed):  # true is not 1
     raise ValueError(f"config.json: {name}={value!r} is not supported for {family} ({why}; "
                      f"allowed: {allowed})")
 
@@ -147,17 +186,17 @@ def config_from_hf(hf: Mapping, dtype: str = "float32") -> tuple[str, ModelConfi
     _require(hf, family, "scale_attn_weights", (True,), "attention is scaled by 1/sqrt(head_dim)")
     _require(hf, family, "scale_attn_by_inverse_layer_idx", (False,), "no per-layer scaling")
     _require(hf, family, "add_cross_attention", (False,), "decoder-only")
-    d = int(_need(hf, family, "n_embd", "hidden_size"))
-    heads = int(_need(hf, family, "n_head", "num_attention_heads"))
-    n_inner = hf.get("n_inner")
+    d = _field(hf, family, "d_model", "n_embd", "hidden_size")
+    heads = _field(hf, family, "n_heads", "n_head", "num_attention_heads")
     config = ModelConfig(
-        vocab_size=int(_need(hf, family, "vocab_size")), d_model=d,
-        n_layers=int(_need(hf, family, "n_layer", "num_hidden_layers")), n_heads=heads,
-        n_kv_heads=heads, d_ff=int(n_inner) if n_inner is not None else 4 * d,
-        max_len=int(_need(hf, family, "n_positions", "max_position_embeddings")),
+        vocab_size=_field(hf, family, "vocab_size", "vocab_size"), d_model=d,
+        n_layers=_field(hf, family, "n_layers", "n_layer", "num_hidden_layers"), n_heads=heads,
+        n_kv_heads=heads, d_ff=_optional(hf, "d_ff", "n_inner", 4 * d),
+        max_len=_field(hf, family, "max_len", "n_positions", "max_position_embeddings"),
         norm="layernorm", positions="learned", mlp="gelu",
-        tie_embeddings=bool(_need(hf, family, "tie_word_embeddings")), use_bias=True,
-        norm_eps=float(_need(hf, family, "layer_norm_epsilon")), dtype=dtype)
+        tie_embeddings=_field(hf, family, "tie_embeddings", "tie_word_embeddings"),
+        use_bias=True, norm_eps=float(_field(hf, family, "norm_eps", "layer_norm_epsilon")),
+        dtype=dtype)
     return family, config
 
   _require(hf, family, "hidden_act", ("silu",), "SwiGLU uses silu")
@@ -165,48 +204,52 @@ def config_from_hf(hf: Mapping, dtype: str = "float32") -> tuple[str, ModelConfi
     _require(hf, family, "attention_bias", (False,), "no attention biases")
   if family == "llama":
     _require(hf, family, "mlp_bias", (False,), "no MLP biases")
-  d = int(_need(hf, family, "hidden_size"))
-  heads = int(_need(hf, family, "num_attention_heads"))
-  kv = hf.get("num_key_value_heads")
-  head_dim = hf.get("head_dim", _DEFAULTS[family].get("head_dim"))
-  if head_dim is not None and int(head_dim) * heads == d:
+  d = _field(hf, family, "d_model", "hidden_size")
+  heads = _field(hf, family, "n_heads", "num_attention_heads")
+  head_dim = _optional(hf, "head_dim_override", "head_dim", _DEFAULTS[family].get("head_dim"))
+  if head_dim is not None and head_dim * heads == d:
     head_dim = None  # the derived width: stored as the default
-  n_layers = int(_need(hf, family, "num_hidden_layers"))
+  n_layers = _field(hf, family, "n_layers", "num_hidden_layers")
   window, first = _sliding_window(hf, family, n_layers)
   config = ModelConfig(
-      vocab_size=int(_need(hf, family, "vocab_size")), d_model=d, n_layers=n_layers,
-      n_heads=heads, n_kv_heads=int(kv) if kv is not None else heads,
-      d_ff=int(_need(hf, family, "intermediate_size")),
-      max_len=int(_need(hf, family, "max_position_embeddings")), norm="rmsnorm",
+      vocab_size=_field(hf, family, "vocab_size", "vocab_size"), d_model=d, n_layers=n_layers,
+      n_heads=heads, n_kv_heads=_optional(hf, "n_kv_heads", "num_key_value_heads", heads),
+      d_ff=_field(hf, family, "d_ff", "intermediate_size"),
+      max_len=_field(hf, family, "max_len", "max_position_embeddings"), norm="rmsnorm",
       positions="rope", mlp="swiglu",
-      tie_embeddings=bool(_need(hf, family, "tie_word_embeddings")), use_bias=False,
-      qkv_bias=family == "qwen2", norm_eps=float(_need(hf, family, "rms_norm_eps")),
-      dtype=dtype, head_dim_override=None if head_dim is None else int(head_dim),
-      qk_norm=family == "qwen3", sliding_window=window, window_first_layer=first,
-      **rope_fields_of(hf))
+      tie_embeddings=_field(hf, family, "tie_embeddings", "tie_word_embeddings"),
+      use_bias=False, qkv_bias=family == "qwen2",
+      norm_eps=float(_field(hf, family, "norm_eps", "rms_norm_eps")), dtype=dtype,
+      head_dim_override=head_dim, qk_norm=family == "qwen3", sliding_window=window,
+      window_first_layer=first, **rope_fields_of(hf))
   return family, config
 
 
 def _sliding_window(hf: Mapping, family: str, n_layers: int) -> tuple[int | None, int]:
   """(window, first windowed layer), as transformers reads them: Mistral windows every
   layer; Qwen2/3 only with use_sliding_window, the layers from max_window_layers on (or as
-  `layer_types` says, which must then be full layers followed by sliding ones)."""
+  `layer_types` says, which must then be full layers followed by sliding ones). Reads no
+  per-layer list it is not given (constant time in n_layers)."""
   if family == "mistral":
-    window = hf.get("sliding_window", _DEFAULTS[family]["sliding_window"])
-    return (None, 0) if window is None else (int(window), 0)
+    window = (_optional(hf, "sliding_window", "sliding_window") if "sliding_window" in hf
+              else _DEFAULTS[family]["sliding_window"])
+    return window, 0
   if family not in ("qwen2", "qwen3"):
     return None, 0
-  window = hf.get("sliding_window", _DEFAULTS[family]["sliding_window"])
-  if not hf.get("use_sliding_window", False):
-    window = None
+  use = _flag(hf, family, "use_sliding_window")
+  window = None
+  if use:
+    window = (_optional(hf, "sliding_window", "sliding_window") if "sliding_window" in hf
+              else _DEFAULTS[family]["sliding_window"])
   types = hf.get("layer_types")
-  if types is None:
-    first = int(_need(hf, family, "max_window_layers"))
-    types = ["sliding_attention" if window is not None and i >= first else "full_attention"
-             for i in range(n_layers)]
+  if types is None:  # the layers from max_window_layers on, when windowed
+    first = _count(hf, family, "max_window_layers")
+    return (None, 0) if window is None or first >= n_layers else (window, first)
   if (not isinstance(types, list) or len(types) != n_layers
       or any(t not in ("full_attention", "sliding_attention") for t in types)):
-    raise ValueError(f"config.json: layer_types={types!r} must list 'full_attention' or "
+    shown = types if not isinstance(types, list) or len(types) <= 8 else (
+        f"[{len(types)} entries]")
+    raise ValueError(f"config.json: layer_types={shown!r} must list 'full_attention' or "
                      f"'sliding_attention' for each of the {n_layers} layers")
   first = types.index("sliding_attention") if "sliding_attention" in types else n_layers
   if any(t != "sliding_attention" for t in types[first:]):
@@ -215,10 +258,9 @@ def _sliding_window(hf: Mapping, family: str, n_layers: int) -> tuple[int | None
   if first == n_layers or window is None:
     if first < n_layers:
       raise ValueError(f"config.json: layer_types lists sliding_attention layers but "
-                       f"sliding_window is {window!r} (use_sliding_window="
-                       f"{hf.get('use_sliding_window', False)!r})")
+                       f"sliding_window is {window!r} (use_sliding_window={use!r})")
     return None, 0
-  return int(window), first
+  return window, first
 
 
 def family_for(config: ModelConfig) -> str:

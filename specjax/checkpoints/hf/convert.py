@@ -30,7 +30,8 @@ from specjax.checkpoints.hf.tensor_files import (FLAX_MSGPACK, SAFETENSORS, SAFE
                                                  flatten, read_tensors, write_flax_msgpack,
                                                  write_safetensors)
 from specjax.checkpoints.hf.tokenizer import copy_tokenizer_files
-from specjax.models.transformer import ModelConfig, abstract_model, from_params
+from specjax.models.transformer import (ModelConfig, abstract_model, check_params_fit,
+                                        from_params)
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
@@ -157,7 +158,9 @@ def import_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> HFIm
   """Read and convert a Hugging Face model directory (config.json + weights).
 
   dtype: None keeps the checkpoint's precision (bf16 stays bf16); 'float32' or 'bfloat16'
-  converts. Raises ValueError naming the field or tensor on any mismatch.
+  converts. Raises ValueError naming the field or tensor on any mismatch, and, before any
+  tensor is read, when the config's parameters exceed this machine's memory
+  (`transformer.check_params_fit`).
   """
   if dtype not in (None, "float32", "bfloat16"):
     raise ValueError(f"dtype must be None, 'float32' or 'bfloat16', got {dtype!r}")
@@ -166,11 +169,16 @@ def import_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> HFIm
     raise ValueError(f"Hugging Face model directory {str(directory)!r} does not exist")
   hf = read_hf_config(directory)
   family, config = config_from_hf(hf)
+  # Before any tensor is read or any per-layer key listed: the parameters must fit this
+  # machine at the smallest precision they can come in (the stored dtype is known later).
+  what = f"Hugging Face model {str(directory)!r} (config.json)"
+  check_params_fit(config.replace(dtype=dtype or "bfloat16"), what=what)
   layout, tensors = read_tensors(directory)
   rules = rules_for(family, config, "flax" if layout == "flax" else "safetensors")
   embed = next((n for n in (rules[0].hf, rules[0].hf[len(PREFIX[family]):]) if n in tensors),
                None)
   config = config.replace(dtype=dtype or _float_dtype(tensors, embed))
+  check_params_fit(config, what=what)
   params = convert_in(rules, tensors, config, family)
   return HFImport(config=config, params=params, family=family, layout=layout, hf_config=hf)
 
