@@ -18,7 +18,9 @@ Per point:
                   length (`specjax.calibration`, docs/cost_model.md, "Calibrated loop
                   costs"; cached on disk): t_step = seconds per plain decode step, t_cycle =
                   seconds per cycle of chain(k), both of the decode phase (the prefill
-                  differenced out), so speedup = τ_cycle ÷ cycle_steps;
+                  differenced out; where that is lost in timing noise even re-measured,
+                  of whole calls, calibration_differenced = False), so speedup = τ_cycle ÷
+                  cycle_steps;
                   modelled (c = a number): t_cycle = k·c·t_1 + t_verify(k + 1), both target
                   forwards timed standalone here (`measure.step_costs`);
                 and the prediction (speedup_formula) with the same costs: with a measured
@@ -114,6 +116,9 @@ def _costs(k: int, batch: int, max_new_tokens: int, prompt_len: int, temperature
   return {"t_step": costs.t_step, "t_cycle_real": costs.cycle_seconds(tree),
           "cycle_steps": costs.cycle_steps(tree),
           "calibration_cached": bool(costs.meta.get("cached")),
+          # False: the decode phase was lost in timing noise even re-measured, so the
+          # calibration timed whole calls (prefill included; `calibration._decode_seconds`)
+          "calibration_differenced": bool(costs.meta.get("prefill_differenced", True)),
           "t1": sc.t1, "v": sc.v, "c_measured": sc.c,
           "real_draft_alpha": run.summary().alpha_trial}
 
@@ -189,6 +194,7 @@ def _metrics(alpha, k, length_B, prompt_len_B, st, costs, c, mc_cycles, seed) ->
       "predicted_from": "modelled" if modelled else "calibrated",
       "cycle_steps": None if modelled else costs["cycle_steps"],
       "calibration_cached": None if modelled else costs["calibration_cached"],
+      "calibration_differenced": None if modelled else costs["calibration_differenced"],
       "speedup_formula_standalone": standalone,
       "speedup_formula_mc": mc.tau * formula / expected,
       "t_step_ms": 1e3 * costs["t_step"], "t_cycle_ms": 1e3 * t_cycle,

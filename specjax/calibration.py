@@ -14,7 +14,9 @@ this module times the compiled loops themselves, through the public host API:
   ran: a batched loop runs until its slowest row is done);
 
 every call compiled first, then all of them alternated `repeats` times, medians (or the
-fastest calls, `statistic="fastest"`: load on a shared machine only slows a call). The
+fastest calls, `statistic="fastest"`: load on a shared machine only slows a call). A
+difference lost in timing noise is re-measured, then falls back to whole calls, flagged in
+`meta["prefill_differenced"]` (`_decode_seconds`): a fluctuation never fails a calibration. The
 cycle times are then fitted (pure numpy, `fit`) to
 
     cycle(N, D) = t_fixed + t_verify·(N + 1) + D·t_draft        (seconds, all ≥ 0)
@@ -399,13 +401,13 @@ STATISTICS = ("median", "fastest")
 
 
 def alternate(fns: Mapping[str, Callable[[], Any]], repeats: int,
-              timer: Callable[[], float] = time.perf_counter
+              timer: Callable[[], float] = time.perf_counter, *, warmup: bool = True
               ) -> tuple[dict[str, list[float]], dict[str, Any]]:
   """The one alternating-timing loop (the experiments' `measure.alternate` wraps it): one
-  warm-up call each (compilation excluded), then every callable in turn, `repeats` times, so
-  drift and other load hit all of them alike. Returns ({name: seconds of each call},
-  {name: last result})."""
-  last = {name: jax.block_until_ready(fn()) for name, fn in fns.items()}
+  warm-up call each (compilation excluded; warmup=False: none, for callables already run),
+  then every callable in turn, `repeats` times, so drift and other load hit all of them
+  alike. Returns ({name: seconds of each call}, {name: last result})."""
+  last = {name: jax.block_until_ready(fn()) for name, fn in fns.items()} if warmup else {}
   times: dict[str, list[float]] = {name: [] for name in fns}
   for _ in range(repeats):
     for name, fn in fns.items():
@@ -415,13 +417,37 @@ def alternate(fns: Mapping[str, Callable[[], Any]], repeats: int,
   return times, last
 
 
-def _alternate(fns: Mapping[str, Callable[[], Any]], repeats: int, timer: Callable[[], float],
-               statistic: str = "median") -> tuple[dict[str, float], dict[str, Any]]:
-  """Seconds per callable, the median or the fastest of its calls, and each one's last
-  result."""
+REMEASURE_ROUNDS = 2  # extra rounds (2x, then 4x the repeats) for a difference lost in noise
+
+
+def _decode_seconds(fns: Mapping[str, Callable[[], Any]], names: Sequence[str], repeats: int,
+                    timer: Callable[[], float], statistic: str
+                    ) -> tuple[dict[str, float], dict[str, Any], dict[str, Any]]:
+  """Seconds of the decode phase of each of `names` (fns holds "<name>/M" and "<name>/1"):
+  the median (or fastest) M-token call minus the 1-token call (the prefill alone), and each
+  call's last result.
+
+  A timing fluctuation never fails a calibration: where a difference is not positive (a
+  sub-millisecond decode phase under load), only those calls are alternated again,
+  REMEASURE_ROUNDS times with 2x, 4x the repeats, their times pooled. If one is still not
+  positive, every name is timed by its whole M-token call instead (prefill included, for
+  all alike so the cycle-to-step ratios stay comparable). The third value records what
+  happened: {"remeasured": rounds, "prefill_differenced": bool, "not_differenced": [names
+  whose difference stayed <= 0]}."""
   times, last = alternate(fns, repeats, timer)
   pick = statistics.median if statistic == "median" else min
-  return {n: pick(t) for n, t in times.items()}, last
+  diff = lambda n: pick(times[f"{n}/M"]) - pick(times[f"{n}/1"])  # noqa: E731
+  rounds = 0
+  while rounds < REMEASURE_ROUNDS and (bad := [n for n in names if not diff(n) > 0]):
+    rounds += 1
+    more, _ = alternate({f"{n}/{tag}": fns[f"{n}/{tag}"] for n in bad for tag in "M1"},
+                        repeats * 2**rounds, timer, warmup=False)
+    for key, extra in more.items():
+      times[key].extend(extra)
+  bad = [n for n in names if not diff(n) > 0]
+  seconds = {n: pick(times[f"{n}/M"]) if bad else diff(n) for n in names}
+  return seconds, last, {"remeasured": rounds, "prefill_differenced": not bad,
+                         "not_differenced": bad}
 
 
 def measure(target, draft, prompt_ids: Sequence[Sequence[int]], shapes: Sequence[Tree], *,
@@ -452,28 +478,19 @@ def measure(target, draft, prompt_ids: Sequence[Sequence[int]], shapes: Sequence
           lambda ids, n=n, t=t: decoding.speculative_generate(
               target, drafters[shape_key(t)], ids, tree=t, max_new_tokens=n, **common),
           prompt_ids, rows)
-  med, last = _alternate(fns, repeats, timer, statistic)
+  seconds, last, timing = _decode_seconds(fns, ["plain", *drafters], repeats, timer, statistic)
   batches = len(prompt_ids) // rows
-
-  def decode(name: str, iterations: int) -> float:
-    dt = med[f"{name}/M"] - med[f"{name}/1"]
-    if not dt > 0:
-      raise ValueError(f"calibration of {name}: decoding {max_new_tokens} tokens took no longer "
-                       f"than the prefill alone ({med[f'{name}/M']:.3g} s vs "
-                       f"{med[f'{name}/1']:.3g} s): raise max_new_tokens or repeats")
-    return dt / iterations
-
-  t_step = decode("plain", batches * (max_new_tokens - 1))
+  t_step = seconds["plain"] / (batches * (max_new_tokens - 1))
   cycles = []
   for t in shapes:
     run = last[f"{shape_key(t)}/M"]
-    cycles.append((t, decode(shape_key(t), max(1, decoding.loop_iterations(run, rows)))))
+    cycles.append((t, seconds[shape_key(t)] / max(1, decoding.loop_iterations(run, rows))))
   chains = [last[f"{shape_key(t)}/M"].stats for t in shapes if t.is_chain]
   alphas = depth_alpha(chains)
   meta = {"batch": rows, "prompts": len(prompt_ids), "temperature": float(temperature),
           "alpha": alphas[0] if alphas else None, "depth_alpha": alphas,
           "max_new_tokens": max_new_tokens, "cache_len": cache_len, "repeats": repeats,
-          "statistic": statistic,
+          "statistic": statistic, **timing,
           "drafters": {k: _describe_drafter(d) for k, d in drafters.items()}}
   return LoopCosts.from_timings(t_step, cycles, meta)
 
@@ -622,6 +639,8 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
                   batch=rows, timer=timer)
   costs = dataclasses.replace(costs, meta={**costs.meta, "fingerprint": fp, "key": key,
                                            "cached": False})
+  if not costs.meta.get("prefill_differenced", True):
+    return costs  # whole calls (the decode phase was lost in noise): measured again next time
   try:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
