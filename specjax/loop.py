@@ -539,7 +539,8 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
     behind_p = a.behind_p.at[rows, slot].set(jnp.where(active, p_x, a.behind_p[rows, slot]))
     adapt = a.replace(behind=a.behind + active.astype(jnp.int32), behind_p=behind_p)
     return i + 1, s.replace(tokens=tokens, length=length, done=done, key=key, adapt=adapt,
-                            cache=kv.set_lengths(cache, length))
+                            cache=kv.set_lengths(cache, length),
+                            nonfinite=s.nonfinite + _nonfinite(active, logits))
 
   def lazy_plain_branch(s: LoopState):
     """A run of plain steps (a nested while_loop): as many as the bound allows (P − the
@@ -574,7 +575,8 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
     draft = drafter.commit(draft, ctx, one, jnp.zeros((b, 2), jnp.int32),
                            jnp.zeros((b,), jnp.int32), **extra(feats))
     new = s.replace(tokens=tokens, length=length, done=done, key=key, draft=draft,
-                    cache=kv.set_lengths(cache, length))
+                    cache=kv.set_lengths(cache, length),
+                    nonfinite=s.nonfinite + _nonfinite(active, logits))
     acc_obs = policy.first_draft_observation(_draft_acceptance(proposal, p_BV))
     tried_obs = policy.first_draft_observation(jnp.ones((b,), jnp.float32))
     return (new, acc_obs, tried_obs, active, jnp.zeros((b,), jnp.int32),

@@ -410,10 +410,13 @@ def test_loops_count_non_finite_logits_and_the_host_api_refuses_them():
   """The loops count the passes with NaN/inf logits in the loop state (no host sync);
   generate / speculative_generate raise NonFiniteLogitsError (a ValueError) instead of
   returning NaN-driven tokens, the run attached; finite runs count 0 and return."""
-  from specjax import decoding, loop, sampling, trees
+  from specjax import adaptive, decoding, loop, sampling, trees
+  from specjax.drafters.medusa import MedusaDrafter
   cfg = TINY["gpt2"]
   good, draft = model(cfg), model(cfg.replace(n_layers=1), seed=1)
+  plain_only = adaptive.AdaptivePolicy.create((0, 1), [1.0, 1.2], forced=[0])  # k = 0 only
   bad = _nan_model(cfg)
+  d = cfg.d_model
   prompts = [[1, 2, 3], [4, 5]]
   batch = decoding.prepare_batch(prompts, vocab_size=cfg.vocab_size, max_len=cfg.max_len,
                                  max_new_tokens=5)
@@ -430,6 +433,14 @@ def test_loops_count_non_finite_logits_and_the_host_api_refuses_them():
       "tree-T1": lambda: decoding.speculative_generate(
           bad, draft, prompts, tree=trees.branching((2, 1)), max_new_tokens=5,
           sampler=t1),
+      # the adaptive loop's plain steps (eager and lazy) and cycles count them as well
+      "auto": lambda: decoding.speculative_generate(bad, draft, prompts, k="auto",
+                                                    max_new_tokens=5),
+      "auto-plain-eager": lambda: decoding.speculative_generate(  # Medusa: no lazy catch-up
+          bad, MedusaDrafter.of(bad, {"w": jnp.zeros((2, d, d)), "b": jnp.zeros((2, d))}),
+          prompts, policy=plain_only, max_new_tokens=5),
+      "auto-plain-lazy": lambda: decoding.speculative_generate(
+          bad, draft, prompts, policy=plain_only, max_new_tokens=5),
       # a NaN draft at T > 0 would corrupt the acceptance rule: its q is counted too
       "draft-T1": lambda: decoding.speculative_generate(good, _nan_model(cfg, 1), prompts, k=2,
                                                         max_new_tokens=5, sampler=t1),
