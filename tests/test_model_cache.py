@@ -57,6 +57,27 @@ def test_atomic_writes_and_assembled_dirs_get_the_umask_modes(tmp_path, umask, m
   assert sorted(p.name for p in tmp_path.iterdir()) == ["f.json", "model", "tokenizer.json"]
 
 
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_exported_safetensors_get_the_umask_modes(tmp_path, umask, mask):
+  """The safetensors package writes 0600 whatever the umask (issue 29 item 8: outputs
+  written 0600 under umask 022); export-hf's weight files get the umask's mode."""
+  import numpy as np
+  from specjax.checkpoints import hf
+  from specjax.checkpoints.hf.tensor_files import write_safetensors
+  from specjax.models.transformer import ModelConfig
+  umask(mask)
+  assert dirs.file_mode() == 0o666 & ~mask
+  write_safetensors(tmp_path / "w.safetensors", {"a": np.zeros(3, np.float32)})
+  assert (tmp_path / "w.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
+  config = ModelConfig.gpt2(vocab_size=64, d_model=8, n_layers=1, n_heads=2, n_kv_heads=2,
+                            d_ff=16, max_len=32)
+  params = {k: np.zeros(shape, np.float32) for k, shape in hf.param_shapes(config).items()}
+  out = hf.export_hf((config, params), tmp_path / "hf")
+  modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+  assert modes == {"config.json": 0o666 & ~mask, "model.safetensors": 0o666 & ~mask}, modes
+  assert out.stat().st_mode & 0o777 == 0o777 & ~mask
+
+
 def test_a_failed_atomic_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path,
                                                                           monkeypatch):
   ByteTokenizer().save(tmp_path)

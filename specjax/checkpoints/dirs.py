@@ -13,7 +13,8 @@ is written or after a kill (run directories, the model cache, tokenizers). What 
 gets the modes the process's umask gives (0644 files, 0755 directories under umask 022),
 like any file the process writes directly: temporary names are created with `os.open(...,
 O_EXCL, 0o666)` / `os.mkdir(..., 0o777)`, not with `tempfile.mkstemp` / `mkdtemp`, whose
-0600 / 0700 would survive the rename.
+0600 / 0700 would survive the rename. A file a library writes with its own mode
+(safetensors writes 0600) is given the umask's (`file_mode`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,21 @@ def make_temp_dir(parent: str | os.PathLike, name: str, kind: str = "tmp") -> pa
       return path
     except FileExistsError:
       continue
+
+
+def file_mode() -> int:
+  """The mode a file the process creates gets: 0o666 less the umask (0644 under umask 022).
+  Read from /proc/self/status where it says (the umask is left alone), else by setting and
+  restoring it."""
+  try:
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+      if line.startswith("Umask:"):
+        return 0o666 & ~int(line.split()[1], 8)
+  except (OSError, ValueError, IndexError):
+    pass
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return 0o666 & ~mask
 
 
 def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:

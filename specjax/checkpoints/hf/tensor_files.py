@@ -143,7 +143,8 @@ def read_safetensors(path: str | os.PathLike) -> Tensors:
 
 def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
                       metadata: Mapping[str, str] | None = None) -> None:
-  """One standard safetensors file (the package's layout: little-endian, contiguous)."""
+  """One standard safetensors file (the package's layout: little-endian, contiguous), with
+  the umask's mode (the package itself writes 0600)."""
   arrays = {}
   for name in sorted(tensors):
     arr = np.ascontiguousarray(tensors[name])
@@ -152,6 +153,8 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]
     arrays[name] = arr
   meta = {str(k): str(v) for k, v in metadata.items()} if metadata else None
   safetensors.numpy.save_file(arrays, str(path), metadata=meta)
+  from specjax.checkpoints.dirs import file_mode
+  os.chmod(path, file_mode())
 
 
 # ----------------------------------------------------------------------------- Flax msgpack
