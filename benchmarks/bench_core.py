@@ -1,13 +1,16 @@
 """Core engine benchmark: verify-cost curve, loop overhead, memory floor, speculative efficiency.
 
     python benchmarks/bench_core.py [--dtype float32 bfloat16] [--out results.json]
+    python benchmarks/bench_core.py --target llama3-8b --draft llama3-draft --dtype bfloat16 \
+        --ts 1 4 8 16 32 64 --batch 1 8 --out scale.json     (the accelerator check's target)
 
-GPT-2-small-shaped target (12 layers, d=768, vocab 50257, random weights), batch 1, this
-machine. Everything is timed in one process, variants alternated, medians over repeats:
+A target of a named shape (`--target`, default GPT-2 small: 12 layers, d=768, vocab 50257;
+random weights, initialised on the device in the model dtype), batch 1 unless `--batch`
+lists more, this machine. Everything is timed in one process, variants alternated, medians over repeats:
 
-1. target forward of T = 1, 2, 4, 8, 16 tokens against a cache holding `--context` tokens,
+1. target forward of T = 1, 2, 4, 8, 16 tokens (`--ts`) against a cache holding `--context` tokens,
    divided by the one-token forward (the verification-cost curve);
-2. jitted `generate` tokens/s of the decode phase (a call of n tokens minus a call of 1, the
+2. jitted `generate` tokens/s of the decode phase at each `--batch` (a call of n tokens minus a call of 1, the
    prefill alone) against 1 / (one decode forward) (loop overhead) and against
    the memory floor: bytes read per step (weights + the KV buffer the step reads) divided by
    the streaming bandwidth `roofline.calibrate` measures;
@@ -23,12 +26,15 @@ Standalone forwards donate the cache and feed it back (as the loop does), so no 
 includes a cache copy.
 Also checks the compiled decode step for cache-sized copies (XLA copying the whole KV cache
 every step instead of updating it in place; docs/xla_notes.md, trap 1).
+With `--out`, the results so far are rewritten after every stage, so a run stopped at its
+time limit still leaves what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import re
 import statistics
 import sys
@@ -119,17 +125,29 @@ def cache_copies(lm: LM, cache_len: int) -> list[str]:
           if re.search(r"\bcopy\(", line) and shape in line]
 
 
-def run(dtype: str, args) -> dict:
-  cfg = PRESETS["gpt2-small"].replace(dtype=dtype)
-  target = Transformer(cfg, rngs=nnx.Rngs(0))
-  lm = LM.of(target)
-  draft_cfg = PRESETS["gpt2-draft"].replace(dtype=dtype)
-  draft = Transformer(draft_cfg, rngs=nnx.Rngs(1))
-  cache_len = args.cache_len
-  out = {"dtype": dtype, "context": args.context, "cache_len": cache_len}
+def random_model(cfg, seed: int) -> Transformer:
+  """A Transformer of `cfg` with random weights, initialised in one jitted call on the default
+  device in the config's dtype (eager initialisation compiles every random op separately, and
+  an 8B model initialised in float32 first would need twice the memory)."""
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+  del abstract
+  state = jax.jit(lambda: nnx.split(Transformer(cfg, rngs=nnx.Rngs(seed)))[1])()
+  return nnx.merge(graphdef, state)
 
-  _log(f"{dtype}: target forwards T = 1..16")
-  ts = (1, 2, 4, 5, 8, 16)
+
+def run(dtype: str, args, save=lambda: None) -> dict:
+  cfg = PRESETS[args.target].replace(dtype=dtype)
+  target = random_model(cfg, 0)
+  lm = LM.of(target)
+  draft_cfg = PRESETS[args.draft].replace(dtype=dtype)
+  draft = random_model(draft_cfg, 1)
+  cache_len = args.cache_len
+  out = {"dtype": dtype, "target": args.target, "draft": args.draft, "context": args.context,
+         "cache_len": cache_len}
+  args.partial.append(out)
+
+  ts = tuple(sorted(set(args.ts) | {1, 2, args.k + 1}))
+  _log(f"{dtype}: target forwards T = {ts}")
   fwd = forward_times(lm, args.context, cache_len, ts, args.repeats)
   out["forward_ms"] = {t: 1e3 * v for t, v in fwd.items()}
   out["verify_cost"] = {t: fwd[t] / fwd[1] for t in ts}
@@ -138,32 +156,32 @@ def run(dtype: str, args) -> dict:
   out["draft_step_ms"] = 1e3 * draft_fwd[2]
   out["c"] = draft_fwd[2] / fwd[1]
   out["cache_copies_in_decode_step"] = cache_copies(lm, cache_len)
+  save()
 
-  _log(f"{dtype}: plain generation")
-  # Plain generation: loop overhead and memory floor. Decode phase = a call of n tokens minus
-  # a call of 1 (the prefill alone), alternated, medians: what one decode step costs.
-  prompt = [list(range(1, args.context + 1))]
   n = args.new_tokens
-  calls = {m: [] for m in (n, 1)}
-  for _ in range(args.repeats + 1):
-    for m in calls:
-      calls[m].append(decoding.generate(target, prompt, max_new_tokens=m, cache_len=cache_len))
-  plain = calls[n][1:]
-  plain_s = statistics.median(g.seconds for g in plain)
-  prefill_s = statistics.median(g.seconds for g in calls[1][1:])
-  tok_s = (n - 1) / (plain_s - prefill_s)
-  out["plain_call_tok_s"] = n / plain_s  # the whole call, prefill included
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(target, nnx.Param)))
   read_slots = min(b for b in attention.prefix_buckets(cache_len) if b >= args.context + n)
-  step_bytes = weight_bytes + kv.cache_bytes(cfg, 1, read_slots)  # the prefix attention reads
-  out["plain_tok_s"] = tok_s
-  out["one_forward_tok_s"] = 1.0 / fwd[1]
-  out["loop_overhead"] = 1.0 - tok_s / (1.0 / fwd[1])
-  out["step_bytes"] = step_bytes
   out["bandwidth_GBps"] = args.bandwidth / 1e9
-  floor_tok_s = args.bandwidth / step_bytes
-  out["memory_floor_tok_s"] = floor_tok_s
-  out["fraction_of_floor"] = tok_s / floor_tok_s
+  out["plain_by_batch"] = {}
+  for batch in args.batch:
+    _log(f"{dtype}: plain generation, batch {batch}")
+    row, calls, call_s = plain_generation(target, batch, args, cache_len)
+    if batch == args.batch[0]:
+      plain, plain_s = calls, call_s
+    # A step reads every weight once and each row's live KV prefix (the bucket attention reads).
+    step_bytes = weight_bytes + kv.cache_bytes(cfg, batch, read_slots)
+    row["step_bytes"] = step_bytes
+    row["memory_floor_tok_s"] = batch * args.bandwidth / step_bytes
+    row["fraction_of_floor"] = row["plain_tok_s"] / row["memory_floor_tok_s"]
+    out["plain_by_batch"][batch] = row
+    save()
+  first = out["plain_by_batch"][args.batch[0]]
+  tok_s = first["plain_tok_s"]
+  out.update({k: first[k] for k in ("plain_call_tok_s", "plain_tok_s", "step_bytes",
+                                    "memory_floor_tok_s", "fraction_of_floor")})
+  out["one_forward_tok_s"] = 1.0 / fwd[1]
+  out["loop_overhead"] = 1.0 - tok_s / (1.0 / fwd[1]) if args.batch[0] == 1 else None
+  save()
   # The same weights through a bare chain of one-row products, timed in this run: plain
   # decoding's tokens/s as a fraction of what the backend's own kernels allow.
   _log(f"{dtype}: bare matmul chain")
@@ -171,9 +189,11 @@ def run(dtype: str, args) -> dict:
   out["matmul_chain_ms"] = 1e3 * chain_s
   out["fraction_of_matmul_chain"] = tok_s * chain_s
 
+  save()
   _log(f"{dtype}: speculative generation")
-  # Speculative generation at T=0.
+  # Speculative generation at T=0, batch args.batch[0].
   k = args.k
+  prompt = _prompts(args.batch[0], args.context)
   for name, d, d_fwd in (("self_draft", target, fwd), ("draft_2l", draft, draft_fwd)):
     runs = [decoding.speculative_generate(target, d, prompt, k=k, max_new_tokens=n,
                                           cache_len=cache_len) for _ in range(args.repeats + 1)]
@@ -188,12 +208,42 @@ def run(dtype: str, args) -> dict:
     out[name] = {"tok_s": n / s, "alpha": summary.alpha, "tau": summary.tau,
                  "speedup_vs_plain": plain_s / s, "predicted_tok_s": predicted,
                  "efficiency": measured / predicted}
+    save()
   return out
+
+
+def _prompts(batch: int, context: int) -> list[list[int]]:
+  return [[1 + (i + j) % 200 for j in range(context)] for i in range(batch)]
+
+
+def plain_generation(target, batch: int, args, cache_len: int):
+  """Plain generation's decode phase at `batch` rows: a call of n tokens minus a call of 1
+  (the prefill alone), alternated, medians: what one decode step costs. Returns (figures,
+  the n-token calls, their median seconds)."""
+  prompt = _prompts(batch, args.context)
+  n = args.new_tokens
+  calls = {m: [] for m in (n, 1)}
+  for _ in range(args.repeats + 1):
+    for m in calls:
+      calls[m].append(decoding.generate(target, prompt, max_new_tokens=m, cache_len=cache_len))
+  plain_s = statistics.median(g.seconds for g in calls[n][1:])
+  prefill_s = statistics.median(g.seconds for g in calls[1][1:])
+  return {"plain_call_tok_s": batch * n / plain_s,  # the whole call, prefill included
+          "plain_tok_s": batch * (n - 1) / (plain_s - prefill_s),
+          "decode_step_ms": 1e3 * (plain_s - prefill_s) / (n - 1)}, calls[n][1:], plain_s
 
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+  p.add_argument("--target", default="gpt2-small", choices=sorted(PRESETS),
+                 help="target shape (models/presets.py; default gpt2-small)")
+  p.add_argument("--draft", default="gpt2-draft", choices=sorted(PRESETS),
+                 help="the separate draft's shape (default gpt2-draft)")
+  p.add_argument("--ts", type=int, nargs="+", default=[1, 2, 4, 5, 8, 16],
+                 help="verification rows T timed against one row (default 1 2 4 5 8 16)")
+  p.add_argument("--batch", type=int, nargs="+", default=[1],
+                 help="batches of plain generation (the first is used for speculation)")
   p.add_argument("--context", type=int, default=64)
   p.add_argument("--cache-len", type=int, default=512)
   p.add_argument("--new-tokens", type=int, default=64)
@@ -204,9 +254,18 @@ def main():
   _log(f"calibrating the backend ({jax.default_backend()})")
   hw = roofline.calibrate(stream_bytes=512 * 2**20)
   args.bandwidth = hw.bandwidth
+  args.partial = []
   results = {"backend": jax.default_backend(), "devices": str(jax.devices()),
              "calibrated": {"bandwidth_GBps": hw.bandwidth / 1e9, "flops_G": hw.flops / 1e9},
-             "runs": [run(d, args) for d in args.dtype]}
+             "runs": args.partial}
+
+  def save():
+    if args.out:
+      with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+  for d in args.dtype:
+    run(d, args, save)
   write_results(results, args.out)
 
 

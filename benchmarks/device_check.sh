@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # One prepared check of specjax on whatever accelerator is present (or the CPU), <= 8 min:
-# the quickstart (the embedded pair, built on first use), a reduced batch_breakeven and
-# bench_core (GPT-2-small shapes, fp32), gathered into one JSON. Phase limits follow the first
+# the scale check (an 8B-class Llama shape, random bf16 weights: plain decoding at batch 1 and
+# 8 against the measured-bandwidth roofline, verification cost for 1-64 rows, speculation
+# against its prediction; GPU only, skipped on a CPU), the quickstart (the embedded pair), a
+# reduced batch_breakeven and bench_core (GPT-2-small shapes, fp32), gathered into one JSON.
+# DEVICE_CHECK_PHASES picks phases (default: all, "scale quickstart batch_breakeven
+# bench_core"). Phase limits follow the first
 # run on an H200 (BUILD_NOTES.md): quickstart 152 s with the pair's training (38 s there), a
 # batch_breakeven point ~72 s (compiles and calibration dominate), bench_core > 170 s for
 # fp32 + bf16.
@@ -45,6 +49,8 @@ phase() {  # phase NAME SECONDS COMMAND...: runs it, logs to OUT_DIR/NAME.log, r
   tail -n 5 "$OUT_DIR/$name.log"
 }
 
+PHASES=${DEVICE_CHECK_PHASES:-scale quickstart batch_breakeven bench_core}
+wanted() { [[ " $PHASES " == *" $1 "* ]]; }
 rm -f "$OUT_DIR/phases.jsonl"
 "$PY" - >"$OUT_DIR/environment.json" <<'PYEOF'
 import json, platform, jax
@@ -52,13 +58,22 @@ print(json.dumps({"backend": jax.default_backend(), "devices": [str(d) for d in 
                   "jax": jax.__version__, "python": platform.python_version()}))
 PYEOF
 
-phase quickstart 200 "$PY" -m specjax.cli run configs/quickstart.gin --no-progress \
+BACKEND=$("$PY" -c "import jax; print(jax.default_backend())" 2>/dev/null)
+if wanted scale && [ "$BACKEND" = gpu ]; then
+  phase scale 230 "$PY" benchmarks/bench_core.py --target llama3-8b --draft llama3-draft \
+    --dtype bfloat16 --ts 1 4 8 16 32 64 --batch 1 8 --k 3 --repeats 3 --new-tokens 64 \
+    --context 512 --cache-len 2048 --out "$OUT_DIR/scale.json"
+elif wanted scale; then
+  echo "{\"phase\": \"scale\", \"skipped\": \"backend $BACKEND is not a GPU\"}" \
+    >>"$OUT_DIR/phases.jsonl"
+fi
+wanted quickstart && phase quickstart 200 "$PY" -m specjax.cli run configs/quickstart.gin --no-progress \
   --out "$OUT_DIR/quickstart"
-phase batch_breakeven 170 "$PY" -m specjax.cli run configs/batch_breakeven.gin --no-progress \
+wanted batch_breakeven && phase batch_breakeven 170 "$PY" -m specjax.cli run configs/batch_breakeven.gin --no-progress \
   --out "$OUT_DIR/batch_breakeven" \
   --gin_param 'sweeps.Sweep.axes = {"batch": [1, 64], "k": [4]}' \
   --gin_param 'sweeps.Sweep.fixed = {"max_new_tokens": 32, "prompt_len": 64, "temperature": 0.0, "repeats": 3, "models": "default", "draft_cost": "full", "calibration_k": (4,), "calibration_repeats": 3}'
-phase bench_core 110 "$PY" benchmarks/bench_core.py --dtype float32 --repeats 3 --new-tokens 32 \
+wanted bench_core && phase bench_core 110 "$PY" benchmarks/bench_core.py --dtype float32 --repeats 3 --new-tokens 32 \
   --out "$OUT_DIR/bench_core.json"
 
 "$PY" - "$OUT_DIR" <<'PYEOF'
@@ -67,13 +82,14 @@ out = pathlib.Path(sys.argv[1])
 def rows(name):
   f = out / name / "results.jsonl"
   return [json.loads(l) for l in f.read_text().splitlines() if l.strip()] if f.exists() else None
-bench = out / "bench_core.json"
+bench, scale = out / "bench_core.json", out / "scale.json"
 summary = {
     "environment": json.loads((out / "environment.json").read_text()),
     "phases": [json.loads(l) for l in (out / "phases.jsonl").read_text().splitlines()],
     "quickstart": rows("quickstart"),
     "batch_breakeven": rows("batch_breakeven"),
     "bench_core": json.loads(bench.read_text()) if bench.exists() else None,
+    "scale": json.loads(scale.read_text()) if scale.exists() else None,
 }
 (out / "device_check.json").write_text(json.dumps(summary, indent=1))
 print(f"device_check: wrote {out / 'device_check.json'}")

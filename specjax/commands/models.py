@@ -44,9 +44,9 @@ def default_models(target_flag, draft_flag):
   from specjax.training import defaults
   from specjax.training.presets import DEFAULT_PRESET
   if draft_flag == "default":
-    return defaults.load_default_pair(DEFAULT_PRESET, "code")
+    return defaults.load_default_pair(DEFAULT_PRESET)
   if target_flag == "default":
-    return defaults.load_default_target(DEFAULT_PRESET, "code")
+    return defaults.load_default_target(DEFAULT_PRESET)
   return None
 
 

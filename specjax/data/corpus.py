@@ -116,6 +116,15 @@ def split_documents(name: str, docs: Iterator[Document], *, val_fraction: float 
 
 
 def stdlib_dir() -> pathlib.Path:
+  """The standard library the embedded corpora read: the running interpreter's, or the tree
+  named by $SPECJAX_STDLIB_DIR (a copy of another interpreter's library, so a pair can be
+  trained on another machine from exactly the text a given Python version carries)."""
+  override = os.environ.get("SPECJAX_STDLIB_DIR")
+  if override:
+    root = pathlib.Path(override)
+    if not root.is_dir():
+      raise ValueError(f"$SPECJAX_STDLIB_DIR must name a directory, got {override!r}")
+    return root
   return pathlib.Path(sysconfig.get_paths()["stdlib"])
 
 

@@ -17,6 +17,15 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt2-draft": ModelConfig.gpt2(d_model=256, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=1024),
     "llama-small": ModelConfig.llama(),
     "llama-draft": ModelConfig.llama(d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=688),
+    # An 8B-class Llama-3 shape (32 layers, d 4096, GQA 32/8, vocab 128,256; ~8.0B
+    # parameters, 16 GB in bf16): the accelerator check's target (benchmarks/device_check.sh).
+    "llama3-8b": ModelConfig.llama(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32,
+                                   n_kv_heads=8, d_ff=14336, max_len=8192, rope_theta=500000.0,
+                                   dtype="bfloat16"),
+    # A 2-layer draft with the same vocabulary (its LM head dominates its cost).
+    "llama3-draft": ModelConfig.llama(vocab_size=128256, d_model=1024, n_layers=2, n_heads=16,
+                                      n_kv_heads=8, d_ff=3584, max_len=8192,
+                                      rope_theta=500000.0, dtype="bfloat16"),
     # Test-sized models.
     "tiny-gpt2": ModelConfig.gpt2(vocab_size=264, d_model=64, n_layers=2, n_heads=4,
                                   n_kv_heads=4, d_ff=256, max_len=512),

@@ -63,7 +63,8 @@ from specjax.checkpoints.trained import load_trained
 from specjax.models.transformer import ModelConfig, Transformer, from_params
 from specjax.training.config import TrainConfig
 from specjax.training.presets import DEFAULT_PRESET, get_preset
-from specjax.training.trainer import Teacher, params_fingerprint, train
+from specjax.training import shipped
+from specjax.training.trainer import Teacher, abstract_params, params_fingerprint, train
 
 CACHE_FORMAT = 2  # 2: the target and the draft are separate entries
 MANIFEST = "manifest.json"
@@ -117,8 +118,9 @@ def _key(recipe: dict) -> str:
   return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def entry_dir(preset: str = DEFAULT_PRESET, corpus: str = "code") -> pathlib.Path:
+def entry_dir(preset: str = DEFAULT_PRESET, corpus: str | None = None) -> pathlib.Path:
   """Where the default target (and its tokenizer) for (preset, corpus) lives in the cache."""
+  corpus = corpus_of(preset, corpus)
   return cache_dir() / "models" / f"{preset}-{corpus}-{_key(_recipe(preset, corpus))}"
 
 
@@ -304,22 +306,33 @@ def build_draft(preset_name: str, corpus_name: str, target: DefaultTarget, out: 
   return _built(t0, "draft", draft, corpus_fingerprint=corpus.fingerprint)
 
 
+def corpus_of(preset: str, corpus: str | None) -> str:
+  """`corpus`, or the preset's own corpus when None."""
+  return get_preset(preset).corpus if corpus is None else corpus
+
+
 def _check_default(preset: str, corpus: str) -> None:
   get_preset(preset)
   if corpus not in EMBEDDED:
     raise ValueError(f"corpus must be one of {EMBEDDED} for the default models, got {corpus!r}")
 
 
-def load_default_target(preset: str = DEFAULT_PRESET, corpus: str = "code", *,
+def load_default_target(preset: str = DEFAULT_PRESET, corpus: str | None = None, *,
                         progress: bool = True, rebuild: bool = False) -> DefaultTarget:
-  """The trained default target (and its tokenizer) for `preset` on an embedded corpus.
+  """The trained default target (and its tokenizer) for `preset` on an embedded corpus (by
+  default the preset's own).
 
-  First use trains it into the cache (progress on stderr); later uses load and verify it.
-  rebuild=True discards a cached entry and trains again.
+  The shipped target (`training.shipped`) when the package holds one of this recipe;
+  otherwise first use trains it into the cache (progress on stderr) and later uses load and
+  verify it. rebuild=True ignores a shipped one, discards a cached entry and trains again.
   """
+  corpus = corpus_of(preset, corpus)
   _check_default(preset, corpus)
   recipe = _recipe(preset, corpus)
   entry = entry_dir(preset, corpus)
+  found = None if rebuild else shipped.entry(preset, corpus, recipe, "target")
+  if found is not None:
+    return _shipped_target(*found, recipe)
 
   def verify_and_load(d: pathlib.Path) -> DefaultTarget:
     target = _load_checked(d, recipe, "target")
@@ -335,16 +348,25 @@ def load_default_target(preset: str = DEFAULT_PRESET, corpus: str = "code", *,
       ready=lambda _, body: f"default target ready in {entry} ({body['build_seconds']:.0f} s)")
 
 
-def load_default_pair(preset: str = DEFAULT_PRESET, corpus: str = "code", *, progress: bool = True,
-                      rebuild: bool = False) -> DefaultPair:
+def load_default_pair(preset: str = DEFAULT_PRESET, corpus: str | None = None, *,
+                      progress: bool = True, rebuild: bool = False) -> DefaultPair:
   """The trained default (target, draft) pair for `preset` on an embedded corpus: the
   target (`load_default_target`) and the draft distilled from it.
 
   First use trains what is missing into the cache (progress on stderr); later uses load and
   verify it. rebuild=True discards both cached entries and trains again.
   """
+  corpus = corpus_of(preset, corpus)
   target = load_default_target(preset, corpus, progress=progress, rebuild=rebuild)
   fingerprint = params_fingerprint(target.target_params)
+  found = None if rebuild else shipped.entry(preset, corpus, _recipe(preset, corpus), "target")
+  if found is not None:  # the shipped target: its draft is bound to the float32 original
+    recipe = _draft_recipe(preset, corpus, shipped.target_fingerprint_float32(found[1]))
+    found = shipped.entry(preset, corpus, recipe, "draft")
+    if found is not None:
+      draft = _shipped_params(*found, "draft", recipe["draft"])
+      return DefaultPair(target.target_config, target.target_params,
+                         ModelConfig.from_dict(recipe["draft"]), draft, target.tokenizer)
   recipe = _draft_recipe(preset, corpus, fingerprint)
   entry = draft_entry_dir(preset, corpus, fingerprint)
 
@@ -463,11 +485,16 @@ DEFAULT_HEADS: dict[str, tuple[dict, TrainConfig]] = {
 }
 
 
-def default_head_spec(kind: str, target: ModelConfig) -> dict:
-  """The `kind` heads' spec for a target of this shape: DEFAULT_HEADS's, with an EAGLE width
-  dropped (full width) where it is the target's d_model or a width the target cannot take
-  (`eagle.head_config`'s rule)."""
-  spec = dict(DEFAULT_HEADS[kind][0])
+def heads_table(preset: str = DEFAULT_PRESET) -> dict[str, tuple[dict, TrainConfig]]:
+  """The default heads' (spec, schedule) per kind for `preset`: its own, else DEFAULT_HEADS."""
+  return get_preset(preset).heads or DEFAULT_HEADS
+
+
+def default_head_spec(kind: str, target: ModelConfig, preset: str = DEFAULT_PRESET) -> dict:
+  """The `kind` heads' spec for a target of this shape: the preset's table's, with an EAGLE
+  width dropped (full width) where it is the target's d_model or a width the target cannot
+  take (`eagle.head_config`'s rule)."""
+  spec = dict(heads_table(preset)[kind][0])
   width = spec.get("width")
   if width is not None:
     from specjax.drafters.eagle import head_config
@@ -480,8 +507,48 @@ def default_head_spec(kind: str, target: ModelConfig) -> dict:
   return spec
 
 
+def _shipped_params(directory: pathlib.Path, manifest: dict, name: str, config: dict | None,
+                    like=None):
+  """The float32 parameters of shipped `name` (a model of `config`, or the tree `like`)."""
+  if like is None:
+    like = abstract_params(ModelConfig.from_dict(config))[1]
+  try:
+    return shipped.load_params(directory, manifest, name, like)
+  except shipped.ShippedError as e:
+    raise CacheEntryError(f"the shipped {name} is damaged ({e}): reinstall specjax, or run "
+                          "`specjax train defaults --rebuild` to build it from its "
+                          "recipe") from None
+
+
+def _shipped_target(directory: pathlib.Path, manifest: dict, recipe: dict) -> DefaultTarget:
+  params = _shipped_params(directory, manifest, "target", recipe["target"])
+  try:
+    tokenizer = load_tokenizer(shipped.check_file(directory, manifest, "tokenizer.json"))
+  except shipped.ShippedError as e:
+    raise CacheEntryError(f"the shipped tokenizer is damaged ({e}): reinstall specjax") from None
+  return DefaultTarget(ModelConfig.from_dict(recipe["target"]), params, tokenizer)
+
+
+def _shipped_head(directory: pathlib.Path, manifest: dict, kind: str, recipe: dict,
+                  target: DefaultTarget):
+  import jax
+
+  from specjax.training.heads import HeadAcceptance, TargetBinding, TrainedHead, kind_from_spec
+  head_kind = kind_from_spec(kind, recipe["spec"])
+  cfg = target.target_config.replace(dtype="float32")
+  like = jax.eval_shape(lambda: head_kind.init(cfg, jax.random.key(0)))
+  params = _shipped_params(directory, manifest, kind, None, like)
+  built = manifest["heads"][kind]["trained"]
+  acc = built.get("acceptance")
+  return TrainedHead(head_kind, params, TargetBinding.of(target.target_config,
+                                                         target.target_params),
+                     None if acc is None else HeadAcceptance.from_dict(acc), target.tokenizer,
+                     {"shipped": str(directory), **built}, recipe["train"]["steps"])
+
+
 def _heads_recipe(kind: str, preset: str, corpus: str, target_fingerprint: str) -> dict:
-  spec, tc = default_head_spec(kind, get_preset(preset).target), DEFAULT_HEADS[kind][1]
+  spec = default_head_spec(kind, get_preset(preset).target, preset)
+  tc = heads_table(preset)[kind][1]
   return {"format": HEADS_FORMAT, "kind": kind, "spec": spec, "train": dataclasses.asdict(tc),
           "target_entry": entry_dir(preset, corpus).name,
           "target_fingerprint": target_fingerprint}
@@ -505,8 +572,9 @@ def _verify_and_load_heads(entry: pathlib.Path, recipe: dict, target: DefaultTar
   return head
 
 
-def load_default_heads(kind: str = "medusa", preset: str = DEFAULT_PRESET, corpus: str = "code",
-                       *, progress: bool = True, rebuild: bool = False):
+def load_default_heads(kind: str = "medusa", preset: str = DEFAULT_PRESET,
+                       corpus: str | None = None, *, progress: bool = True,
+                       rebuild: bool = False):
   """The trained `kind` heads of the default target (a `heads.TrainedHead`).
 
   First use trains them into the cache (after the default target, if that is not built yet);
@@ -514,10 +582,17 @@ def load_default_heads(kind: str = "medusa", preset: str = DEFAULT_PRESET, corpu
   target, the parameter fingerprint). rebuild=True discards a cached entry first.
   """
   from specjax.training.heads import HeadTrainer, TargetBinding, kind_from_spec
-  table = DEFAULT_HEADS
+  table = heads_table(preset)
   if kind not in table:
     raise ValueError(f"kind must be one of {sorted(table)} (the default heads), got {kind!r}")
+  corpus = corpus_of(preset, corpus)
   target = load_default_target(preset, corpus, progress=progress)
+  found = None if rebuild else shipped.entry(preset, corpus, _recipe(preset, corpus), "target")
+  if found is not None:  # the shipped target: its heads are bound to the float32 original
+    recipe = _heads_recipe(kind, preset, corpus, shipped.target_fingerprint_float32(found[1]))
+    found = shipped.entry(preset, corpus, recipe, kind)
+    if found is not None:
+      return _shipped_head(*found, kind, recipe, target)
   recipe = _heads_recipe(kind, preset, corpus, TargetBinding.of(
       target.target_config, target.target_params).fingerprint)
   entry = heads_entry_dir(kind, preset, corpus, recipe["target_fingerprint"])

@@ -30,7 +30,7 @@ from specjax.training.config import TrainConfig
 _VOCAB = ByteTokenizer.vocab_size
 
 
-DEFAULT_PRESET = "base"  # what `--target default`, the experiments and the quickstart use
+DEFAULT_PRESET = "shipped"  # what `--target default`, the experiments and the quickstart use
 _BPE_VOCAB = 2048
 
 
@@ -67,6 +67,10 @@ class Preset:
   draft_train: TrainConfig   # objective 'distill' (the plain baseline uses objective 'lm')
   description: str
   tokenizer: str = "byte"    # "byte" or "bpe:N"
+  # The default heads' (spec, schedule) per kind, where this preset has its own (None: the
+  # CPU-sized `training.defaults.DEFAULT_HEADS`).
+  heads: dict | None = None
+  corpus: str = "code"       # the embedded corpus its default pair is trained on
 
   def __post_init__(self):
     n = tokenizer_vocab_size(self.tokenizer)
@@ -89,21 +93,34 @@ PRESETS: dict[str, Preset] = {
         description="4.8M-parameter target + 1-layer draft, BPE 2048, ~4 minutes on a 2-core "
                     "CPU",
         tokenizer=f"bpe:{_BPE_VOCAB}"),
+    # Trained on an accelerator (bf16 compute, float32 master weights): on an H200 the whole
+    # recipe (tokenizer, target, draft, EAGLE and Medusa heads) takes minutes; on a 2-core CPU
+    # it would take days (BUILD_NOTES.md, "Shipped pair"). Corpus: code+tests.
     "shipped": Preset(
         name="shipped",
         target=_llama(d_model=384, n_layers=5, n_heads=6, n_kv_heads=6, d_ff=1536, mlp="gelu",
                       vocab_size=4096, max_len=1024),
         draft=_llama(d_model=128, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=384, mlp="gelu",
                      vocab_size=4096, max_len=1024),
-        target_train=TrainConfig(steps=3000, batch_size=16, seq_len=256, lr=3e-3,
-                                 warmup_steps=200, eval_every=500, ckpt_every=100,
-                                 eval_windows=128, keep=2),
-        draft_train=TrainConfig(steps=1500, batch_size=16, seq_len=256, lr=5e-3,
-                                warmup_steps=100, eval_every=500, ckpt_every=100,
-                                eval_windows=128, keep=2, objective="distill"),
+        target_train=TrainConfig(steps=3000, batch_size=64, seq_len=512, lr=2e-3,
+                                 warmup_steps=200, dtype="bfloat16", eval_every=1000,
+                                 ckpt_every=1000, eval_windows=256, keep=1),
+        draft_train=TrainConfig(steps=2000, batch_size=64, seq_len=512, lr=4e-3,
+                                warmup_steps=100, dtype="bfloat16", eval_every=1000,
+                                ckpt_every=1000, eval_windows=256, keep=1,
+                                objective="distill"),
         description="10.4M-parameter target (5 layers, d 384, ~21 MB in bf16) + 1-layer "
-                    "draft, BPE 4096: the shipped embedded pair, hours on a 2-core CPU",
-        tokenizer="bpe:4096"),
+                    "draft, BPE 4096, on code+tests: the shipped embedded pair (minutes on an "
+                    "accelerator)",
+        tokenizer="bpe:4096", corpus="code+tests",
+        heads={"medusa": ({"heads": 4, "decay": 0.8},
+                          TrainConfig(steps=1200, batch_size=32, seq_len=256, lr=3e-3,
+                                      warmup_steps=60, eval_every=0, ckpt_every=600,
+                                      eval_windows=64, keep=1)),
+               "eagle": ({"steps": 2, "decay": 0.8, "layers": None, "width": 192},
+                         TrainConfig(steps=2400, batch_size=32, seq_len=256, lr=2e-3,
+                                     warmup_steps=100, eval_every=0, ckpt_every=800,
+                                     eval_windows=64, keep=1))}),
     "tiny": Preset(
         name="tiny",
         target=_llama(d_model=96, n_layers=2, n_heads=3, n_kv_heads=3, d_ff=384, mlp="gelu"),

@@ -1,0 +1,175 @@
+"""The shipped embedded pair: default models committed with the package instead of trained
+on first use.
+
+    specjax/embedded/<preset>-<corpus>/
+        manifest.json         recipes, bits/byte, build time and hardware, data hashes,
+                              the sha256 of every file below
+        tokenizer.json
+        target.safetensors    bfloat16 weights (`checkpoints.flat`), no optimizer state
+        draft.safetensors
+        eagle.safetensors     the default heads, where built
+        medusa.safetensors
+
+`export(preset, corpus, out)` writes this layout from the model cache (building what is
+missing there by the preset's recipe: `specjax train defaults --preset shipped --corpus
+code+tests` and the default heads). `training.defaults` reads it: a shipped entry whose
+recipes equal the ones the code computes now is used instead of the cache, its files checked
+against the manifest's digests; anything else (another recipe, a damaged file) falls back to
+the cache and the recipe, saying why in one line.
+
+Weights are stored in bfloat16 (the quickstart serves the target in bf16) and loaded as the
+float32 values those bf16 numbers are; the manifest records both the fingerprint of the
+float32 weights the recipe trained (what a rebuild's cache entry holds) and that of the
+shipped, rounded ones (what a shipped load yields).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import platform
+import shutil
+import time
+
+import jax
+
+from specjax.checkpoints.flat import load_flat, save_flat
+
+SHIPPED_FORMAT = 1
+MANIFEST = "manifest.json"
+ROLES = ("target", "draft")
+HEAD_KINDS = ("eagle", "medusa")
+
+
+def embedded_root() -> pathlib.Path:
+  return pathlib.Path(__file__).resolve().parent.parent / "embedded"
+
+
+def shipped_dir(preset: str, corpus: str) -> pathlib.Path:
+  return embedded_root() / f"{preset}-{corpus}"
+
+
+def sha256(path: pathlib.Path) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      h.update(block)
+  return h.hexdigest()
+
+
+def export(preset: str, corpus: str, out: str | pathlib.Path, *, heads=HEAD_KINDS,
+           progress: bool = True) -> dict:
+  """Write the shipped layout for (preset, corpus) into `out` from the model cache, building
+  what is missing there first. Returns the manifest."""
+  from specjax.training import defaults
+  from specjax.training.heads import TargetBinding
+  from specjax.training.trainer import params_fingerprint
+
+  out = pathlib.Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  t0 = time.perf_counter()
+  pair = defaults.load_default_pair(preset, corpus, progress=progress)
+  target_fp = params_fingerprint(pair.target_params)
+  entries = {"target": defaults.entry_dir(preset, corpus),
+             "draft": defaults.draft_entry_dir(preset, corpus, target_fp)}
+  manifest: dict = {"format": SHIPPED_FORMAT, "preset": preset, "corpus": corpus,
+                    "exported": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "backend": jax.default_backend(),
+                    "device": str(jax.devices()[0].device_kind),
+                    "jax": jax.__version__, "python": platform.python_version()}
+  for role, entry in entries.items():
+    built = json.loads((entry / defaults.MANIFEST).read_text())
+    params = getattr(pair, f"{role}_params")
+    save_flat(out / f"{role}.safetensors", params, dtype="bfloat16")
+    manifest[role] = {"recipe": built["recipe"], "trained": {k: v for k, v in built.items()
+                                                            if k not in ("recipe", "files")},
+                      "fingerprint_float32": params_fingerprint(params)}
+  shutil.copyfile(entries["target"] / "tokenizer.json", out / "tokenizer.json")
+  manifest["heads"] = {}
+  for kind in heads:
+    head = defaults.load_default_heads(kind, preset, corpus, progress=progress)
+    entry = defaults.heads_entry_dir(kind, preset, corpus,
+                                     TargetBinding.of(pair.target_config,
+                                                      pair.target_params).fingerprint)
+    built = json.loads((entry / defaults.MANIFEST).read_text())
+    save_flat(out / f"{kind}.safetensors", head.params, dtype="bfloat16")
+    manifest["heads"][kind] = {"recipe": built["recipe"],
+                               "trained": {k: v for k, v in built.items()
+                                           if k not in ("recipe", "files")},
+                               "spec": built["recipe"]["spec"]}
+  manifest["export_seconds"] = round(time.perf_counter() - t0, 1)
+  manifest["files"] = {p.name: sha256(p) for p in sorted(out.iterdir())
+                       if p.is_file() and p.name != MANIFEST}
+  (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+  return manifest
+
+
+class ShippedError(ValueError):
+  """A shipped entry that cannot be used (the caller falls back to the recipe)."""
+
+
+def read_manifest(directory: pathlib.Path) -> dict:
+  try:
+    manifest = json.loads((directory / MANIFEST).read_text())
+  except (OSError, ValueError) as e:
+    raise ShippedError(f"cannot read {directory / MANIFEST}: {e}") from None
+  if manifest.get("format") != SHIPPED_FORMAT:
+    raise ShippedError(f"{directory / MANIFEST} has format {manifest.get('format')!r}, this "
+                       f"version reads {SHIPPED_FORMAT}")
+  return manifest
+
+
+def check_file(directory: pathlib.Path, manifest: dict, name: str) -> pathlib.Path:
+  """`directory/name`, after checking its sha256 against the manifest."""
+  path = directory / name
+  want = (manifest.get("files") or {}).get(name)
+  if want is None:
+    raise ShippedError(f"{directory / MANIFEST} lists no {name}")
+  if not path.is_file():
+    raise ShippedError(f"{path} is missing")
+  if sha256(path) != want:
+    raise ShippedError(f"{path} does not match its digest in {MANIFEST} (damaged or edited)")
+  return path
+
+
+def load_params(directory: pathlib.Path, manifest: dict, name: str, like):
+  """The float32 parameters stored in `directory/name.safetensors` in the tree of `like`."""
+  path = check_file(directory, manifest, f"{name}.safetensors")
+  f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jax.numpy.float32), like)
+  try:
+    return load_flat(path, like=f32)
+  except ValueError as e:
+    raise ShippedError(str(e)) from None
+
+
+def _log(msg: str) -> None:
+  import sys
+  print(f"specjax: {msg}", file=sys.stderr, flush=True)
+
+
+def entry(preset: str, corpus: str, recipe: dict, role: str) -> tuple[pathlib.Path, dict] | None:
+  """(directory, manifest) of the shipped entry for (preset, corpus) when its `role` recipe
+  ("target", "draft" or a head kind) equals `recipe`; None when nothing is shipped for it,
+  or (said in one line) when the shipped recipe differs or the manifest cannot be read."""
+  directory = shipped_dir(preset, corpus)
+  if not (directory / MANIFEST).is_file():
+    return None
+  try:
+    manifest = read_manifest(directory)
+  except ShippedError as e:
+    _log(f"the shipped {preset!r} pair is unusable ({e}); using the model cache")
+    return None
+  stored = (manifest.get(role) or manifest.get("heads", {}).get(role) or {}).get("recipe")
+  if stored != recipe:
+    if stored is not None:
+      _log(f"the shipped {preset!r} {role} was built by another recipe than this version's; "
+           "using the model cache (built from the recipe on first use)")
+    return None
+  return directory, manifest
+
+
+def target_fingerprint_float32(manifest: dict) -> str:
+  """The fingerprint of the float32 target the recipe trained (what the draft's and the
+  heads' recipes are bound to)."""
+  return manifest["target"]["fingerprint_float32"]
