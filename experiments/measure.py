@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import calibration, decoding, roofline, sampling, trees
+from specjax import calibration, decoding, metrics, roofline, sampling, trees
 from specjax.drafters.base import LM, Drafter
 from specjax.drafters.model import ModelDrafter
 from specjax.models import cache as kv
@@ -173,11 +173,15 @@ def _default_head(kind: str):
   start = time.perf_counter()
   head = defaults.load_default_heads(kind, progress=True)
   elapsed = time.perf_counter() - start
-  entry = defaults.heads_entry_dir(kind, defaults.DEFAULT_PRESET, "code", head.target.fingerprint)
-  try:
-    seconds = float(json.loads((entry / defaults.MANIFEST).read_text())["build_seconds"])
-  except (OSError, KeyError, TypeError, ValueError):
-    seconds = elapsed
+  seconds = head.metadata.get("build_seconds") if isinstance(head.metadata, dict) else None
+  if seconds is None:
+    entry = defaults.heads_entry_dir(kind, defaults.DEFAULT_PRESET,
+                                     defaults.corpus_of(defaults.DEFAULT_PRESET, None),
+                                     head.target.fingerprint)
+    try:
+      seconds = float(json.loads((entry / defaults.MANIFEST).read_text())["build_seconds"])
+    except (OSError, KeyError, TypeError, ValueError):
+      seconds = elapsed
   return head.kind, head.params, head.acceptance, seconds
 
 
@@ -459,8 +463,23 @@ class Comparison:
 
   @property
   def speedup(self) -> float:
-    """Measured: speculative ÷ plain tokens/s."""
+    """Measured: speculative ÷ plain tokens/s (the decode phase when the prefill was timed,
+    else whole calls)."""
     return self.spec_tok_s / self.plain_tok_s
+
+  @property
+  def plain_tok_s_e2e(self) -> float:
+    """Whole calls, prefill included (Spec-Bench's measure)."""
+    return self.plain.emitted / self.plain_s
+
+  @property
+  def spec_tok_s_e2e(self) -> float:
+    return self.spec.emitted / self.spec_s
+
+  @property
+  def speedup_e2e(self) -> float:
+    """End to end: plain ÷ speculative wall time of the same calls, prefill included."""
+    return self.plain_s / self.spec_s
 
   @property
   def identical(self) -> bool:
@@ -561,6 +580,10 @@ def speculative_row(cmp: Comparison, tau_loop: float, temperature: float,
   fit = costs.fitted
   return {
       "plain_tok_s": cmp.plain_tok_s, "spec_tok_s": cmp.spec_tok_s, "speedup": cmp.speedup,
+      "speed_basis": "decode phase" if cmp.plain_prefill_s is not None else "end to end",
+      "plain_tok_s_e2e": cmp.plain_tok_s_e2e, "spec_tok_s_e2e": cmp.spec_tok_s_e2e,
+      "speedup_e2e": cmp.speedup_e2e,
+      **loop_fields(cmp.plain.tokens, cmp.spec.tokens),
       "predicted_speedup": predicted, "efficiency": cmp.efficiency(predicted),
       "alpha": summary.alpha, "alpha_trial": summary.alpha_trial,
       "alpha_ci": list(summary.alpha_ci), "tau": summary.tau, "tau_loop_predicted": tau_loop,
@@ -582,6 +605,16 @@ def speculative_row(cmp: Comparison, tau_loop: float, temperature: float,
       **({} if tau_loop_iid is None else {"tau_loop_iid": tau_loop_iid,
                                           "predicted_speedup_iid": cmp.predicted(tau_loop_iid)}),
   }
+
+
+def loop_fields(plain_rows, spec_rows) -> dict:
+  """How much of the outputs are repetition loops (`metrics.loop_flags`): loop_fraction of
+  the speculative run's tokens (where α and τ were measured), loop_fraction_plain, and
+  rows_ending_in_loop / rows of the plain outputs (`metrics.ends_in_loop`)."""
+  return {"loop_fraction": metrics.loop_fraction(spec_rows),
+          "loop_fraction_plain": metrics.loop_fraction(plain_rows),
+          "rows_ending_in_loop": sum(metrics.ends_in_loop(r) for r in plain_rows),
+          "rows": len(plain_rows)}
 
 
 def say(line: str) -> None:

@@ -124,10 +124,16 @@ def _label(mode: str, k: int, tree_widths, drafter: str = "model") -> str:
 
 
 def verdict(label: str, batch: int, temperature: float, speedup: float,
-            predicted: float, efficiency: float) -> str:
-  """"chain k=4, batch 1, T=0: 2.10× measured, 2.00× predicted, efficiency 1.05"."""
-  return (f"{label}, batch {batch}, T={temperature:g}: {speedup:.2f}× measured, "
-          f"{predicted:.2f}× predicted, efficiency {efficiency:.2f}")
+            predicted: float, efficiency: float, speedup_e2e: float | None = None,
+            loop_fraction: float | None = None, loops: str | None = None) -> str:
+  """"chain k=4, batch 1, T=0: 2.10× decode (1.90× end to end), 2.00× predicted, efficiency
+  1.05; loops 3% of tokens, 0/8 outputs end in one"."""
+  e2e = "" if speedup_e2e is None else f" ({speedup_e2e:.2f}× end to end)"
+  loop = ("" if loop_fraction is None else
+          f"; loops {100 * loop_fraction:.0f}% of tokens" + (f", {loops} outputs end in one"
+                                                             if loops else ""))
+  return (f"{label}, batch {batch}, T={temperature:g}: {speedup:.2f}× decode{e2e}, "
+          f"{predicted:.2f}× predicted, efficiency {efficiency:.2f}{loop}")
 
 
 def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 1),
@@ -186,7 +192,8 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
       tau_loop_iid=tau_iid)
   label = _label(mode, k, tree_widths, drafter)
   line = verdict(label, batch, temperature, cmp.speedup, row["predicted_speedup"],
-                 row["efficiency"])
+                 row["efficiency"], row["speedup_e2e"], row["loop_fraction"],
+                 f"{row['rows_ending_in_loop']}/{row['rows']}")
   measure.say(line)
   decode = (lambda ids: tok.decode(ids)[:SAMPLE_CHARS]) if tok is not None else str
   return {
@@ -289,7 +296,10 @@ def report(records: list[dict], run_dir) -> str:
   from specjax.sweeps import report as rep
   records = sorted(records, key=lambda r: r.get("index", 0))
   lines = ["## Quickstart", "",
-           "Speedup = speculative ÷ plain tokens/s of the decode phase, measured side by side; "
+           "Speedup = speculative ÷ plain tokens/s of the decode phase, measured side by side "
+           "(end to end, prefill included, in brackets and the `speedup_e2e` column); loops = "
+           "the share of emitted tokens continuing an n-gram cycle of period <= 8 repeated >= 3 "
+           "times, and how many plain outputs end in one (such text any drafter predicts); "
            "predicted = tokens per loop iteration (from the measured acceptance) ÷ the "
            "calibrated cycle cost in plain target steps (docs/cost_model.md, \"Calibrated "
            "loop costs\"); efficiency = measured ÷ predicted.", ""]

@@ -371,3 +371,51 @@ def summarize_tree(stats: dict[str, Any], emitted: Any) -> TreeSummary:
       rank_acceptance=ratio(ra, rt),
       rank_probs=tuple(float(x) for x in rank_probs_from_counts(rt, ra)),
       histogram=tuple(int(x) for x in s["hist"].sum(0)))
+
+
+# ----------------------------------------------------------------------------- repetition loops
+#
+# A weak model at T = 0 falls into loops ("S_S_S_S…") that any drafter predicts, inflating α,
+# τ and speedups; these measure how much of an output is such a loop, so reports can say so.
+
+MAX_LOOP_PERIOD = 8
+
+
+def loop_flags(tokens: Any, max_period: int = MAX_LOOP_PERIOD, repeats: int = 3) -> np.ndarray:
+  """bool [n]: token i continues a loop when, for some period p <= max_period, the `repeats`
+  * p tokens ending at i are one p-gram repeated `repeats` times (x[j] = x[j - p] for the last
+  (repeats - 1) * p positions up to i)."""
+  x = np.asarray(tokens, np.int64).reshape(-1)
+  n = len(x)
+  flags = np.zeros(n, bool)
+  for p in range(1, max_period + 1):
+    if n <= p:
+      break
+    same = np.zeros(n, bool)
+    same[p:] = x[p:] == x[:-p]
+    need = (repeats - 1) * p  # consecutive matches ending at i
+    run = np.zeros(n, np.int64)
+    for i in range(p, n):  # run length of consecutive matches ending at i
+      run[i] = run[i - 1] + 1 if same[i] else 0
+    flags |= run >= need
+  return flags
+
+
+def loop_fraction(rows: Any, max_period: int = MAX_LOOP_PERIOD) -> float:
+  """The share of tokens, over all `rows` (sequences of emitted ids), that continue a repeated
+  n-gram cycle of period <= max_period repeated >= 3 times (`loop_flags`)."""
+  total = hits = 0
+  for row in rows:
+    f = loop_flags(row, max_period)
+    total, hits = total + len(f), hits + int(f.sum())
+  return hits / total if total else 0.0
+
+
+def ends_in_loop(tokens: Any, window: int = 32, max_period: int = MAX_LOOP_PERIOD) -> bool:
+  """Whether the last `window` tokens are periodic with some period <= max_period (a repeated
+  n-gram covering them): an output that ended in a loop."""
+  x = np.asarray(tokens, np.int64).reshape(-1)
+  if len(x) < window:
+    return False
+  tail = x[-window:]
+  return any(bool(np.all(tail[p:] == tail[:-p])) for p in range(1, max_period + 1))

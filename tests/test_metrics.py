@@ -214,3 +214,20 @@ def test_rank_probs_from_counts_and_tree_summary():
   assert s.to_dict()["rank_tried"] == [9, 5]
   with pytest.raises(ValueError, match="stats lacks"):
     summarize_tree({"cycles": [1]}, [1])
+
+
+def test_loop_flags_fraction_and_tail():
+  from specjax import metrics
+  # period 2 repeated: the third repetition's last token and everything after continue it
+  row = [1, 2, 1, 2, 1, 2, 1, 2, 5, 6, 7]
+  flags = metrics.loop_flags(row)
+  assert flags.tolist() == [False] * 5 + [True] * 3 + [False] * 3
+  assert metrics.loop_fraction([row]) == 3 / 11
+  assert metrics.loop_fraction([list(range(100))]) == 0.0  # no repetition
+  assert metrics.loop_fraction([[7] * 10]) == 8 / 10       # period 1: from the third on
+  # a period-9 cycle is not a loop by the definition (period <= 8)
+  assert metrics.loop_fraction([list(range(9)) * 5]) == 0.0
+  assert metrics.loop_fraction([list(range(8)) * 5]) == 17 / 40  # from index 23 = 3*8 - 1
+  assert metrics.ends_in_loop([3, 4] * 20) and not metrics.ends_in_loop(list(range(40)))
+  assert not metrics.ends_in_loop([1] * 31)                 # shorter than the window
+  assert metrics.ends_in_loop(list(range(50)) + [5, 6, 7] * 11)
