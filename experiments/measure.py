@@ -557,7 +557,8 @@ def compare(target, draft, prompt_ids: Sequence[Sequence[int]], *, tree, max_new
 
 def speculative_row(cmp: Comparison, tau_loop: float, temperature: float,
                     cycle_name: Callable[[str, int, int], str] | None = None,
-                    tau_loop_iid: float | None = None) -> dict:
+                    tau_loop_iid: float | None = None, target=None,
+                    prompt_ids=None) -> dict:
   """The result fields every point reports about a `Comparison` measured with calibrated loop
   costs (`compare(..., loop_costs=...)`):
 
@@ -604,7 +605,35 @@ def speculative_row(cmp: Comparison, tau_loop: float, temperature: float,
       "backend": jax.default_backend(),
       **({} if tau_loop_iid is None else {"tau_loop_iid": tau_loop_iid,
                                           "predicted_speedup_iid": cmp.predicted(tau_loop_iid)}),
+      **extra,
   }
+
+
+def divergences(target, prompt_ids, plain_rows, spec_rows, limit: int = 8) -> list[dict]:
+  """Where greedy speculative output left plain output (T = 0): per differing row (at most
+  `limit`), the first differing position, both tokens, and the target's logit gap between
+  them there (one uncached forward of the plain prefix) in units of the spacing of the
+  served weights' dtype at that logit (`ulps`). Two tokens whose logits are within an ulp or
+  two are a numerical tie: a verify pass of several rows and a one-row decode step sum in
+  another order and may break it the other way (bf16 serving at batch > 1); a larger gap
+  would be a real divergence."""
+  dtype = jnp.bfloat16 if target.config.dtype == "bfloat16" else jnp.float32
+  out = []
+  for i, (a, b) in enumerate(zip(plain_rows, spec_rows)):
+    if a == b or len(out) >= limit:
+      continue
+    j = next((j for j in range(min(len(a), len(b))) if a[j] != b[j]), min(len(a), len(b)))
+    if j >= min(len(a), len(b)):
+      out.append({"row": i, "position": j, "ulps": None, "note": "one output is longer"})
+      continue
+    seq = list(prompt_ids[i]) + list(a[:j])
+    logits = np.asarray(target(jnp.asarray([seq]), jnp.arange(len(seq))[None], None)[0][0, -1])
+    hi = float(max(abs(logits[a[j]]), abs(logits[b[j]])))
+    spacing = float(jnp.finfo(dtype).eps) * 2.0 ** math.floor(math.log2(max(hi, 1e-30)))
+    gap = float(abs(logits[a[j]] - logits[b[j]]))
+    out.append({"row": i, "position": j, "plain": int(a[j]), "spec": int(b[j]),
+                "logit_gap": gap, "ulps": gap / spacing})
+  return out
 
 
 def loop_fields(plain_rows, spec_rows) -> dict:

@@ -189,11 +189,16 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
   row = measure.speculative_row(
       cmp, tau_loop, temperature,
       cycle_name=lambda key, n, d: key if key.startswith("chain") else f"tree N={n} D={d}",
-      tau_loop_iid=tau_iid)
+      tau_loop_iid=tau_iid, target=target, prompt_ids=all_ids)
   label = _label(mode, k, tree_widths, drafter)
   line = verdict(label, batch, temperature, cmp.speedup, row["predicted_speedup"],
                  row["efficiency"], row["speedup_e2e"], row["loop_fraction"],
                  f"{row['rows_ending_in_loop']}/{row['rows']}")
+  if "divergences" in row:
+    worst = max((d["ulps"] or 0) for d in row["divergences"])
+    line += (f"; {len(row['divergences'])} output(s) differ from plain "
+             + (f"only at numerical ties (<= {worst:.1f} ulps of {target.config.dtype})"
+                if row["only_ties"] else f"BEYOND numerical ties ({worst:.1f} ulps)"))
   measure.say(line)
   decode = (lambda ids: tok.decode(ids)[:SAMPLE_CHARS]) if tok is not None else str
   return {

@@ -283,9 +283,9 @@ def test_default_eagle_head_is_built_on_first_use_then_cached(monkeypatch, tmp_p
   monkeypatch.setattr(defaults, "load_corpus", lambda spec: load_corpus(spec, max_bytes=60_000))
   monkeypatch.setitem(defaults.DEFAULT_HEADS, "eagle",
                       (KIND.spec(), TC.replace(steps=2, ckpt_every=1)))
-  head = defaults.load_default_heads("eagle", progress=False)
+  head = defaults.load_default_heads("eagle", "base", progress=False)
   assert "training the default eagle heads" in capfd.readouterr().err
-  again = defaults.load_default_heads("eagle", progress=False)
+  again = defaults.load_default_heads("eagle", "base", progress=False)
   assert "training" not in capfd.readouterr().err
   for x, y in zip(jax.tree.leaves(again.params), jax.tree.leaves(head.params)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -334,7 +334,11 @@ def test_the_default_heads_width_falls_back_to_full_width_where_the_target_canno
   from specjax.training.presets import get_preset
   width = DEFAULT_HEADS["eagle"][0]["width"]
   base = get_preset("base").target
-  assert base.d_model > width and default_head_spec("eagle", base)["width"] == width
-  assert "width" not in default_head_spec("eagle", get_preset("tiny").target)  # d 96 < 128
+  assert base.d_model > width and default_head_spec("eagle", base, "base")["width"] == width
+  assert "width" not in default_head_spec("eagle", get_preset("tiny").target, "base")  # d 96
   assert "width" not in default_head_spec("eagle", base.replace(d_model=width, n_heads=2,
-                                                                n_kv_heads=2))  # = d_model
+                                                                n_kv_heads=2),
+                                          "base")  # = d_model
+  shipped = get_preset("shipped")  # a preset with its own heads table: its own width
+  assert default_head_spec("eagle", shipped.target, "shipped")["width"] == \
+      shipped.heads["eagle"][0]["width"] < shipped.target.d_model

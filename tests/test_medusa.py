@@ -247,17 +247,17 @@ def test_default_heads_are_built_cached_verified_and_rebuilt(monkeypatch, tmp_pa
                       lambda spec: load_corpus(spec, max_bytes=60_000))
   monkeypatch.setitem(defaults.DEFAULT_HEADS, "medusa",
                       (KIND.spec(), TC.replace(steps=2, ckpt_every=1)))
-  head = defaults.load_default_heads("medusa", progress=False)
+  head = defaults.load_default_heads("medusa", "base", progress=False)
   assert "training the default medusa heads" in capfd.readouterr().err
   entry = next(p for p in (tmp_path / "heads").iterdir() if p.is_dir())
   manifest = json.loads((entry / "manifest.json").read_text())
   assert manifest["fingerprint"] == params_fingerprint(head.params)
-  again = defaults.load_default_heads("medusa", progress=False)
+  again = defaults.load_default_heads("medusa", "base", progress=False)
   assert "training" not in capfd.readouterr().err and _same(again.params, head.params)
   victim = next(p for p in sorted((entry / "head").rglob("*")) if p.is_file()
                 and p.stat().st_size > 0 and "params" in p.parts)
   victim.write_bytes(victim.read_bytes()[:-1] + bytes([victim.read_bytes()[-1] ^ 0xFF]))
-  rebuilt = defaults.load_default_heads("medusa", progress=False)
+  rebuilt = defaults.load_default_heads("medusa", "base", progress=False)
   assert "unusable" in capfd.readouterr().err and _same(rebuilt.params, head.params)
   with pytest.raises(ValueError, match="kind must be one of"):
     defaults.load_default_heads("nope")

@@ -231,3 +231,24 @@ def test_loop_flags_fraction_and_tail():
   assert metrics.ends_in_loop([3, 4] * 20) and not metrics.ends_in_loop(list(range(40)))
   assert not metrics.ends_in_loop([1] * 31)                 # shorter than the window
   assert metrics.ends_in_loop(list(range(50)) + [5, 6, 7] * 11)
+
+
+def test_divergences_name_the_first_differing_position_and_its_logit_gap():
+  import jax.numpy as jnp
+  from flax import nnx
+  from experiments import measure
+  from specjax import decoding
+  from specjax.models.presets import PRESETS
+  from specjax.models.transformer import Transformer
+  target = Transformer(PRESETS["tiny-llama"], rngs=nnx.Rngs(0))
+  prompt = [[5, 6, 7, 8]]
+  plain = decoding.generate(target, prompt, max_new_tokens=6).tokens
+  seq = prompt[0] + plain[0][:3]
+  logits = np.asarray(target(jnp.asarray([seq]), jnp.arange(len(seq))[None], None)[0][0, -1])
+  second = int(np.argsort(-logits)[1])
+  spec = [plain[0][:3] + [second] + plain[0][4:]]
+  assert measure.divergences(target, prompt, plain, plain) == []
+  (d,) = measure.divergences(target, prompt, plain, spec)
+  assert (d["row"], d["position"], d["plain"], d["spec"]) == (0, 3, plain[0][3], second)
+  np.testing.assert_allclose(d["logit_gap"], logits[plain[0][3]] - logits[second], rtol=1e-5)
+  assert d["ulps"] > 0

@@ -237,7 +237,9 @@ def test_generate_with_a_default_target_that_cannot_be_built_is_a_one_line_error
   """`specjax generate --target default` through the real cache code, the trainer's two
   ends patched: a build whose checkpoint does not restore ends in one line, exit 2."""
   from specjax import cli
+  from specjax.training import shipped
   monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+  monkeypatch.setattr(shipped, "embedded_root", lambda: tmp_path / "nothing shipped")
 
   def fake_target(preset, corpus, out, progress=True):
     out.mkdir(parents=True, exist_ok=True)
