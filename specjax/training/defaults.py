@@ -64,7 +64,7 @@ from specjax.models.transformer import ModelConfig, Transformer, from_params
 from specjax.training.config import TrainConfig
 from specjax.training.presets import DEFAULT_PRESET, get_preset
 from specjax.training import shipped
-from specjax.training.trainer import Teacher, abstract_params, params_fingerprint, train
+from specjax.training.trainer import Teacher, params_fingerprint, train
 
 CACHE_FORMAT = 2  # 2: the target and the draft are separate entries
 MANIFEST = "manifest.json"
@@ -332,7 +332,7 @@ def load_default_target(preset: str = DEFAULT_PRESET, corpus: str | None = None,
   entry = entry_dir(preset, corpus)
   found = None if rebuild else shipped.entry(preset, corpus, recipe, "target")
   if found is not None:
-    return _shipped_target(*found, recipe)
+    return shipped.load_target(*found, recipe)
 
   def verify_and_load(d: pathlib.Path) -> DefaultTarget:
     target = _load_checked(d, recipe, "target")
@@ -364,7 +364,7 @@ def load_default_pair(preset: str = DEFAULT_PRESET, corpus: str | None = None, *
     recipe = _draft_recipe(preset, corpus, shipped.target_fingerprint_float32(found[1]))
     found = shipped.entry(preset, corpus, recipe, "draft")
     if found is not None:
-      draft = _shipped_params(*found, "draft", recipe["draft"])
+      draft = shipped.load_model_params(*found, "draft", recipe["draft"])
       return DefaultPair(target.target_config, target.target_params,
                          ModelConfig.from_dict(recipe["draft"]), draft, target.tokenizer)
   recipe = _draft_recipe(preset, corpus, fingerprint)
@@ -507,45 +507,6 @@ def default_head_spec(kind: str, target: ModelConfig, preset: str = DEFAULT_PRES
   return spec
 
 
-def _shipped_params(directory: pathlib.Path, manifest: dict, name: str, config: dict | None,
-                    like=None):
-  """The float32 parameters of shipped `name` (a model of `config`, or the tree `like`)."""
-  if like is None:
-    like = abstract_params(ModelConfig.from_dict(config))[1]
-  try:
-    return shipped.load_params(directory, manifest, name, like)
-  except shipped.ShippedError as e:
-    raise CacheEntryError(f"the shipped {name} is damaged ({e}): reinstall specjax, or run "
-                          "`specjax train defaults --rebuild` to build it from its "
-                          "recipe") from None
-
-
-def _shipped_target(directory: pathlib.Path, manifest: dict, recipe: dict) -> DefaultTarget:
-  params = _shipped_params(directory, manifest, "target", recipe["target"])
-  try:
-    tokenizer = load_tokenizer(shipped.check_file(directory, manifest, "tokenizer.json"))
-  except shipped.ShippedError as e:
-    raise CacheEntryError(f"the shipped tokenizer is damaged ({e}): reinstall specjax") from None
-  return DefaultTarget(ModelConfig.from_dict(recipe["target"]), params, tokenizer)
-
-
-def _shipped_head(directory: pathlib.Path, manifest: dict, kind: str, recipe: dict,
-                  target: DefaultTarget):
-  import jax
-
-  from specjax.training.heads import HeadAcceptance, TargetBinding, TrainedHead, kind_from_spec
-  head_kind = kind_from_spec(kind, recipe["spec"])
-  cfg = target.target_config.replace(dtype="float32")
-  like = jax.eval_shape(lambda: head_kind.init(cfg, jax.random.key(0)))
-  params = _shipped_params(directory, manifest, kind, None, like)
-  built = manifest["heads"][kind]["trained"]
-  acc = built.get("acceptance")
-  return TrainedHead(head_kind, params, TargetBinding.of(target.target_config,
-                                                         target.target_params),
-                     None if acc is None else HeadAcceptance.from_dict(acc), target.tokenizer,
-                     {"shipped": str(directory), **built}, recipe["train"]["steps"])
-
-
 def _heads_recipe(kind: str, preset: str, corpus: str, target_fingerprint: str) -> dict:
   spec = default_head_spec(kind, get_preset(preset).target, preset)
   tc = heads_table(preset)[kind][1]
@@ -592,7 +553,7 @@ def load_default_heads(kind: str = "medusa", preset: str = DEFAULT_PRESET,
     recipe = _heads_recipe(kind, preset, corpus, shipped.target_fingerprint_float32(found[1]))
     found = shipped.entry(preset, corpus, recipe, kind)
     if found is not None:
-      return _shipped_head(*found, kind, recipe, target)
+      return shipped.load_head(*found, kind, recipe, target)
   recipe = _heads_recipe(kind, preset, corpus, TargetBinding.of(
       target.target_config, target.target_params).fingerprint)
   entry = heads_entry_dir(kind, preset, corpus, recipe["target_fingerprint"])

@@ -173,3 +173,53 @@ def target_fingerprint_float32(manifest: dict) -> str:
   """The fingerprint of the float32 target the recipe trained (what the draft's and the
   heads' recipes are bound to)."""
   return manifest["target"]["fingerprint_float32"]
+
+
+# ----------------------------------------------------------------------------- loading
+# (for training.defaults, which decides when a shipped entry is used)
+
+
+def load_model_params(directory: pathlib.Path, manifest: dict, name: str, config: dict | None,
+                      like=None):
+  """The float32 parameters of shipped `name` (a model of `config`, or the tree `like`);
+  `defaults.CacheEntryError` (one line saying what to do) when a file is damaged."""
+  from specjax.models.transformer import ModelConfig
+  from specjax.training.defaults import CacheEntryError
+  from specjax.training.trainer import abstract_params
+  if like is None:
+    like = abstract_params(ModelConfig.from_dict(config))[1]
+  try:
+    return load_params(directory, manifest, name, like)
+  except ShippedError as e:
+    raise CacheEntryError(f"the shipped {name} is damaged ({e}): reinstall specjax, or run "
+                          "`specjax train defaults --rebuild` to build it from its "
+                          "recipe") from None
+
+
+def load_target(directory: pathlib.Path, manifest: dict, recipe: dict):
+  """The shipped target as a `defaults.DefaultTarget` (float32 weights, its tokenizer)."""
+  from specjax.data.tokenizer import load_tokenizer
+  from specjax.models.transformer import ModelConfig
+  from specjax.training.defaults import CacheEntryError, DefaultTarget
+  params = load_model_params(directory, manifest, "target", recipe["target"])
+  try:
+    tokenizer = load_tokenizer(check_file(directory, manifest, "tokenizer.json"))
+  except ShippedError as e:
+    raise CacheEntryError(f"the shipped tokenizer is damaged ({e}): reinstall specjax") from None
+  return DefaultTarget(ModelConfig.from_dict(recipe["target"]), params, tokenizer)
+
+
+def load_head(directory: pathlib.Path, manifest: dict, kind: str, recipe: dict, target):
+  """The shipped `kind` heads as a `heads.TrainedHead`, bound to the shipped `target` (a
+  DefaultTarget: the bf16-rounded weights they draft for)."""
+  from specjax.training.heads import HeadAcceptance, TargetBinding, TrainedHead, kind_from_spec
+  head_kind = kind_from_spec(kind, recipe["spec"])
+  cfg = target.target_config.replace(dtype="float32")
+  like = jax.eval_shape(lambda: head_kind.init(cfg, jax.random.key(0)))
+  params = load_model_params(directory, manifest, kind, None, like)
+  built = manifest["heads"][kind]["trained"]
+  acc = built.get("acceptance")
+  return TrainedHead(head_kind, params, TargetBinding.of(target.target_config,
+                                                         target.target_params),
+                     None if acc is None else HeadAcceptance.from_dict(acc), target.tokenizer,
+                     {"shipped": str(directory), **built}, recipe["train"]["steps"])
