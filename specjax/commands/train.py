@@ -28,12 +28,19 @@ def _preset_name(args) -> str:
   return args.preset or DEFAULT_PRESET
 
 
+def _resolve_corpus(args) -> None:
+  """--corpus unset: the preset's own corpus (`defaults.corpus_of`)."""
+  from specjax.training.defaults import corpus_of
+  if getattr(args, "corpus", "") is None:
+    args.corpus = corpus_of(_preset_name(args), None)
+
+
 def _common(p: argparse.ArgumentParser) -> None:
   p.add_argument("--preset", default=None,
                  help="size preset: base, tiny or small (default: the embedded pair's, base)")
-  p.add_argument("--corpus", default="code",
-                 help="'code', 'prose' (embedded, from Python's standard library) or a "
-                      "directory of text files (default code)")
+  p.add_argument("--corpus", default=None,
+                 help="'code', 'code+tests', 'prose' (embedded, from Python's standard library) "
+                      "or a directory of text files (default: the preset's own corpus)")
   p.add_argument("--max-bytes", type=int, default=None,
                  help="cap on the training text in bytes (default: the whole corpus)")
 
@@ -83,11 +90,14 @@ def add_parser(subparsers) -> None:
                  help="plain next-token training instead of distillation (a baseline)")
   p.set_defaults(func=run_draft)
 
-  p = sub.add_parser("defaults", help="build (first use) or load the cached default pair")
+  p = sub.add_parser("defaults", help="load the shipped default pair, or build (first use) "
+                                      "or load a cached one")
   p.add_argument("--preset", default=None,
-                 help="size preset (default: the embedded pair's, base)")
-  p.add_argument("--corpus", default="code", choices=("code", "prose"))
-  p.add_argument("--rebuild", action="store_true", help="discard the cached pair and retrain")
+                 help="size preset (default: the shipped pair's, shipped)")
+  p.add_argument("--corpus", default=None, choices=("code", "code+tests", "prose"),
+                 help="embedded corpus (default: the preset's own)")
+  p.add_argument("--rebuild", action="store_true",
+                 help="ignore a shipped pair, discard the cached one and train from the recipe")
   p.add_argument("--no-progress", action="store_true")
   p.set_defaults(func=run_defaults)
 
@@ -95,8 +105,10 @@ def add_parser(subparsers) -> None:
   p.add_argument("--target", required=True, help="target checkpoint ('default' for the cache)")
   p.add_argument("--draft", required=True, help="draft checkpoint ('default' for the cache)")
   p.add_argument("--preset", default=None,
-                 help="preset of 'default' checkpoints (default: the embedded pair's, base)")
-  p.add_argument("--corpus", default="code")
+                 help="preset of 'default' checkpoints (default: the shipped pair's, shipped)")
+  p.add_argument("--corpus", default=None,
+                 help="'code', 'code+tests', 'prose' or a directory (default: the preset's own "
+                      "corpus)")
   p.add_argument("--k", type=int, default=4, help="draft length of the simulated chain")
   p.add_argument("--prompts", type=int, default=64, help="validation prompts")
   p.add_argument("--prompt-len", type=int, default=64)
@@ -261,8 +273,10 @@ def _train_model(config, tc, args, tokenizer, out, **trainer_kwargs) -> int:
 def _default_target(args, refusal: str):
   """The default target of --preset for --corpus (ValueError `refusal` unless it is an
   embedded corpus: the cached default targets exist for 'code' and 'prose')."""
-  from specjax.training.defaults import load_default_target
-  if args.corpus not in ("code", "prose"):
+  from specjax.data.corpus import EMBEDDED
+  from specjax.training.defaults import corpus_of, load_default_target
+  args.corpus = corpus_of(_preset_name(args), args.corpus)
+  if args.corpus not in EMBEDDED:
     raise ValueError(refusal)
   return load_default_target(_preset_name(args), args.corpus, progress=not args.no_progress)
 
@@ -271,6 +285,7 @@ def _default_target(args, refusal: str):
 
 
 def run_target(args) -> int:
+  _resolve_corpus(args)
   from specjax.training.presets import get_preset
   preset = get_preset(_preset_name(args))
   out = _out_dir(args.out)
@@ -280,6 +295,7 @@ def run_target(args) -> int:
 
 
 def run_draft(args) -> int:
+  _resolve_corpus(args)
   from specjax.training.presets import get_preset
   from specjax.training.trainer import Teacher
   preset = get_preset(_preset_name(args))
@@ -304,22 +320,30 @@ def run_draft(args) -> int:
 
 
 def run_defaults(args) -> int:
+  _resolve_corpus(args)
   from specjax.training import defaults
   from specjax.training.trainer import params_fingerprint
+  from specjax.training import shipped
   preset = _preset_name(args)
-  pair = defaults.load_default_pair(preset, args.corpus, progress=not args.no_progress,
+  corpus = defaults.corpus_of(preset, args.corpus)
+  pair = defaults.load_default_pair(preset, corpus, progress=not args.no_progress,
                                     rebuild=args.rebuild)
-  entries = {"target": defaults.entry_dir(preset, args.corpus),
-             "draft": defaults.draft_entry_dir(preset, args.corpus,
-                                               params_fingerprint(pair.target_params))}
-  print(f"default {preset} pair for corpus {args.corpus!r}:")
-  for role, entry in entries.items():
-    manifest = json.loads((entry / defaults.MANIFEST).read_text())
+  found = None if args.rebuild else shipped.entry(preset, corpus,
+                                                  defaults._recipe(preset, corpus), "target")
+  print(f"default {preset} pair for corpus {corpus!r}"
+        + (f" (shipped: {found[0]})" if found else "") + ":")
+  for role in ("target", "draft"):
+    if found:
+      manifest, where = found[1][role]["trained"], f"on {found[1]['device']}"
+    else:
+      entry = (defaults.entry_dir(preset, corpus) if role == "target" else
+               defaults.draft_entry_dir(preset, corpus, params_fingerprint(pair.target_params)))
+      manifest, where = json.loads((entry / defaults.MANIFEST).read_text()), str(entry)
     cfg = getattr(pair, f"{role}_config")
     val = manifest[role].get("val") or {}
     print(f"  {role}: d_model={cfg.d_model} n_layers={cfg.n_layers} d_ff={cfg.d_ff}, "
           f"validation {val.get('bpb', float('nan')):.3f} bits/byte; built in "
-          f"{manifest['build_seconds']} s with Python {manifest['python']}; {entry}")
+          f"{manifest['build_seconds']} s with Python {manifest['python']}; {where}")
   return 0
 
 
@@ -339,6 +363,7 @@ def _head_target(args):
 
 
 def run_head(args, kind: str) -> int:
+  _resolve_corpus(args)
   from specjax.training.defaults import DEFAULT_HEADS
   from specjax.training.heads import HeadTrainer
   if args.tree_budget < 1:
@@ -372,6 +397,7 @@ def _load_for_measure(spec: str, role: str, args):
 
 
 def run_measure(args) -> int:
+  _resolve_corpus(args)
   import jax.numpy as jnp
 
   from specjax.data.batches import TokenData

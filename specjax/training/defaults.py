@@ -1,7 +1,7 @@
-"""The embedded default models: a trained target and a draft distilled from it, each built on
-first use and cached.
+"""The embedded default models: a trained target and a draft distilled from it (and draft
+heads for the target), shipped with the package or built on first use and cached.
 
-    pair = load_default_pair()            # the "base" preset on the "code" corpus
+    pair = load_default_pair()            # the "shipped" preset on its "code+tests" corpus
     target_cfg, target_params, draft_cfg, draft_params, tokenizer = pair
     target = from_params(target_cfg, target_params)   # specjax.models.transformer
     target_cfg, target_params, tokenizer = load_default_target()   # the target alone
@@ -9,6 +9,11 @@ first use and cached.
 The params are `nnx.State`s of nnx.Param (float32; cast to the config dtype otherwise), the form
 the rest of specjax passes across jit boundaries; `pair.target_module()` / `pair.draft_module()`
 merge them into Transformer modules.
+
+Shipped first: the default preset's pair is committed under specjax/embedded/
+(`training.shipped`): when its recorded recipes equal the ones this code computes, it is
+loaded (digests checked) and nothing is trained; otherwise (another preset, a changed recipe,
+`rebuild=True`) the cache below is used and built from the recipe.
 
 What is built is what is used: `load_default_target` trains (or loads) the target and its
 tokenizer only; the distilled draft is a second entry, trained from that target the first
