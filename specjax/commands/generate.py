@@ -7,6 +7,8 @@ import json
 
 from specjax.commands.models import (add_config_flags, default_models, draft_from_flags,
                                      target_from_flags)
+from specjax.resolve import HEAD_DRAFTS
+from specjax.resolve import draft_kind as resolve_kind
 
 
 def add_parser(subparsers) -> None:
@@ -69,77 +71,19 @@ def add_parser(subparsers) -> None:
   p.set_defaults(func=run)
 
 
-HEAD_DRAFTS = ("medusa", "eagle")  # draft heads trained on the target: KIND:DIR or KIND:default
-
-
 def _draft_kind(args) -> tuple[str, int | str | None]:
-  """("lookup", None), ("layer-skip", M), (head kind, DIR or "default") or ("model", None)
-  from --draft (syntax checked)."""
-  spec = args.draft or ""
-  if spec == "lookup":
-    return "lookup", None
-  if spec == "layer-skip" or spec.startswith("layer-skip:"):
-    _, sep, m = spec.partition(":")
-    if not sep or not m.strip().isdigit() or int(m) < 1:
-      raise ValueError(f"--draft {spec!r}: write layer-skip:M with M an int >= 1, the number "
-                       f"of the target's first layers the draft runs (e.g. layer-skip:2)")
-    return "layer-skip", int(m)
-  kind, sep, where = spec.partition(":")
-  if sep and kind in HEAD_DRAFTS:
-    if not where:
-      raise ValueError(f"--draft {spec!r}: write {kind}:DIR or {kind}:default")
-    return kind, where
-  return "model", None
-
-
-def _head_drafter(args, target, kind: str, where: str):
-  """(drafter, shape) of trained draft heads: an EAGLE head drafts a chain of --k; for
-  Medusa heads --k is the node budget of the best tree for their measured acceptance."""
-  from flax import nnx
-
-  from specjax import trees
-  from specjax.drafters.medusa import MedusaDrafter
-  if where == "default":
-    from specjax.training.defaults import load_default_heads
-    head = load_default_heads(kind)
-  else:
-    from specjax.training.heads import load_head
-    try:
-      head = load_head(where, target=(target.config, nnx.state(target, nnx.Param)), kind=kind)
-    except ValueError as e:
-      raise ValueError(f"--draft {args.draft}: {e}") from None
-  if kind == "eagle":  # a chain of --k (or the adaptive menu)
-    from specjax.drafters.eagle import EagleDrafter
-    layers = head.kind.feature_layers(target.config)
-    return (EagleDrafter.of(target, head.params, layers,
-                            deterministic=args.deterministic_draft), {"k": args.k})
-  drafter = MedusaDrafter.of(target, head.params)
-  if args.k == "auto":  # the policy's menu (chains deeper than the heads are refused)
-    return drafter, {"k": "auto"}
-  depth = head.kind.heads
-  tree = (head.acceptance.tree(args.k, max_depth=depth) if head.acceptance is not None
-          else trees.chain(min(args.k, depth)))
-  return drafter, {"tree": tree}
+  """`resolve.draft_kind` of --draft, with "model" for every draft that is a model."""
+  kind, arg = resolve_kind(args.draft, "--draft")
+  return (kind, arg) if kind in ("lookup", "layer-skip") + HEAD_DRAFTS else ("model", None)
 
 
 def _drafter(args, target, draft):
-  """(drafter, the k= or tree= of speculative_generate) for --draft, validated before
-  anything compiles."""
-  from specjax.drafters.layer_skip import LayerSkipDrafter
-  from specjax.drafters.lookup import LookupDrafter
-  from specjax.drafters.model import ModelDrafter
-  kind, arg = _draft_kind(args)
-  if kind == "lookup":
-    return LookupDrafter(max_ngram=args.ngram_max, min_ngram=args.ngram_min), {"k": args.k}
-  if kind == "layer-skip":
-    try:
-      drafter = LayerSkipDrafter.of(target, arg, deterministic=args.deterministic_draft)
-    except ValueError as e:
-      raise ValueError(f"--draft {args.draft}: {e}") from None
-    return drafter, {"k": args.k}
-  if kind in HEAD_DRAFTS:
-    return _head_drafter(args, target, kind, arg)
-  return ModelDrafter.of(draft, deterministic=args.deterministic_draft), {"k": args.k}
+  """(drafter, the k= or tree= of speculative_generate) for --draft (`resolve.make_drafter`),
+  validated before anything compiles."""
+  from specjax.resolve import make_drafter
+  return make_drafter(args.draft, target, draft, k=args.k,
+                      deterministic=args.deterministic_draft,
+                      ngram=(args.ngram_max, args.ngram_min), flag="--draft")
 
 
 def _models(args):

@@ -5,27 +5,8 @@ flag."""
 
 from __future__ import annotations
 
-
-def config_from_flag(flag: str, spec: str, vocab_size: int):
-  """parse_config, its errors naming the flag."""
-  from specjax.models.presets import parse_config
-  try:
-    return parse_config(spec, vocab_size=vocab_size)
-  except (ValueError, TypeError) as e:  # bad JSON, unknown preset or field, bad value
-    raise ValueError(f"{flag} {spec!r}: {e}") from None
-  except OSError as e:
-    raise OSError(e.errno, e.strerror, f"{flag} {spec}") from None
-
-
-def load_from_flag(flag: str, path: str):
-  """checkpoints.load_model, its errors naming the flag."""
-  from specjax.checkpoints import load_model
-  try:
-    return load_model(path)
-  except ValueError as e:
-    raise ValueError(f"{flag} {path}: {e}") from None
-  except OSError as e:
-    raise OSError(e.errno, e.strerror or str(e), f"{flag} {path}") from None
+from specjax.resolve import config_from_ref as config_from_flag  # the CLI's names
+from specjax.resolve import load_from_ref as load_from_flag
 
 
 def add_config_flags(p, draft_config_help: str = "as --target-config") -> None:
@@ -71,15 +52,9 @@ def draft_from_flags(spec: str | None, args, target, pair=None):
   """The draft Transformer for the --draft value `spec`: 'self' (the target itself),
   'default' (the default `pair`'s draft), a checkpoint directory, or, when None, a random
   model from --draft-config on the target's vocabulary (seed --seed + 1, wrapped into the
-  int64 range that a JAX key takes)."""
-  if spec == "self":
-    return target
+  int64 range that a JAX key takes): `resolve.draft_model` with the CLI's flag names."""
   if spec == "default":
     return pair.draft_module()
-  if spec is not None:
-    return load_from_flag("--draft", spec)[0]
-  from flax import nnx
-
-  from specjax.models.transformer import Transformer
-  config = config_from_flag("--draft-config", args.draft_config, target.config.vocab_size)
-  return Transformer(config, rngs=nnx.Rngs((args.seed + 1) % 2**63))
+  from specjax.resolve import draft_model
+  return draft_model(spec, target, seed=args.seed, default_config=args.draft_config,
+                     flag="--draft")

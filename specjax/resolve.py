@@ -1,0 +1,225 @@
+"""Targets and drafters by reference: one resolver for the CLI, the studies and Python.
+
+    import specjax
+    run = specjax.load(target="default", draft="eagle:default", k=4)
+    out = decoding.speculative_generate(run.target, run.drafter, ids, **run.shape,
+                                        max_new_tokens=64)
+
+target:
+  "default"        the shipped embedded target (`training.defaults`)
+  "random:SPEC"    random weights of a model config spec (`models.presets.parse_config`:
+                   a preset name, NAME:field=value,..., JSON), byte vocabulary
+  a directory      a Hugging Face model directory or a specjax checkpoint
+                   (`checkpoints.load_model`)
+draft:
+  "default"        the embedded pair's distilled draft model (with the default target)
+  "self"           the target as its own draft
+  "lookup"         prompt lookup (n-gram matches in the context; no model)
+  "layer-skip:M"   the target's first M layers, final norm and head (its own cache)
+  "eagle:DIR"      an EAGLE head (`specjax train eagle`; "eagle:default": the default
+                   target's), a chain of k
+  "medusa:DIR"     Medusa heads ("medusa:default"); k is the node budget of the best static
+                   tree for their measured acceptance
+  "random:SPEC"    a random draft model on the target's vocabulary
+  a directory      a draft model checkpoint
+The shape: `k` (a chain; "auto" for adaptive speculation) or `tree` (a `trees` spec),
+returned as the keyword arguments `decoding.speculative_generate` takes (`Loaded.shape`).
+Errors name the argument (`flag`: the CLI passes its flag names) and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+HEAD_DRAFTS = ("medusa", "eagle")  # draft heads trained on the target: KIND:DIR or KIND:default
+
+
+@dataclasses.dataclass
+class Loaded:
+  """What `load` resolved: the target module, its tokenizer (None for a random model without
+  one), the draft model (None for drafters without a model of their own), the drafter object
+  and the speculation shape (`speculative_generate`'s k= / tree= keyword)."""
+  target: Any
+  tokenizer: Any
+  draft: Any
+  drafter: Any
+  shape: dict
+  target_ref: str
+  draft_ref: str
+
+
+def draft_kind(spec: str | None, flag: str = "draft") -> tuple[str, Any]:
+  """("lookup", None), ("layer-skip", M), (head kind, DIR or "default"), ("self", None),
+  ("default", None), ("random", SPEC) or ("model", DIR) from a draft reference (syntax
+  checked; None is "random" with no spec: the caller's default config)."""
+  spec = spec or ""
+  if spec == "lookup":
+    return "lookup", None
+  if spec == "layer-skip" or spec.startswith("layer-skip:"):
+    _, sep, m = spec.partition(":")
+    if not sep or not m.strip().isdigit() or int(m) < 1:
+      raise ValueError(f"{flag} {spec!r}: write layer-skip:M with M an int >= 1, the number "
+                       f"of the target's first layers the draft runs (e.g. layer-skip:2)")
+    return "layer-skip", int(m)
+  kind, sep, where = spec.partition(":")
+  if sep and kind in HEAD_DRAFTS:
+    if not where:
+      raise ValueError(f"{flag} {spec!r}: write {kind}:DIR or {kind}:default")
+    return kind, where
+  if spec in ("self", "default"):
+    return spec, None
+  if kind == "random" and sep:
+    return "random", where
+  if not spec:
+    return "random", None
+  return "model", spec
+
+
+def load_target(ref: str = "default", *, seed: int = 0, flag: str = "target"):
+  """(Transformer, tokenizer) of a target reference (module doc)."""
+  if ref == "default":
+    from specjax.training.defaults import load_default_target
+    t = load_default_target()
+    return t.target_module(), t.tokenizer
+  kind, sep, spec = ref.partition(":")
+  if kind == "random" and sep:
+    from flax import nnx
+
+    from specjax.data.tokenizer import ByteTokenizer
+    from specjax.models.transformer import Transformer
+    tok = ByteTokenizer()
+    return Transformer(config_from_ref(flag, spec, tok.vocab_size), rngs=nnx.Rngs(seed)), tok
+  return load_from_ref(flag, ref)
+
+
+def config_from_ref(flag: str, spec: str, vocab_size: int):
+  """parse_config, its errors naming the argument."""
+  from specjax.models.presets import parse_config
+  try:
+    return parse_config(spec, vocab_size=vocab_size)
+  except (ValueError, TypeError) as e:  # bad JSON, unknown preset or field, bad value
+    raise ValueError(f"{flag} {spec!r}: {e}") from None
+  except OSError as e:
+    raise OSError(e.errno, e.strerror, f"{flag} {spec}") from None
+
+
+def load_from_ref(flag: str, path: str):
+  """checkpoints.load_model, its errors naming the argument."""
+  from specjax.checkpoints import load_model
+  try:
+    return load_model(path)
+  except ValueError as e:
+    raise ValueError(f"{flag} {path}: {e}") from None
+  except OSError as e:
+    raise OSError(e.errno, e.strerror or str(e), f"{flag} {path}") from None
+
+
+def draft_model(spec: str | None, target, *, seed: int = 0, default_config: str | None = None,
+                flag: str = "draft"):
+  """The draft Transformer of a model reference ("self", "default", "random:SPEC", a
+  directory; None: a random model of `default_config`), or None for drafters without a
+  model of their own."""
+  kind, arg = draft_kind(spec, flag)
+  if kind == "self":
+    return target
+  if kind == "default":
+    from specjax.training.defaults import load_default_pair
+    return load_default_pair().draft_module()
+  if kind == "model":
+    return load_from_ref(flag, arg)[0]
+  if kind == "random":
+    from flax import nnx
+
+    from specjax.models.transformer import Transformer
+    config = config_from_ref(flag if arg else "--draft-config", arg or default_config,
+                             target.config.vocab_size)
+    return Transformer(config, rngs=nnx.Rngs((seed + 1) % 2**63))
+  return None
+
+
+def head_drafter(spec: str, target, kind: str, where: str, *, k, deterministic: bool = False,
+                 tree=None, flag: str = "draft", serving=None):
+  """(drafter, shape) of trained draft heads: an EAGLE head drafts a chain of k (or `tree`);
+  for Medusa heads k is the node budget of the best tree for their measured acceptance.
+  The heads are checked against `target` (what they were trained for) and draft for
+  `serving` (the same target served in another dtype; default `target`)."""
+  serving = target if serving is None else serving
+  from flax import nnx
+
+  from specjax import trees
+  from specjax.drafters.medusa import MedusaDrafter
+  if where == "default":
+    from specjax.training.defaults import load_default_heads
+    head = load_default_heads(kind)
+  else:
+    from specjax.training.heads import load_head
+    try:
+      head = load_head(where, target=(target.config, nnx.state(target, nnx.Param)), kind=kind)
+    except ValueError as e:
+      raise ValueError(f"{flag} {spec}: {e}") from None
+  if kind == "eagle":  # a chain of k (or the adaptive menu, or the given tree)
+    from specjax.drafters.eagle import EagleDrafter
+    layers = head.kind.feature_layers(target.config)
+    return (EagleDrafter.of(serving, head.params, layers, deterministic=deterministic),
+            _shape(k, tree))
+  drafter = MedusaDrafter.of(serving, head.params)
+  if tree is not None or k == "auto":
+    return drafter, _shape(k, tree)
+  depth = head.kind.heads
+  best = (head.acceptance.tree(k, max_depth=depth) if head.acceptance is not None
+          else trees.chain(min(k, depth)))
+  return drafter, {"tree": best}
+
+
+def _shape(k, tree) -> dict:
+  return {"tree": tree} if tree is not None else {"k": k}
+
+
+def make_drafter(spec: str | None, target, draft=None, *, k=4, tree=None,
+                 deterministic: bool = False, ngram: tuple[int, int] = (3, 1),
+                 flag: str = "draft", serving=None):
+  """(drafter, shape) for a draft reference; `draft` is the draft model where the reference
+  names one (`draft_model`); `serving`: the target as served (another dtype), default
+  `target`."""
+  serving = target if serving is None else serving
+  from specjax.drafters.layer_skip import LayerSkipDrafter
+  from specjax.drafters.lookup import LookupDrafter
+  from specjax.drafters.model import ModelDrafter
+  kind, arg = draft_kind(spec, flag)
+  if kind == "lookup":
+    return LookupDrafter(max_ngram=ngram[0], min_ngram=ngram[1]), _shape(k, tree)
+  if kind == "layer-skip":
+    try:
+      drafter = LayerSkipDrafter.of(serving, arg, deterministic=deterministic)
+    except ValueError as e:
+      raise ValueError(f"{flag} {spec}: {e}") from None
+    return drafter, _shape(k, tree)
+  if kind in HEAD_DRAFTS:
+    return head_drafter(spec, target, kind, arg, k=k, deterministic=deterministic, tree=tree,
+                        flag=flag, serving=serving)
+  return ModelDrafter.of(draft, deterministic=deterministic), _shape(k, tree)
+
+
+def load(target: str = "default", draft: str = "eagle:default", *, k=4, tree=None,
+         deterministic: bool = False, ngram: tuple[int, int] = (3, 1), seed: int = 0,
+         target_dtype: str | None = None) -> Loaded:
+  """Target, drafter and tokenizer from two references, in one call (module doc).
+  target_dtype: serve the target's weights in "float32" or "bfloat16" (None: as stored)."""
+  if not draft:
+    raise ValueError("draft must name a drafter: default, self, lookup, layer-skip:M, "
+                     "eagle:DIR, medusa:DIR, random:SPEC or a model directory")
+  kind, _ = draft_kind(draft)
+  if kind in HEAD_DRAFTS and str(draft).endswith(":default") and target != "default":
+    raise ValueError(f"draft {draft} holds heads for the default target: pass "
+                     f"target='default', or {kind}:DIR with heads trained for target "
+                     f"{target!r}")
+  model, tok = load_target(target, seed=seed)
+  serving = model
+  if target_dtype is not None:
+    from specjax.models.transformer import with_dtype
+    serving = with_dtype(model, target_dtype)
+  draft_net = draft_model(draft, serving if kind == "self" else model, seed=seed)
+  drafter, shape = make_drafter(draft, model, draft_net, k=k, tree=tree,
+                                deterministic=deterministic, ngram=ngram, serving=serving)
+  return Loaded(serving, tok, draft_net, drafter, shape, target, draft)
