@@ -32,6 +32,7 @@ COMMANDS = {
     "train": "specjax.commands.train",
     "import-hf, export-hf, inspect": "specjax.commands.checkpoints",
     "run, merge": "specjax.commands.run",
+    "bench": "specjax.commands.bench",
 }
 
 

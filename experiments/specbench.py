@@ -1,0 +1,200 @@
+"""Spec-Bench: every question of a prompt set decoded plainly and speculatively, side by side.
+
+One point = one question (`question` = its `question_id`; the sweep's axis is the set's ids,
+which `specjax bench` fills in). Models and drafters by reference (`specjax.resolve`: any
+target, any drafter kind), prompts by reference (`specjax.prompts`: a Spec-Bench / MT-Bench
+question file, a plain JSONL file, or the embedded `code` / `prose` sets), rendered with the
+target tokenizer's chat template when it has one (`chat_template=False` opts out). The first
+turn of each question is decoded (Spec-Bench's single-turn setting).
+
+Each question is decoded `batch` rows at a time (copies of it; batch 1 is Spec-Bench's
+setting) with plain `generate` and with `speculative_generate` of the shape (`k`, a chain;
+`tree_widths`, a static tree), alternated `repeats` times after a warm-up call, both stopping
+at the tokenizer's EOS id. Two speeds, labelled:
+
+    speedup       end to end: plain ÷ speculative wall time of the same call, prefill
+                  included (Spec-Bench's measure)
+    speedup_decode  the decode phase: each also timed with max_new_tokens = 1, that prefill
+                  subtracted
+
+Row fields: question_id, category, prompt_tokens, new_tokens, tau (mean accepted tokens per
+verification, Spec-Bench's "mean accepted tokens"), alpha, plain_tok_s, spec_tok_s, speedup,
+speedup_decode, accept_by_position (accepted ÷ tried per draft depth), loop_fraction, and at
+T = 0 identical_to_plain. The report: Spec-Bench's table per category and overall (mean
+accepted tokens, speedup, tokens/s) and acceptance by draft position.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+
+import numpy as np
+
+from experiments import measure
+from specjax import decoding, metrics, resolve, sampling, trees
+from specjax.prompts import encode_prompt, load_prompts
+
+EMBEDDED_COUNT, EMBEDDED_LEN = 16, 64  # the embedded sets' questions and their length
+
+
+def validate(params: dict) -> None:
+  for name in ("max_new_tokens", "batch", "repeats"):
+    value = params.get(name)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                              or value < 1):
+      raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+  k = params.get("k")
+  if params.get("tree_widths") is None and k != "auto" and (
+      not isinstance(k, int) or isinstance(k, bool) or k < 1):
+    raise ValueError(f"k must be an int >= 1 or 'auto', got {k!r}")
+  sampling.make_sampler(params.get("temperature", 0.0), params.get("top_k", 0),
+                        params.get("top_p", 1.0))  # the sampler's own checks
+
+
+def memory(params: dict) -> int:
+  return 0  # the models' own checks (`kv.check_fits`) run when a question is decoded
+
+
+@functools.lru_cache(maxsize=2)
+def loaded(target: str, draft: str, k, tree_widths, temperature: float, target_dtype):
+  """The resolved models (`specjax.load`), once per process for every question. A tree at
+  T = 0 drafts distinct top-k candidates (the point-mass rule), otherwise samples of q."""
+  tree = None if tree_widths is None else trees.branching(tuple(tree_widths))
+  return resolve.load(target, draft, k=k, tree=tree, target_dtype=target_dtype,
+                      deterministic=tree is not None and temperature == 0)
+
+
+@functools.lru_cache(maxsize=4)
+def prompt_set(ref: str, target: str, draft: str, k, tree_widths, temperature, target_dtype):
+  """{question_id: Prompt} of `ref` (the embedded sets cut with the target's tokenizer)."""
+  tok = loaded(target, draft, k, tree_widths, temperature, target_dtype).tokenizer
+  prompts = load_prompts(ref, tokenizer=tok, count=EMBEDDED_COUNT, prompt_len=EMBEDDED_LEN) \
+      if ref in ("code", "prose") else load_prompts(ref)
+  return {p.question_id: p for p in prompts}
+
+
+def question_ids(ref: str, tokenizer=None) -> list:
+  """The question ids of a prompt set, in file order (the sweep's axis)."""
+  if ref in ("code", "prose"):
+    return list(range(1, EMBEDDED_COUNT + 1))
+  return [p.question_id for p in load_prompts(ref)]
+
+
+def point(question, target: str = "default", draft: str = "eagle:default",
+          prompts: str = "code", k=4, tree_widths=None, temperature: float = 0.0,
+          top_k: int = 0, top_p: float = 1.0, max_new_tokens: int = 128, batch: int = 1,
+          repeats: int = 3, seed: int = 0, chat_template: bool = True,
+          target_dtype: str | None = None) -> dict:
+  key = (target, draft, k, None if tree_widths is None else tuple(tree_widths), temperature,
+         target_dtype)
+  run = loaded(*key)
+  questions = prompt_set(prompts, *key)
+  if question not in questions:
+    raise ValueError(f"question {question!r} is not in {prompts}")
+  prompt = questions[question]
+  ids = encode_prompt(prompt, run.tokenizer, use_chat_template=chat_template)
+  rows = [ids] * batch
+  eos = _eos_ids(run.tokenizer)
+  common = dict(sampler=sampling.make_sampler(temperature, top_k, top_p), seed=seed,
+                eos_id=eos)
+
+  def plain(n):
+    return lambda: decoding.generate(run.target, rows, max_new_tokens=n, **common)
+
+  def spec(n):
+    return lambda: decoding.speculative_generate(run.target, run.drafter, rows,
+                                                 max_new_tokens=n, **run.shape, **common)
+
+  timed = measure.alternate({"plain": plain(max_new_tokens), "spec": spec(max_new_tokens),
+                             "plain_prefill": plain(1), "spec_prefill": spec(1)}, repeats)
+  s = {name: t.median for name, t in timed.items()}
+  p_run, s_run = timed["plain"].result, timed["spec"].result
+  summary = s_run.summary()
+  decoded = p_run.emitted - len(p_run.tokens)
+  decode_speedup = ((s["plain"] - s["plain_prefill"]) / (s["spec"] - s["spec_prefill"])
+                    if s["spec"] > s["spec_prefill"] and decoded > 0 else float("nan"))
+  st = s_run.stats
+  tried, accepted = st["depth_tried"].sum(axis=0), st["depth_accepted"].sum(axis=0)
+  return {
+      **prompt.row(), "prompt_tokens": len(ids),
+      "new_tokens": int(np.mean([len(t) for t in s_run.tokens])),
+      "tau": summary.tau, "alpha": summary.alpha,
+      "plain_tok_s": p_run.emitted / s["plain"], "spec_tok_s": s_run.emitted / s["spec"],
+      "speedup": s["plain"] / s["spec"], "speedup_decode": decode_speedup,
+      "plain_s": s["plain"], "spec_s": s["spec"],
+      "accept_by_position": [float(a / t) if t else None for a, t in zip(accepted, tried)],
+      "loop_fraction": metrics.loop_fraction(s_run.tokens),
+      "identical_to_plain": (p_run.tokens == s_run.tokens) if temperature == 0 else None,
+      "eos_id": eos,
+  }
+
+
+def _eos_ids(tokenizer):
+  """The EOS id decoding stops on: the first the model's files list (`chat.stop_ids`). The
+  loop takes one id (BUILD_NOTES.md, known limits: several EOS ids)."""
+  from specjax import chat
+  ids = chat.stop_ids(tokenizer)
+  return ids[0] if ids else None
+
+
+def table(records: list[dict]) -> list[dict]:
+  """Spec-Bench's table: per category and overall, the questions, mean accepted tokens (τ),
+  the speedup (total plain ÷ total speculative seconds: the ratio of the summed walls, as a
+  workload sees it) beside the mean per-question speedup, and tokens/s of both."""
+  groups: dict[str, list[dict]] = {}
+  for r in records:
+    groups.setdefault(r["metrics"]["category"], []).append(r["metrics"])
+  out = []
+  for name, ms in sorted(groups.items()) + [("overall", [m for g in groups.values()
+                                                         for m in g])]:
+    plain_s, spec_s = sum(m["plain_s"] for m in ms), sum(m["spec_s"] for m in ms)
+    out.append({"category": name, "questions": len(ms),
+                "tau": statistics.mean(m["tau"] for m in ms if m["tau"] is not None)
+                if any(m["tau"] is not None for m in ms) else float("nan"),
+                "speedup": plain_s / spec_s,
+                "mean_speedup": statistics.mean(m["speedup"] for m in ms),
+                "plain_tok_s": sum(m["plain_tok_s"] * m["plain_s"] for m in ms) / plain_s,
+                "spec_tok_s": sum(m["spec_tok_s"] * m["spec_s"] for m in ms) / spec_s,
+                "identical": (sum(bool(m["identical_to_plain"]) for m in ms)
+                              if ms[0]["identical_to_plain"] is not None else None)})
+  return out
+
+
+def report(records: list[dict], run_dir) -> str:
+  ok = [r for r in records if "metrics" in r and r["metrics"]]
+  if not ok:
+    return "## Spec-Bench\n\nNo question finished."
+  params = ok[0]["params"]
+  lines = ["## Spec-Bench", "",
+           f"Target `{params.get('target')}`, draft `{params.get('draft')}`, prompts "
+           f"`{params.get('prompts')}`, T = {params.get('temperature', 0.0):g}, batch "
+           f"{params.get('batch', 1)}, {params.get('max_new_tokens')} new tokens at most. "
+           "Speedup = plain ÷ speculative wall time end to end (prefill included; the ratio "
+           "of summed times, mean per question beside); τ = mean accepted tokens per "
+           "verification.", "",
+           "| category | questions | mean accepted tokens (τ) | speedup | mean speedup | "
+           "plain tok/s | spec tok/s | identical at T=0 |",
+           "|---|---|---|---|---|---|---|---|"]
+  for row in table(ok):
+    same = "-" if row["identical"] is None else f"{row['identical']}/{row['questions']}"
+    lines.append(f"| {row['category']} | {row['questions']} | {row['tau']:.2f} | "
+                 f"{row['speedup']:.2f}× | {row['mean_speedup']:.2f}× | "
+                 f"{row['plain_tok_s']:.1f} | {row['spec_tok_s']:.1f} | {same} |")
+  depth = max(len(r["metrics"]["accept_by_position"]) for r in ok)
+  by_pos = []
+  for d in range(depth):
+    vals = [r["metrics"]["accept_by_position"][d] for r in ok
+            if d < len(r["metrics"]["accept_by_position"])
+            and r["metrics"]["accept_by_position"][d] is not None]
+    by_pos.append(f"{statistics.mean(vals):.3f}" if vals else "-")
+  decode = [r["metrics"]["speedup_decode"] for r in ok
+            if not math.isnan(r["metrics"]["speedup_decode"])]
+  lines += ["", "Acceptance by draft position (accepted ÷ tried, mean over questions): "
+            + " ".join(by_pos),
+            "", f"Decode-phase speedup (prefill subtracted), mean over questions: "
+            + (f"{statistics.mean(decode):.2f}×" if decode else "n/a"),
+            f"Loop fraction (tokens continuing a repeated n-gram, period <= 8), mean: "
+            f"{statistics.mean(r['metrics']['loop_fraction'] for r in ok):.3f}"]
+  return "\n".join(lines)
