@@ -15,7 +15,7 @@ TINY = [
     'sweeps.Sweep.axes = {"batch": [2], "temperature": [0.0], "category": ["code"], '
     '"policy": ["adaptive", "k=2", "plain"]}',
     'sweeps.Sweep.fixed = {"menu": (0, 2), "max_new_tokens": 24, "prompt_len": 16, '
-    '"repeats": 1, "models": "random", "costs": "model"}',
+    '"repeats": 1, "models": "random", "costs": "model", "target_dtype": "float32"}',
 ]
 
 

@@ -29,7 +29,8 @@ def test_quickstart_reduced_end_to_end(tmp_path, monkeypatch, capsys):
       # the decode-phase differences (64 tokens minus the prefill) out of the load's noise
       f'sweeps.Sweep.fixed = {{"k": 3, "tree_widths": (2, 1, 1), "max_new_tokens": 96, '
       f'"prompt_len": 16, "repeats": 3, "models": "{models}", "calibration_k": (1,), '
-      f'"calibration_repeats": 3, "statistic": "fastest", "prompts": 2}}'])
+      f'"calibration_repeats": 3, "statistic": "fastest", "prompts": 2, "drafter": "model", '
+      f'"target_dtype": "float32"}}'])  # fixed merges into the config's: override its own
   assert (s.total, s.ok, s.failed) == (8, 8, 0)
   records = runner.read_results(tmp_path / "qs" / runner.RESULTS).values()
   for r in records:
@@ -81,7 +82,7 @@ def test_quickstart_drafts_with_an_eagle_head(tmp_path, monkeypatch):
       'sweeps.Sweep.fixed = {"k": 3, "tree_widths": (2, 1, 1), "max_new_tokens": 32, '
       '"prompt_len": 16, "repeats": 1, "models": "random", "calibration_k": (1,), '
       '"calibration_repeats": 1, "statistic": "fastest", "prompts": 2, "batch": 1, '
-      '"temperature": 0.0, "head_steps": 2}'])
+      '"temperature": 0.0, "head_steps": 2, "target_dtype": "float32"}'])
   assert (s.total, s.ok, s.failed) == (4, 4, 0)
   records = runner.read_results(tmp_path / "qs" / runner.RESULTS).values()
   for r in records:

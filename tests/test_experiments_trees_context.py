@@ -48,7 +48,8 @@ def _run_trees(tmp_path, shapes, monkeypatch):
       .replace("'", '"'),
       'sweeps.Sweep.fixed = {"max_new_tokens": 32, "prompt_len": 16, "repeats": 2, '
       '"calib_widths": (2, 2), "models": "random", "calibration_repeats": 3, '
-      '"statistic": "fastest", "prompts": 2}'], out=str(out), progress=False)
+      '"statistic": "fastest", "prompts": 2, "target_dtype": "float32"}'], out=str(out),
+      progress=False)
   assert (s.total, s.ok, s.failed) == (len(shapes), len(shapes), 0)
   by_shape = {r["params"]["shape"]: r["metrics"] for r in _records(out)}
   for shape, m in by_shape.items():

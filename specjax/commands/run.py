@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from specjax.sweeps import overrides
+
 
 def add_parsers(subparsers) -> None:
   p = subparsers.add_parser(
@@ -13,11 +15,28 @@ def add_parsers(subparsers) -> None:
       "to runs/NAME/TIMESTAMP/ (results.jsonl, report.md, plots); re-running the same command "
       "resumes: finished points are skipped, failed ones retried. One run at a time per directory: "
       "a second run into a directory in use is refused. A point's numbers depend on its "
-      "parameters and seed only (not on its group, shard or device count).")
+      "parameters and seed only (not on its group, shard or device count). The command "
+      "line changes the config's sweep key by key: --gin_param bindings first, then --set "
+      "and --axis in the order given. --set KEY=VALUE fixes one parameter (the config's "
+      "other fixed values are kept; an axis of that name is dropped); --axis KEY=V1,V2 "
+      "sweeps one (added, or replacing that axis; a fixed value of that name is dropped). "
+      "A --gin_param binding of sweeps.Sweep.fixed = {...} is a --set per key; one of "
+      "sweeps.Sweep.axes = {...} replaces the axes and drops their keys from the fixed "
+      "values. Values are Python literals (0.05, None, (2, 1), 'text') or else plain "
+      "strings (eagle:default); see docs/run_directories.md.")
   p.add_argument("config", help="a .gin file, or the name of one in configs/")
   p.add_argument("--gin_param", "--gin-param", action="append", default=[], dest="gin_param",
                  metavar="BINDING",
-                 help="extra gin binding, e.g. 'sweeps.Sweep.seed = 3' (every point's seed)")
+                 help="extra gin binding, e.g. 'sweeps.Sweep.seed = 3' (every point's seed); "
+                 "Sweep.fixed and Sweep.axes bindings merge into the config's (see above)")
+  p.add_argument("--set", action="append", default=[], dest="changes", metavar="KEY=VALUE",
+                 type=_typed(overrides.parse_set),
+                 help="fix one parameter of every point, e.g. --set max_new_tokens=32 "
+                 "(repeatable)")
+  p.add_argument("--axis", action="append", dest="changes", metavar="KEY=V1,V2",
+                 type=_typed(overrides.parse_axis),
+                 help="sweep one parameter over the values given, e.g. --axis "
+                 "drafter=eagle,model or --axis batch=1,8 (repeatable)")
   p.add_argument("--out", default=None, help="run directory (default runs/NAME/TIMESTAMP)")
   p.add_argument("--root", default="runs", help="where run directories go (default runs/)")
   p.add_argument("--shard-index", type=int, default=0)
@@ -37,6 +56,18 @@ def add_parsers(subparsers) -> None:
   m.add_argument("run_dirs", nargs="+")
   m.add_argument("--out", required=True)
   m.set_defaults(func=_merge)
+
+
+def _typed(parse):
+  """An argparse type from an `overrides` parser: its ValueError becomes argparse's one-line
+  usage error (`specjax: error: argument --set: ...`, exit 2)."""
+  def convert(text: str):
+    try:
+      return parse(text)
+    except ValueError as e:
+      raise argparse.ArgumentTypeError(str(e)) from None
+  convert.__name__ = parse.__name__.removeprefix("parse_")  # argparse's name for the type
+  return convert
 
 
 def _distributed(args: argparse.Namespace) -> None:
@@ -85,7 +116,7 @@ def _run(args: argparse.Namespace) -> int:
   _compilation_cache()
   summary = launch.run(args.config, args.gin_param, out=args.out, root=args.root,
                        shard_index=args.shard_index, num_shards=args.num_shards,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, changes=args.changes)
   if args.json:
     print(json.dumps(summary.to_dict(), indent=2))
   else:

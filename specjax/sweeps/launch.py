@@ -23,11 +23,12 @@ import pathlib
 import re
 import sys
 import tokenize
-from typing import Sequence
+import types
+from typing import Mapping, Sequence
 
 import gin
 
-from specjax.sweeps import report, runner
+from specjax.sweeps import overrides, report, runner
 from specjax.sweeps.sweep import Sweep
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
@@ -132,10 +133,13 @@ def _gin_message(err: Exception, texts: list[str]) -> str:
   return _explain_gin_error(err, texts)
 
 
-def load_sweep(config: str, bindings: Sequence[str] = ()) -> tuple[Sweep, str]:
-  """Parses the config, then each command-line binding, and builds the Sweep they bind (as
-  gin.parse_config_files_and_bindings does). An error names its source: the .gin file, or
-  the --gin_param binding it is in."""
+def load_sweep(config: str, bindings: Sequence[str] = (),
+               changes: Sequence[overrides.Override] = ()) -> tuple[Sweep, str]:
+  """Parses the config, then each command-line binding, then makes each `--set`/`--axis`
+  change, and builds the Sweep they bind (as gin.parse_config_files_and_bindings does, but
+  a binding of `Sweep.axes` or `Sweep.fixed` is merged into the config's: see
+  `overrides`). An error names its source: the .gin file, or the --gin_param binding it is
+  in."""
   path = resolve_config(config)
   bindings = list(bindings)
   text = _read_config(path)
@@ -144,13 +148,17 @@ def load_sweep(config: str, bindings: Sequence[str] = ()) -> tuple[Sweep, str]:
     gin.parse_config_file(str(path))
   except _GIN_ERRORS as e:
     raise ValueError(f"bad gin config {str(path)!r}: {_gin_message(e, [text])}") from None
+  axes_before = _bound("axes")
   for binding in bindings:
+    before = (_bound("axes"), _bound("fixed"))
     try:
       gin.parse_config(binding)
     except _GIN_ERRORS as e:
       raise ValueError(f"bad --gin_param {binding!r}: "
                        f"{_gin_message(e, [text, *bindings])}") from None
+    _rebind(*overrides.merge_binding(before, (_bound("axes"), _bound("fixed"))))
   try:
+    _apply(changes, axes_before)
     gin.finalize()
     sweep = gin.get_configurable(Sweep)()
   except _GIN_ERRORS as e:
@@ -159,6 +167,44 @@ def load_sweep(config: str, bindings: Sequence[str] = ()) -> tuple[Sweep, str]:
                      f"{_gin_message(e, [text, *bindings])}") from None
   sweep.check()
   return sweep, gin.config_str()
+
+
+# What `_bound` returns for a Sweep field the config leaves at its default (an empty dict);
+# one object, so that `overrides.merge_binding` sees it unchanged.
+_UNBOUND = types.MappingProxyType({})
+
+
+def _bound(field: str):
+  """The value the config binds to `Sweep.<field>` so far (`_UNBOUND` when none)."""
+  try:
+    return gin.query_parameter(f"Sweep.{field}")
+  except ValueError:
+    return _UNBOUND
+
+
+def _rebind(axes, fixed) -> None:
+  """Binds the merged axes and fixed values where they differ from what is bound (an
+  unchanged config keeps its operative text, and so its run directory's fingerprint)."""
+  for field, value in (("axes", axes), ("fixed", fixed)):
+    if value is not _UNBOUND and value != _bound(field):
+      gin.bind_parameter(f"Sweep.{field}", value)
+
+
+def _apply(changes: Sequence[overrides.Override], axes_before) -> None:
+  """Makes the `--set`/`--axis` changes in order, then drops from `Sweep.vectorized` the
+  axes the command line took away (a vectorised axis that is no longer swept). Values that
+  are not dicts are left for `Sweep.check` to report."""
+  axes, fixed = _bound("axes"), _bound("fixed")
+  if not (isinstance(axes, Mapping) and isinstance(fixed, Mapping)):
+    return
+  for change in changes:
+    axes, fixed = change.apply(axes, fixed)
+  _rebind(axes, fixed)
+  vectorized = _bound("vectorized")
+  if isinstance(vectorized, (list, tuple)) and isinstance(axes_before, Mapping):
+    kept = tuple(n for n in vectorized if n in axes or n not in axes_before)
+    if len(kept) != len(vectorized):
+      gin.bind_parameter("Sweep.vectorized", kept)
 
 
 def plan(sweep: Sweep, shard_index: int = 0, num_shards: int = 1) -> list[runner.Point]:
@@ -184,8 +230,9 @@ def plan(sweep: Sweep, shard_index: int = 0, num_shards: int = 1) -> list[runner
 
 def run(config: str, bindings: Sequence[str] = (), out: str | None = None,
         root: str = "runs", shard_index: int = 0, num_shards: int = 1,
-        progress: bool = True) -> runner.RunSummary:
-  sweep, config_text = load_sweep(config, bindings)
+        progress: bool = True,
+        changes: Sequence[overrides.Override] = ()) -> runner.RunSummary:
+  sweep, config_text = load_sweep(config, bindings, changes)
   points = plan(sweep, shard_index, num_shards)
   fp = runner.fingerprint(config_text, shard_index, num_shards)
 
