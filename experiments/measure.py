@@ -573,8 +573,16 @@ def speculative_row(cmp: Comparison, tau_loop: float, temperature: float,
   With `tau_loop_iid` (a chain's τ_loop under the i.i.d. acceptance model:
   `calibration.run_tokens_per_iteration(..., iid=True)`) also tau_loop_iid and
   predicted_speedup_iid, the prediction that model would make, reported beside.
+  With `target` and `prompt_ids`, a T = 0 run that is not identical also reports
+  `divergences` (where, and by how many ulps of the served dtype: `divergences`) and
+  `only_ties` (every divergence within 2 ulps: numerical ties, not a broken rule).
   """
   costs = cmp.loop_costs
+  extra = {}
+  if temperature == 0 and target is not None and not cmp.identical:
+    div = divergences(target, prompt_ids, cmp.plain.tokens, cmp.spec.tokens)
+    extra = {"divergences": div,
+             "only_ties": all(d["ulps"] is not None and d["ulps"] <= 2 for d in div)}
   summary, st = cmp.spec.summary(), cmp.spec.stats
   predicted = cmp.predicted(tau_loop)
   name = cycle_name or (lambda key, n, d: key)

@@ -126,13 +126,13 @@ def _label(mode: str, k: int, tree_widths, drafter: str = "model") -> str:
 def verdict(label: str, batch: int, temperature: float, speedup: float,
             predicted: float, efficiency: float, speedup_e2e: float | None = None,
             loop_fraction: float | None = None, loops: str | None = None) -> str:
-  """"chain k=4, batch 1, T=0: 2.10× decode (1.90× end to end), 2.00× predicted, efficiency
-  1.05; loops 3% of tokens, 0/8 outputs end in one"."""
-  e2e = "" if speedup_e2e is None else f" ({speedup_e2e:.2f}× end to end)"
+  """"chain k=4, batch 1, T=0: 2.10× measured (decode phase; 1.90× end to end), 2.00×
+  predicted, efficiency 1.05; loops 3% of tokens, 0/8 outputs end in one"."""
+  e2e = "" if speedup_e2e is None else f" (decode phase; {speedup_e2e:.2f}× end to end)"
   loop = ("" if loop_fraction is None else
           f"; loops {100 * loop_fraction:.0f}% of tokens" + (f", {loops} outputs end in one"
                                                              if loops else ""))
-  return (f"{label}, batch {batch}, T={temperature:g}: {speedup:.2f}× decode{e2e}, "
+  return (f"{label}, batch {batch}, T={temperature:g}: {speedup:.2f}× measured{e2e}, "
           f"{predicted:.2f}× predicted, efficiency {efficiency:.2f}{loop}")
 
 

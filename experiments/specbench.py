@@ -20,7 +20,7 @@ at the tokenizer's EOS id. Two speeds, labelled:
 Row fields: question_id, category, prompt_tokens, new_tokens, tau (mean accepted tokens per
 verification, Spec-Bench's "mean accepted tokens"), alpha, plain_tok_s, spec_tok_s, speedup,
 speedup_decode, accept_by_position (accepted ÷ tried per draft depth), loop_fraction, and at
-T = 0 identical_to_plain. The report: Spec-Bench's table per category and overall (mean
+T = 0 identical_to_plain (where not, `divergences` and `only_ties`: `measure.divergences`). The report: Spec-Bench's table per category and overall (mean
 accepted tokens, speedup, tokens/s) and acceptance by draft position.
 """
 
@@ -116,6 +116,12 @@ def point(question, target: str = "default", draft: str = "eagle:default",
   decode_speedup = ((s["plain"] - s["plain_prefill"]) / (s["spec"] - s["spec_prefill"])
                     if s["spec"] > s["spec_prefill"] and decoded > 0 else float("nan"))
   st = s_run.stats
+  same = p_run.tokens == s_run.tokens
+  extra = {}
+  if temperature == 0 and not same:  # a numerical tie broken the other way, or a real bug?
+    div = measure.divergences(run.target, rows, p_run.tokens, s_run.tokens)
+    extra = {"divergences": div,
+             "only_ties": all(d["ulps"] is not None and d["ulps"] <= 2 for d in div)}
   tried, accepted = st["depth_tried"].sum(axis=0), st["depth_accepted"].sum(axis=0)
   return {
       **prompt.row(), "prompt_tokens": len(ids),
@@ -126,8 +132,8 @@ def point(question, target: str = "default", draft: str = "eagle:default",
       "plain_s": s["plain"], "spec_s": s["spec"],
       "accept_by_position": [float(a / t) if t else None for a, t in zip(accepted, tried)],
       "loop_fraction": metrics.loop_fraction(s_run.tokens),
-      "identical_to_plain": (p_run.tokens == s_run.tokens) if temperature == 0 else None,
-      "eos_id": eos,
+      "identical_to_plain": same if temperature == 0 else None,
+      "eos_id": eos, **extra,
   }
 
 
@@ -158,7 +164,8 @@ def table(records: list[dict]) -> list[dict]:
                 "plain_tok_s": sum(m["plain_tok_s"] * m["plain_s"] for m in ms) / plain_s,
                 "spec_tok_s": sum(m["spec_tok_s"] * m["spec_s"] for m in ms) / spec_s,
                 "identical": (sum(bool(m["identical_to_plain"]) for m in ms)
-                              if ms[0]["identical_to_plain"] is not None else None)})
+                              if ms[0]["identical_to_plain"] is not None else None),
+                "ties": sum(bool(m.get("only_ties")) for m in ms)})
   return out
 
 
@@ -179,6 +186,7 @@ def report(records: list[dict], run_dir) -> str:
            "|---|---|---|---|---|---|---|---|"]
   for row in table(ok):
     same = "-" if row["identical"] is None else f"{row['identical']}/{row['questions']}"
+    same += f" ({row['ties']} at ties)" if row.get("ties") else ""
     lines.append(f"| {row['category']} | {row['questions']} | {row['tau']:.2f} | "
                  f"{row['speedup']:.2f}× | {row['mean_speedup']:.2f}× | "
                  f"{row['plain_tok_s']:.1f} | {row['spec_tok_s']:.1f} | {same} |")
