@@ -2,8 +2,9 @@
 
 One object (`AdaptivePolicy`), used inside the compiled loop (`loop.adaptive_loop`, pure
 jnp) and on the host (`choose`, `table`: what `specjax theory` prints, what the
-experiments predict). The menu is static (each entry is traced once into the loop and the
-chosen one runs, `loop._run_chosen`); everything the choice reads is an array, so changing
+experiments predict; those answers live in `specjax/adaptive_plan.py`, mixed in). The
+menu is static (each entry is traced once into the loop and the chosen one runs,
+`loop._run_chosen`); everything the choice reads is an array, so changing
 costs, decay, prior, threshold or forced schedule reuses the compiled loop (turning draft
 stopping on or off, threshold 0 vs > 0, is a static choice: `AdaptivePolicy.stopping`).
 
@@ -99,6 +100,7 @@ import numpy as np
 from flax import struct
 
 from specjax import trees
+from specjax.adaptive_plan import AdaptivePlanning
 from specjax.trees import TreeSpec
 
 Array = jax.Array
@@ -245,7 +247,7 @@ def _entry_tables(entries, width: int):
 
 
 @struct.dataclass
-class AdaptivePolicy:
+class AdaptivePolicy(AdaptivePlanning):
   """The per-cycle shape choice (module doc). A pytree: the menu is static, the rest arrays.
 
   menu: static entries (None = k = 0, else a TreeSpec). batches: float32 [NB] calibrated
@@ -573,6 +575,7 @@ class AdaptivePolicy:
     return jnp.where(f >= 0, f, best)
 
   # ----------------------------------------------------------------------- host answers
+  # (the rates of rows that all accept alike; the answers: adaptive_plan.AdaptivePlanning)
 
   def _host_rates(self, alpha, rank_rates=None, depth_rates=None) -> np.ndarray:
     """[1, C] rates: every rank at α (or `rank_rates`), every depth's first candidate at the
@@ -587,51 +590,3 @@ class AdaptivePolicy:
       rates[:min(rr.size, self.width)] = rr[:self.width]
     depth = _prior_depth(float(rates[0]) if depth_rates is None else depth_rates, self.depths)
     return np.concatenate([rates, depth.astype(np.float32)])[None]
-
-  def choose_batches(self, alpha, batches, rank_rates=None, depth_rates=None) -> np.ndarray:
-    """Host (numpy, the loop's formula): the entry index the loop would pick at each batch
-    size in `batches` for rows that all accept at α (or at per-rank rates `rank_rates` and
-    the first candidate's per-depth rates `depth_rates`), no forcing."""
-    b = np.asarray(batches)
-    if b.ndim != 1 or b.size == 0 or not np.issubdtype(b.dtype, np.integer) or np.any(b < 1):
-      raise ValueError(f"batches must be ints >= 1, got {batches!r}")
-    s = self.scores(self._host_rates(alpha, rank_rates, depth_rates), np.ones(1, bool), b, np)
-    return np.argmax(s, axis=-1)
-
-  def choose(self, alpha, batch: int, rank_rates: Sequence[float] | None = None,
-             depth_rates: Sequence[float] | None = None) -> int:
-    """Host: the entry the loop would pick for `batch` rows that all accept at α (or at
-    per-rank rates `rank_rates` and per-depth first-candidate rates `depth_rates`), with no
-    forced schedule."""
-    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
-      raise ValueError(f"batch must be an int >= 1, got {batch!r}")
-    return int(self.choose_batches(alpha, [int(batch)], rank_rates, depth_rates)[0])
-
-  def predicted_speedup(self, alpha: float, batch: int, entry: int) -> float:
-    """Predicted speedup of `entry` over plain decoding at `batch` (`plain_seconds`)."""
-    tau = float(self.expected_tokens(self._host_rates(alpha), np)[0, entry])
-    sec = self.cycle_seconds(batch, np)
-    return tau / float(sec[entry]) * self.plain_seconds(batch)
-
-  def plain_seconds(self, batch: int) -> float:
-    """Seconds of a plain decoding step at `batch` (linear in log batch, clamped)."""
-    return float(np.interp(np.log(batch), np.log(np.asarray(self.batches)),
-                           np.asarray(self.plain)))
-
-  def table(self, alphas: Sequence[float], batches: Sequence[int]) -> list[dict]:
-    """[{alpha, batch, choice, speedup}]: what the engine would choose."""
-    out = []
-    for a in alphas:
-      for b, i in zip(batches, self.choose_batches(a, list(batches))):
-        out.append({"alpha": float(a), "batch": int(b), "choice": self.names[int(i)],
-                    "speedup": self.predicted_speedup(float(a), int(b), int(i))})
-    return out
-
-  def breakpoints(self, alpha: float, max_batch: int) -> list[tuple[int, str]]:
-    """[(first batch, choice)] where the choice at α changes over batches 1..max_batch."""
-    out: list[tuple[int, str]] = []
-    for b, i in enumerate(self.choose_batches(alpha, np.arange(1, int(max_batch) + 1)), 1):
-      name = self.names[int(i)]
-      if not out or out[-1][1] != name:
-        out.append((b, name))
-    return out
