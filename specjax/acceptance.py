@@ -69,7 +69,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.sampling import sample_from_uniforms, uniforms_for
-from specjax.trees import VerifyLayout
+from specjax.verify_layout import VerifyLayout
 
 
 @flax.struct.dataclass
@@ -374,7 +374,7 @@ def accept_tree(key: jax.Array, layout: VerifyLayout, tokens_BT: jax.Array, p_BT
   """Exact speculative acceptance of one token tree per row (recursive rejection sampling).
 
   key: PRNG key; one draw of [B, D·W + 1] uniforms (D = max depth, W = max width).
-  layout: the verify layout (`tree.layout(proposal)`, trees.VerifyLayout): the children
+  layout: the verify layout (`tree.layout(proposal)`, verify_layout.VerifyLayout): the children
     table (rank order, -1 padded; [T, W] shared by all rows or [B, T, W] per row) and the
     depth bound D are what the rule reads.
   tokens_BT: int [B, T] node tokens (node 0, the root, is ignored).

@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from specjax import acceptance, trees
+from specjax import acceptance, trees, verify_layout
 from specjax.acceptance import _accept_tree, _TreeRule, accept_tree, residual, residual_point
 from specjax.sampling import make_sampler, warp
 
@@ -323,7 +323,7 @@ def test_greedy_acceptance_is_the_greedy_walk_static_and_per_row():
 
   @jax.jit  # one compiled program for the three variants
   def three(tokens, p, q, children):
-    per_row = trees.VerifyLayout(depth=None, mask=None, children=children,
+    per_row = verify_layout.VerifyLayout(depth=None, mask=None, children=children,
                                  max_depth=tree.max_depth)
     return (accept_tree(jax.random.key(1), static, tokens, p, None),
             accept_tree(jax.random.key(2), static, tokens, p, q),
