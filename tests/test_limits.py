@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from specjax import cli, roofline, theory
+from specjax import adaptive_k, cli, roofline, theory
 from specjax.sweeps import sweep as sweep_module
 
 BILLION = 10**9
@@ -149,7 +149,7 @@ def test_roofline_search_sizes_are_bounded():
   with pytest.raises(ValueError, match="k_max = 100,000,000 exceeds the limit"):
     roofline.best_k(hw, wl, 8, 0.8, 0.1, k_max=10**8)
   with pytest.raises(ValueError, match=r"max_batch × \(k_max \+ 1\) = 900,000,000"):
-    roofline.AdaptiveKPolicy(hw, wl, 0.8, 0.1, k_max=8, max_batch=10**8)
+    adaptive_k.AdaptiveKPolicy(hw, wl, 0.8, 0.1, k_max=8, max_batch=10**8)
   with pytest.raises(ValueError, match=r"\(k_max \+ 1\) × k_max²"):
-    roofline.AdaptiveKPolicy(hw, wl, 0.8, 0.1, k_max=1000, max_batch=8)
+    adaptive_k.AdaptiveKPolicy(hw, wl, 0.8, 0.1, k_max=1000, max_batch=8)
   assert roofline.best_k(hw, wl, 8, 0.8, 0.1, k_max=theory.MAX_K)[0] >= 1

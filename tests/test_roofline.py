@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from specjax import adaptive_k
 from specjax import roofline as rl
 from specjax import theory
 
@@ -135,7 +136,7 @@ def test_presets():
 @pytest.mark.parametrize("alpha,c,draft_cost", [(0.8, 0.15, "full"), (0.95, 0.05, "verify_only"),
                                                 (0.6, 0.3, "memory_only"), (0.9, 0.0, "full")])
 def test_adaptive_policy_is_monotone_and_follows_best_k(hw, alpha, c, draft_cost):
-  policy = rl.AdaptiveKPolicy(hw, LECTURE, alpha, c, k_max=8, max_batch=2048,
+  policy = adaptive_k.AdaptiveKPolicy(hw, LECTURE, alpha, c, k_max=8, max_batch=2048,
                               draft_cost=draft_cost)
   ks = [policy.k_for_batch(b) for b in range(1, 2049)]
   assert all(a >= b for a, b in zip(ks, ks[1:]))
@@ -145,10 +146,10 @@ def test_adaptive_policy_is_monotone_and_follows_best_k(hw, alpha, c, draft_cost
 
 
 def test_adaptive_policy_lecture_table():
-  policy = rl.AdaptiveKPolicy(H100, LECTURE, ALPHA, C)
+  policy = adaptive_k.AdaptiveKPolicy(H100, LECTURE, ALPHA, C)
   assert policy.breakpoints() == [(1, 5), (30, 4), (39, 3), (56, 2), (101, 1), (504, 0)]
   assert policy.table([1, 64, 4096, 10**6]) == [(1, 5), (64, 2), (4096, 0), (10**6, 0)]
-  assert hash(policy) == hash(rl.AdaptiveKPolicy(H100, LECTURE, ALPHA, C))
+  assert hash(policy) == hash(adaptive_k.AdaptiveKPolicy(H100, LECTURE, ALPHA, C))
   with pytest.raises(dataclasses.FrozenInstanceError):
     policy.alpha = 0.5
   with pytest.raises(ValueError, match="batch"):
@@ -280,8 +281,8 @@ def test_roofline_imports_without_jax():
     (lambda: rl.Workload("x", 1.0, 1.0, 1.0, context_len=0), "context_len"),
     (lambda: rl.Workload("x", -1.0, 1.0, 1.0, context_len=8), "weight_bytes"),
     (lambda: rl.max_batch(LECTURE, -5.0), "memory_budget"),
-    (lambda: rl.AdaptiveKPolicy(H100, LECTURE, 1.5, C), "alpha"),
-    (lambda: rl.AdaptiveKPolicy(H100, LECTURE, ALPHA, C, max_batch=0), "max_batch"),
+    (lambda: adaptive_k.AdaptiveKPolicy(H100, LECTURE, 1.5, C), "alpha"),
+    (lambda: adaptive_k.AdaptiveKPolicy(H100, LECTURE, ALPHA, C, max_batch=0), "max_batch"),
     (lambda: rl.cache_budget(H100, dataclasses.replace(LECTURE, weight_bytes=90e9)), "weights"),
 ])
 def test_bad_input_raises_naming_the_argument(call, name):

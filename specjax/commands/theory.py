@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from specjax import roofline, theory
+from specjax import adaptive_k, roofline, theory
 
 _DEFAULT_ALPHAS = "0.6,0.7,0.8,0.9"
 _DEFAULT_BATCHES = "1,8,16,32,36,64,128,164,256,324,512"
@@ -467,8 +467,8 @@ def _roofline(args) -> int:
               f"{theory.MAX_TABLE_CELLS:,} entries")
   hw, wl = _hardware(args), _workload(args)
   a, k, c = args.alpha, args.k, args.c
-  policy = roofline.AdaptiveKPolicy(hw, wl, a, c, k_max=args.k_max, draft_cost=args.draft_cost,
-                                    max_batch=max(4096, max(batches)))
+  policy = adaptive_k.AdaptiveKPolicy(hw, wl, a, c, k_max=args.k_max, draft_cost=args.draft_cost,
+                                      max_batch=max(4096, max(batches)))
   rows = []
   for b in batches:
     kb, gb = roofline.best_k(hw, wl, b, a, c, args.k_max, args.draft_cost)
