@@ -61,8 +61,8 @@ PYEOF
 BACKEND=$("$PY" -c "import jax; print(jax.default_backend())" 2>/dev/null)
 if wanted scale && [ "$BACKEND" = gpu ]; then
   phase scale 230 "$PY" benchmarks/bench_core.py --target llama3-8b --draft llama3-draft \
-    --dtype bfloat16 --ts 1 4 8 16 32 64 --batch 1 8 --k 3 --repeats 3 --new-tokens 64 \
-    --context 512 --cache-len 2048 --out "$OUT_DIR/scale.json"
+    --dtype bfloat16 --batch 1 8 --ts 1 4 8 16 32 64 --k 3 --repeats 3 --new-tokens 64 \
+    --context 512 --cache-len 1024 --bandwidth-from copy --out "$OUT_DIR/scale.json"
 elif wanted scale; then
   echo "{\"phase\": \"scale\", \"skipped\": \"backend $BACKEND is not a GPU\"}" \
     >>"$OUT_DIR/phases.jsonl"
