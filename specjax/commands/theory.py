@@ -7,7 +7,6 @@ Every subcommand prints an aligned table, or one JSON document with --json. --pl
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import errno
 import json
 import math
@@ -16,6 +15,7 @@ import sys
 from typing import Any
 
 from specjax import adaptive_k, roofline, theory
+from specjax.commands import theory_flags as flags
 
 _DEFAULT_ALPHAS = "0.6,0.7,0.8,0.9"
 _DEFAULT_BATCHES = "1,8,16,32,36,64,128,164,256,324,512"
@@ -40,8 +40,8 @@ def add_parser(subparsers) -> None:
   s.add_argument("--k-max", type=int, default=16)
 
   s = _sub(sub, "roofline", "gain vs batch, break-even batch, best k per batch", _roofline)
-  _add_model_args(s)
-  _add_spec_args(s)
+  flags.add_model_args(s)
+  flags.add_spec_args(s)
   s.add_argument("--batches", default=_DEFAULT_BATCHES, help="comma-separated batch sizes")
   s.add_argument("--k-max", type=int, default=8, help="best k searched over 0..K")
   s.add_argument("--draft-cost", choices=roofline.DRAFT_COSTS, default="full",
@@ -69,8 +69,8 @@ def add_parser(subparsers) -> None:
 
   s = _sub(sub, "long-context", "max batch at a long context and how memory-bound it is",
            _long_context)
-  _add_model_args(s, context_default=16384)
-  _add_spec_args(s)
+  flags.add_model_args(s, context_default=16384)
+  flags.add_spec_args(s)
   s.add_argument("--memory-budget-gb", type=float, default=None,
                  help="cache memory (default: 0.95·memory − weights)")
 
@@ -84,8 +84,8 @@ def add_parser(subparsers) -> None:
 
   s = _sub(sub, "draft-kv", "concurrency a separate draft's weights and cache take away",
            _draft_kv)
-  _add_model_args(s)
-  _add_spec_args(s)
+  flags.add_model_args(s)
+  flags.add_spec_args(s)
   s.add_argument("--draft-fraction", type=float, default=0.1,
                  help="draft params / target params: scales weights and KV per token")
   s.add_argument("--draft-kv-bytes-per-token", type=float, default=None)
@@ -115,140 +115,7 @@ def _sub(sub, name: str, help_: str, func) -> argparse.ArgumentParser:
   return s
 
 
-def _add_model_args(s: argparse.ArgumentParser, context_default: int = 640) -> None:
-  g = s.add_argument_group("hardware and workload (default: the lecture's H100 and 7B)")
-  g.add_argument("--hardware", default="h100", choices=(*roofline.HARDWARE, "calibrate"),
-                 help="a preset, or 'calibrate' to measure this machine with JAX")
-  g.add_argument("--bandwidth-tbs", type=float, help="override memory bandwidth, TB/s")
-  g.add_argument("--tflops", type=float, help="override usable TFLOP/s")
-  g.add_argument("--memory-gb", type=float, help="override device memory, GB")
-  g.add_argument("--model-config", metavar="FILE.json",
-                 help="a ModelConfig as JSON (ModelConfig.to_dict) instead of the lecture 7B")
-  g.add_argument("--weight-gb", type=float, help="override weight bytes, GB (1e9)")
-  g.add_argument("--kv-bytes-per-token", type=float,
-                 help="override KV bytes per token per sequence (lecture: 131072)")
-  g.add_argument("--gflops-per-token", type=float, help="override FLOPs per token, GFLOP")
-  g.add_argument("--context-len", type=int, default=context_default)
-
-
-def _add_spec_args(s: argparse.ArgumentParser) -> None:
-  s.add_argument("--alpha", type=float, default=0.8)
-  s.add_argument("--k", type=int, default=4)
-  s.add_argument("--c", type=float, default=0.15)
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def _floats(name: str, text: str) -> list[float]:
-  try:
-    values = [float(x) for x in str(text).split(",") if x.strip()]
-  except ValueError:
-    raise ValueError(f"{name} must be comma-separated numbers, got {text!r}") from None
-  if not values:
-    raise ValueError(f"{name} must list at least one number, got {text!r}")
-  return values
-
-
-def _ints(name: str, text: str) -> list[int]:
-  values = _floats(name, text)
-  if any(v != int(v) for v in values):
-    raise ValueError(f"{name} must be comma-separated integers, got {text!r}")
-  return [int(v) for v in values]
-
-
-def _check_flag(flag: str, value: Any, ok: bool, allowed: str) -> None:
-  """ValueError naming the flag (not the library argument behind it) and what is allowed."""
-  if not ok:
-    raise ValueError(f"{flag} must be {allowed}, got {value!r}")
-
-
-def _finite(x: Any) -> bool:
-  return isinstance(x, (int, float)) and math.isfinite(x)
-
-
-def _check_size(flags: str, value: int, limit: int, what: str) -> None:
-  """A work size checked before any work (`theory.MAX_*`), the error naming the flags."""
-  if value > limit:
-    raise ValueError(f"{flags} = {value:,} exceeds the limit of {limit:,} ({what}): lower it")
-
-
-def _max_policy_k() -> int:
-  """The largest k_max whose adaptive-policy tables fit: (k + 1)·k² <= MAX_TABLE_CELLS."""
-  k = int(round(theory.MAX_TABLE_CELLS ** (1 / 3)))
-  while (k + 1) * k * k > theory.MAX_TABLE_CELLS:
-    k -= 1
-  return k
-
-
-def _check_alpha(flag: str, a: float) -> None:
-  _check_flag(flag, a, _finite(a) and 0.0 <= a <= 1.0, "a number in [0, 1]")
-
-
-def _check_k(flag: str, k: int, lo: int = 1) -> None:
-  _check_flag(flag, k, k >= lo, f"an integer >= {lo}")
-
-
-def _check_spec(args) -> None:
-  """--alpha, --k, --c of the roofline subcommands, checked before the model is built."""
-  _check_alpha("--alpha", args.alpha)
-  _check_k("--k", args.k)
-  _check_flag("--c", args.c, _finite(args.c) and args.c >= 0, "a finite number >= 0")
-  if getattr(args, "context_len", None) is not None:
-    _check_k("--context-len", args.context_len)
-  if getattr(args, "k_max", None) is not None:
-    _check_k("--k-max", args.k_max, 0)
-
-
-def _hardware(args) -> roofline.Hardware:
-  hw = roofline.calibrate() if args.hardware == "calibrate" else roofline.HARDWARE[args.hardware]
-  changes = {}
-  if args.bandwidth_tbs is not None:
-    changes["bandwidth"] = args.bandwidth_tbs * 1e12
-  if args.tflops is not None:
-    changes["flops"] = args.tflops * 1e12
-  if args.memory_gb is not None:
-    changes["memory"] = args.memory_gb * 1e9
-  if changes:
-    hw = dataclasses.replace(hw, name=hw.name + "*", **changes)
-  return hw
-
-
-def _workload(args) -> roofline.Workload:
-  if args.model_config:
-    from specjax.models.transformer import ModelConfig  # lazy: pulls in JAX
-    path = args.model_config
-    try:
-      with open(path) as f:
-        doc = json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"--model-config {path}: not valid JSON ({e}): give a ModelConfig as "
-                       f"a JSON object (ModelConfig.to_dict)") from None
-    except UnicodeDecodeError:
-      raise ValueError(f"--model-config {path}: not a text file: give a ModelConfig as a "
-                       f"JSON object (ModelConfig.to_dict)") from None
-    except OSError as e:
-      raise _path_error("--model-config", path, e, "give a readable JSON file") from None
-    if not isinstance(doc, dict):
-      raise ValueError(f"--model-config {path}: expected a JSON object of ModelConfig fields, "
-                       f"got {type(doc).__name__}")
-    try:
-      config = ModelConfig.from_dict(doc)
-    except (TypeError, ValueError) as e:
-      raise ValueError(f"--model-config {path}: {e}") from None
-    wl = roofline.Workload.from_model_config(config, args.context_len)
-  else:
-    wl = roofline.Workload.lecture_7b(args.context_len)
-  changes = {}
-  if args.weight_gb is not None:
-    changes["weight_bytes"] = args.weight_gb * 1e9
-  if args.kv_bytes_per_token is not None:
-    changes["kv_bytes_per_token"] = args.kv_bytes_per_token
-  if args.gflops_per_token is not None:
-    changes["flops_per_token"] = args.gflops_per_token * 1e9
-  if changes:
-    wl = dataclasses.replace(wl, name=wl.name + "*", **changes)
-  return wl
+# ----------------------------------------------------------------------------- output
 
 
 def _clean(x: Any) -> Any:
@@ -285,19 +152,13 @@ def _print_table(headers: list[str], rows: list[list[Any]], title: str | None = 
     print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
 
 
-def _path_error(flag: str, path: str, e: OSError, todo: str) -> OSError:
-  """`e` again, naming the flag and the path and saying what to do (the CLI prints it as
-  one line: `FLAG PATH: reason; todo`)."""
-  return OSError(e.errno, f"{e.strerror or e}; {todo}", f"{flag} {path}")
-
-
 def _savefig(fig, path: str) -> None:
   if os.path.isdir(path):  # matplotlib would write PATH.png beside it instead
     raise IsADirectoryError(errno.EISDIR, "is a directory; give a FILE.png path", f"--plot {path}")
   try:
     fig.savefig(path, dpi=120)
   except OSError as e:
-    raise _path_error("--plot", path, e, "give a writable FILE.png") from None
+    raise flags.path_error("--plot", path, e, "give a writable FILE.png") from None
 
 
 def _pyplot():
@@ -311,16 +172,16 @@ def _pyplot():
 
 
 def _table(args) -> int:
-  alphas = _floats("--alphas", args.alphas)
+  alphas = flags.floats("--alphas", args.alphas)
   for a in alphas:
-    _check_alpha("--alphas", a)
-  _check_flag("--c", args.c, _finite(args.c) and args.c >= 0, "a finite number >= 0")
-  _check_k("--k-max", args.k_max)
-  _check_k("--k-search", args.k_search)
-  _check_size("--k-max", args.k_max, theory.MAX_K, "every k = 1..K is a column")
-  _check_size("--k-search", args.k_search, theory.MAX_K, "every k = 1..K is evaluated")
-  _check_size("number of --alphas × --k-max", len(alphas) * args.k_max, theory.MAX_TABLE_CELLS,
-              "table entries")
+    flags.check_alpha("--alphas", a)
+  flags.check_flag("--c", args.c, flags.finite(args.c) and args.c >= 0, "a finite number >= 0")
+  flags.check_k("--k-max", args.k_max)
+  flags.check_k("--k-search", args.k_search)
+  flags.check_size("--k-max", args.k_max, theory.MAX_K, "every k = 1..K is a column")
+  flags.check_size("--k-search", args.k_search, theory.MAX_K, "every k = 1..K is evaluated")
+  flags.check_size("number of --alphas × --k-max", len(alphas) * args.k_max,
+                   theory.MAX_TABLE_CELLS, "table entries")
   grid = theory.speedup_table(alphas, args.c, args.k_max)
   best = [theory.optimal_k(a, args.c, args.k_search) for a in alphas]
   if args.plot:
@@ -356,12 +217,12 @@ def _table(args) -> int:
 
 
 def _optimal_k(args) -> int:
-  alphas = _floats("--alpha", args.alpha)
+  alphas = flags.floats("--alpha", args.alpha)
   for a in alphas:
-    _check_alpha("--alpha", a)
-  _check_flag("--c", args.c, _finite(args.c) and args.c >= 0, "a finite number >= 0")
-  _check_k("--k-max", args.k_max)
-  _check_size("--k-max", args.k_max, theory.MAX_K, "every k = 1..K is evaluated")
+    flags.check_alpha("--alpha", a)
+  flags.check_flag("--c", args.c, flags.finite(args.c) and args.c >= 0, "a finite number >= 0")
+  flags.check_k("--k-max", args.k_max)
+  flags.check_size("--k-max", args.k_max, theory.MAX_K, "every k = 1..K is evaluated")
   rows = []
   for a in alphas:
     k, s = theory.optimal_k(a, args.c, args.k_max)
@@ -405,16 +266,16 @@ def _adaptive(args) -> int:
 
   from specjax import adaptive, loop  # lazy: imports JAX
 
-  alphas = _floats("--alphas", args.alphas)
+  alphas = flags.floats("--alphas", args.alphas)
   for a in alphas:
     if not 0 <= a <= 1:
       raise ValueError(f"--alphas must lie in [0, 1], got {a}")
-  batches = _ints("--batches", args.batches)
+  batches = flags.ints("--batches", args.batches)
   for b in batches:
-    _check_k("--batches", b)
-  menu = _ints("--menu", args.menu)
-  _check_size("number of --menu entries × (largest k)²", len(menu) * max(menu) ** 2,
-              theory.MAX_TABLE_CELLS, "the policy tabulates every entry's node pairs")
+    flags.check_k("--batches", b)
+  menu = flags.ints("--menu", args.menu)
+  flags.check_size("number of --menu entries × (largest k)²", len(menu) * max(menu) ** 2,
+                   theory.MAX_TABLE_CELLS, "the policy tabulates every entry's node pairs")
   lazy = loop.LAZY_SLOTS if args.lazy_slots is None else args.lazy_slots
   if lazy < 0:
     raise ValueError(f"--lazy-slots must be an int >= 0, got {lazy}")
@@ -453,19 +314,20 @@ def _model_doc(hw: roofline.Hardware, wl: roofline.Workload) -> dict:
 
 
 def _roofline(args) -> int:
-  _check_spec(args)
-  batches = _ints("--batches", args.batches)
+  flags.check_spec(args)
+  batches = flags.ints("--batches", args.batches)
   for b in batches:
-    _check_k("--batches", b)
+    flags.check_k("--batches", b)
   # the adaptive-k policy tabulates cycle times for every batch 1..max(4096, B) and k, and
   # its menu's node tables grow as (k_max + 1)·k_max²
-  _check_size("--k-max", args.k_max, _max_policy_k(),
-              f"the adaptive-k policy's tables hold (k + 1)·k² <= {theory.MAX_TABLE_CELLS:,} "
-              "entries")
-  _check_size("largest --batches", max(batches), theory.MAX_TABLE_CELLS // (args.k_max + 1),
-              f"the adaptive-k policy tabulates every batch 1..B × k = 0..{args.k_max}, at most "
-              f"{theory.MAX_TABLE_CELLS:,} entries")
-  hw, wl = _hardware(args), _workload(args)
+  flags.check_size("--k-max", args.k_max, flags.max_policy_k(),
+                   f"the adaptive-k policy's tables hold (k + 1)·k² <= "
+                   f"{theory.MAX_TABLE_CELLS:,} entries")
+  flags.check_size("largest --batches", max(batches),
+                   theory.MAX_TABLE_CELLS // (args.k_max + 1),
+                   f"the adaptive-k policy tabulates every batch 1..B × k = 0..{args.k_max}, "
+                   f"at most {theory.MAX_TABLE_CELLS:,} entries")
+  hw, wl = flags.hardware(args), flags.workload(args)
   a, k, c = args.alpha, args.k, args.c
   policy = adaptive_k.AdaptiveKPolicy(hw, wl, a, c, k_max=args.k_max, draft_cost=args.draft_cost,
                                       max_batch=max(4096, max(batches)))
@@ -537,8 +399,8 @@ def _plot_roofline(path, hw, wl, a, k, c, be, b_max) -> None:
 
 
 def _long_context(args) -> int:
-  _check_spec(args)
-  hw, wl = _hardware(args), _workload(args)
+  flags.check_spec(args)
+  hw, wl = flags.hardware(args), flags.workload(args)
   budget = None if args.memory_budget_gb is None else args.memory_budget_gb * 1e9
   lc = roofline.long_context(hw, wl, args.context_len, args.alpha, args.k, args.c, budget)
   if args.json:
@@ -555,18 +417,20 @@ def _long_context(args) -> int:
 
 
 def _sample_size(args) -> int:
-  _check_alpha("--alpha", args.alpha)
+  flags.check_alpha("--alpha", args.alpha)
   if args.method == "wald" and args.alpha in (0.0, 1.0):
     raise ValueError(
         f"--alpha {args.alpha:g} with --method wald: the Wald interval has zero width at "
         f"α = 0 or 1, so it would answer 0 tokens; give --alpha in (0, 1) (your best guess "
         f"of α) or use --method wilson, which stays positive there")
-  _check_flag("--half-width", args.half_width,
-              _finite(args.half_width) and theory.MIN_HALF_WIDTH <= args.half_width <= 0.5,
-              f"in [{theory.MIN_HALF_WIDTH:g}, 0.5] (narrower needs over 10^17 drafted tokens)")
-  _check_flag("--confidence", args.confidence,
-              _finite(args.confidence) and 0 < args.confidence < 1, "in (0, 1)")
-  _check_flag("--rho", args.rho, _finite(args.rho) and -1 < args.rho < 1, "in (-1, 1)")
+  flags.check_flag("--half-width", args.half_width,
+                   flags.finite(args.half_width)
+                   and theory.MIN_HALF_WIDTH <= args.half_width <= 0.5,
+                   f"in [{theory.MIN_HALF_WIDTH:g}, 0.5] (narrower needs over 10^17 drafted "
+                   f"tokens)")
+  flags.check_flag("--confidence", args.confidence,
+                   flags.finite(args.confidence) and 0 < args.confidence < 1, "in (0, 1)")
+  flags.check_flag("--rho", args.rho, flags.finite(args.rho) and -1 < args.rho < 1, "in (-1, 1)")
   n = theory.alpha_sample_size(args.alpha, args.half_width, args.confidence, rho=args.rho,
                                method=args.method)
   n_iid = theory.alpha_sample_size(args.alpha, args.half_width, args.confidence,
@@ -584,8 +448,8 @@ def _sample_size(args) -> int:
 
 
 def _draft_kv(args) -> int:
-  _check_spec(args)
-  hw, wl = _hardware(args), _workload(args)
+  flags.check_spec(args)
+  hw, wl = flags.hardware(args), flags.workload(args)
   f = args.draft_fraction
   if not (math.isfinite(f) and f >= 0):
     raise ValueError(f"--draft-fraction must be >= 0, got {f}")
@@ -610,17 +474,18 @@ def _draft_kv(args) -> int:
 
 
 def _burstiness(args) -> int:
-  _check_alpha("--alpha", args.alpha)
-  _check_k("--k", args.k)
-  _check_k("--cycles", args.cycles)
-  _check_k("--seed", args.seed, 0)
-  rhos = _floats("--rhos", args.rhos)
+  flags.check_alpha("--alpha", args.alpha)
+  flags.check_k("--k", args.k)
+  flags.check_k("--cycles", args.cycles)
+  flags.check_k("--seed", args.seed, 0)
+  rhos = flags.floats("--rhos", args.rhos)
   for rho in rhos:
-    _check_flag("--rhos", rho, _finite(rho) and 0 <= rho < 1, "numbers in [0, 1)")
-  _check_size("--k", args.k, theory.MAX_K, "chain length")
-  _check_size("--cycles × --k", max(theory.chain_draws(args.cycles, args.k, rho) for rho in rhos),
-              theory.MAX_DRAWS, "uniforms one simulation draws; bursty rows: 1000 streams "
-              "with 20 burn-in cycles each")
+    flags.check_flag("--rhos", rho, flags.finite(rho) and 0 <= rho < 1, "numbers in [0, 1)")
+  flags.check_size("--k", args.k, theory.MAX_K, "chain length")
+  flags.check_size("--cycles × --k",
+                   max(theory.chain_draws(args.cycles, args.k, rho) for rho in rhos),
+                   theory.MAX_DRAWS, "uniforms one simulation draws; bursty rows: 1000 streams "
+                   "with 20 burn-in cycles each")
   rows = []
   for rho in rhos:
     sim = theory.simulate_chain(args.alpha, args.k, cycles=args.cycles, seed=args.seed, rho=rho)
@@ -640,14 +505,14 @@ def _burstiness(args) -> int:
 
 
 def _tree(args) -> int:
-  parents = _ints("--parents", args.parents)
-  probs = _floats("--rank-probs", args.rank_probs)
+  parents = flags.ints("--parents", args.parents)
+  probs = flags.floats("--rank-probs", args.rank_probs)
   tau = theory.tree_expected_tokens(parents, probs)
   if args.samples:
-    _check_k("--samples", args.samples, 2)
+    flags.check_k("--samples", args.samples, 2)
     depth = int(theory.node_depths(parents).max())
-    _check_size("--samples × tree depth", args.samples * depth, theory.MAX_DRAWS,
-                f"uniforms one simulation draws; the tree is {depth} deep")
+    flags.check_size("--samples × tree depth", args.samples * depth, theory.MAX_DRAWS,
+                     f"uniforms one simulation draws; the tree is {depth} deep")
   doc = {"parents": parents, "rank_probs": probs, "expected_tokens": tau,
          "node_probs": [float(x) for x in theory.tree_node_probs(parents, probs)]}
   if args.samples:
