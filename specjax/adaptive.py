@@ -347,7 +347,7 @@ class AdaptivePolicy(AdaptivePlanning):
                  lazy_slots: int = 0, cycles: str = "fit", **kwargs) -> "AdaptivePolicy":
     """From calibrations (`calibration.LoopCosts`): one, or {batch: LoopCosts}. A tree entry
     costs, with cycles="fit" (the default), the calibration's fitted cycle
-    t_fixed + t_verify·(N + 1) + t_draft·D (`calibration.CycleFit`; a shape's own
+    t_fixed + t_verify·(N + 1) + t_draft·D (`cycle_fit.CycleFit`; a shape's own
     measurement where the calibrated shapes do not identify a fit), or with
     cycles="measured" `costs.cycle_seconds(tree)` (its own measurement if it was
     calibrated). Why the fit: one shape's own timing on a loaded CPU moves by 10-25%

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from specjax import calibration, decoding, theory, trees
+from specjax import calibration, cycle_fit, decoding, theory, trees
 
 T_FIXED, T_VERIFY, T_DRAFT, T_STEP = 3e-4, 1e-4, 5e-5, 2e-4
 SHAPES = [trees.chain(1), trees.chain(2), trees.chain(4), trees.chain(6),
@@ -41,7 +41,7 @@ def test_fit_recovers_planted_costs_from_noisy_timings():
 
 
 def test_fit_is_exact_without_noise_and_non_negative():
-  f = calibration.fit([(*calibration.shape_of(t), _law(t)) for t in SHAPES])
+  f = cycle_fit.fit([(*calibration.shape_of(t), _law(t)) for t in SHAPES])
   assert (f.t_fixed, f.t_verify, f.t_draft) == pytest.approx((T_FIXED, T_VERIFY, T_DRAFT),
                                                              rel=1e-9)
   # a draft that costs nothing: the unconstrained fit would go slightly negative under
@@ -64,7 +64,7 @@ def test_negative_controls():
   assert quad.fitted.rel_rms > 0.05
   # chains alone have N = D: the three costs are not identifiable
   with pytest.raises(ValueError, match="cannot separate"):
-    calibration.fit([(*calibration.shape_of(t), _law(t)) for t in SHAPES[:4]])
+    cycle_fit.fit([(*calibration.shape_of(t), _law(t)) for t in SHAPES[:4]])
   chains = calibration.LoopCosts.from_timings(T_STEP, _synthetic(0.0, shapes=SHAPES[:4]))
   assert chains.fitted is None and chains.cycle_steps(trees.chain(4)) > 0
   with pytest.raises(ValueError, match="was not calibrated"):
