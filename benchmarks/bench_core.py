@@ -49,7 +49,8 @@ from specjax.drafters.base import LM
 from specjax.models import attention
 from specjax.models import cache as kv
 from specjax.models.presets import PRESETS
-from specjax.models.transformer import Transformer, _one_row_safe_matmul
+from specjax.models.one_row_bf16 import one_row_safe_matmul
+from specjax.models.transformer import Transformer
 
 from _timing import median_seconds, write_results  # benchmarks/_timing.py
 
@@ -107,7 +108,7 @@ def matmul_chain_seconds(target, repeats: int) -> float:
   @jax.jit
   def chain(x, mats):
     for m in mats:
-      y = _one_row_safe_matmul("...i,io->...o", x[:, :m.shape[0]].astype(m.dtype), m)
+      y = one_row_safe_matmul("...i,io->...o", x[:, :m.shape[0]].astype(m.dtype), m)
       x = jnp.resize(y, (1, width)) * 1e-3
     return x
 

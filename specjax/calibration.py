@@ -68,7 +68,7 @@ from specjax import decoding, sampling, trees
 from specjax.cycle_fit import CycleFit, fit, identifiable
 from specjax.drafters.base import LM, Drafter
 from specjax.drafters.model import ModelDrafter
-from specjax.models.transformer import padding_policy
+from specjax.models.one_row_bf16 import padding_policy
 
 VERSION = 3  # bump when what a cached calibration holds changes (3: bf16 one-row padding probed)
 DEFAULT_CHAINS = (1, 2, 4, 6)

@@ -283,7 +283,7 @@ def test_one_row_bf16_padding_is_decided_per_shape_and_changes_no_result(monkeyp
   forced by $SPECJAX_PAD_ONE_ROW_BF16; a bad value is refused naming the variable; padded
   and unpadded one-row bf16 products agree up to float32 accumulation order (as fp32's
   one-row and multi-row kernels do)."""
-  from specjax.models import transformer as tr
+  from specjax.models import one_row_bf16 as tr
   w = jax.random.normal(jax.random.key(0), (64, 48)).astype(jnp.bfloat16)
   x = jax.random.normal(jax.random.key(1), (1, 1, 64))
   key = ("...i,io->...o", 3, 64, (64, 48))
@@ -292,7 +292,7 @@ def test_one_row_bf16_padding_is_decided_per_shape_and_changes_no_result(monkeyp
     monkeypatch.setenv(tr.PAD_ENV, env)
     tr.pad_one_row_bf16.cache_clear()
     assert tr.padding_policy() == env and tr.pad_one_row_bf16(*key) is (env == "1")
-    outs[env] = np.asarray(tr._one_row_safe_matmul("...i,io->...o", x.astype(w.dtype), w))
+    outs[env] = np.asarray(tr.one_row_safe_matmul("...i,io->...o", x.astype(w.dtype), w))
   np.testing.assert_allclose(outs["1"], outs["0"], rtol=1e-5, atol=1e-6)
   monkeypatch.setenv(tr.PAD_ENV, "yes")
   tr.pad_one_row_bf16.cache_clear()

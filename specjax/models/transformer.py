@@ -18,7 +18,8 @@ verification; only the positions, the cache and the block mask differ:
 
 Numerics: the residual stream, norms, softmax and logits are float32. With
 `dtype='bfloat16'` the weights are stored in bf16 and every matmul takes bf16 inputs with
-float32 accumulation (`preferred_element_type`), the fast path on XLA:CPU and accelerators.
+float32 accumulation (`preferred_element_type`), the fast path on XLA:CPU and accelerators
+(a one-row bf16 product padded where that is faster: `one_row_bf16.py`).
 """
 
 from __future__ import annotations
@@ -27,15 +28,13 @@ import dataclasses
 import functools
 import math
 import os
-import time
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from specjax.models import attention
+from specjax.models import attention, one_row_bf16
 from specjax.models import cache as kv
 
 Array = jax.Array
@@ -345,81 +344,10 @@ class Dense(nnx.Module):
 
   def __call__(self, x: Array) -> Array:
     w = self.kernel[...]
-    y = _one_row_safe_matmul("...i,io->...o", x.astype(w.dtype), w)
+    y = one_row_bf16.one_row_safe_matmul("...i,io->...o", x.astype(w.dtype), w)
     if self.bias is not None:
       y = y + _bcast(self.bias[...].astype(jnp.float32), y)
     return y
-
-
-PAD_ENV = "SPECJAX_PAD_ONE_ROW_BF16"
-
-
-def padding_policy() -> str:
-  """"1" / "0" when $SPECJAX_PAD_ONE_ROW_BF16 forces the one-row bf16 padding on / off,
-  "measured" when `pad_one_row_bf16` measures it per product shape (the default)."""
-  env = os.environ.get(PAD_ENV)
-  if env is None:
-    return "measured"
-  if env not in ("0", "1"):
-    raise ValueError(f"${PAD_ENV} must be 0 or 1 (or unset: measured), got {env!r}")
-  return env
-
-
-@functools.lru_cache(maxsize=None)
-def pad_one_row_bf16(spec: str, x_ndim: int, d: int, w_shape: tuple[int, ...]) -> bool:
-  """Whether a one-row bf16 product `einsum(spec, x, w)` (x of rank x_ndim, last axis d) is
-  padded to two rows (docs/xla_notes.md, trap 3). Forced by $SPECJAX_PAD_ONE_ROW_BF16 = 1 or
-  0 (read once per process and shape, like the measurement); never on
-  GPU/TPU; on XLA:CPU measured once per process and product shape, because CPUs disagree
-  and so do shapes: on the first host a one-row bf16 product ran ~10x slower than two
-  rows; on this one (AMX) a [1, 256] x [256, 1024] product takes 10.6 us against 31-39 us
-  for two rows, while a [1, 1024] x [1024, 1024] one takes 110-139 us against 75-87 us.
-  Padded when one row takes more than 1.5x two rows."""
-  policy = padding_policy()
-  if policy != "measured":
-    return policy == "1"
-  if jax.default_backend() != "cpu":
-    return False
-  with jax.ensure_compile_time_eval():
-    return _one_row_bf16_is_slow(spec, x_ndim, d, w_shape)
-
-
-def _one_row_bf16_is_slow(spec: str, x_ndim: int, d: int, w_shape: tuple[int, ...],
-                          n: int = 16, repeats: int = 5) -> bool:
-  """Times n one-row and n two-row bf16 products of this spec and weight shape (float32
-  accumulation; fastest of `repeats`; ~0.2 s with its two compiles)."""
-  w = jnp.asarray(np.random.default_rng(0).standard_normal(w_shape), jnp.bfloat16)
-
-  def run(x, w):
-    body = lambda i, acc: acc + jnp.sum(jnp.einsum(
-        spec, (x * (1.0 + i * 1e-3)).astype(jnp.bfloat16), w,
-        preferred_element_type=jnp.float32))
-    return jax.lax.fori_loop(0, n, body, jnp.zeros((), jnp.float32))
-
-  f = jax.jit(run)
-  best = {}
-  for rows in (1, 2):
-    x = jnp.ones((1,) * (x_ndim - 2) + (rows, d), jnp.float32)
-    f(x, w).block_until_ready()
-    times = []
-    for _ in range(repeats):
-      t = time.perf_counter()
-      f(x, w).block_until_ready()
-      times.append(time.perf_counter() - t)
-    best[rows] = min(times)
-  return best[1] > 1.5 * best[2]
-
-
-def _one_row_safe_matmul(spec: str, x: Array, w: Array) -> Array:
-  """einsum with f32 accumulation; a single bf16 row is padded to two where that is faster
-  for this shape (`pad_one_row_bf16`: on some CPUs and shapes a one-row bf16 product takes
-  a much slower path, docs/xla_notes.md, trap 3); the duplicate row is dropped."""
-  if (w.dtype == jnp.bfloat16 and x.ndim >= 2 and math.prod(x.shape[:-1]) == 1
-      and pad_one_row_bf16(spec, x.ndim, x.shape[-1], tuple(w.shape))):
-    y = jnp.einsum(spec, jnp.concatenate([x, x], axis=-2), w,
-                   preferred_element_type=jnp.float32)
-    return y[..., :1, :]
-  return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
 
 
 def _bcast(v_D: Array, like: Array) -> Array:
@@ -609,4 +537,4 @@ class Transformer(nnx.Module):
     if self.lm_head is not None:
       return self.lm_head(hidden_BTD)
     w = self.embed[...]
-    return _one_row_safe_matmul("btd,vd->btv", hidden_BTD.astype(w.dtype), w)
+    return one_row_bf16.one_row_safe_matmul("btd,vd->btv", hidden_BTD.astype(w.dtype), w)

@@ -338,7 +338,7 @@ def environment(seed: int | None = None) -> dict:
         env[pkg] = None
     import jax
     devices = jax.local_devices()
-    from specjax.models.transformer import padding_policy
+    from specjax.models.one_row_bf16 import padding_policy
     env.update(backend=jax.default_backend(), device_kind=devices[0].device_kind,
                local_device_count=len(devices), device_count=jax.device_count(),
                process_index=jax.process_index(), process_count=jax.process_count(),
