@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from specjax.cli import main
-from specjax.sweeps import launch, runner
+from specjax.sweeps import launch, run_directory, runner
 
 TESTS = pathlib.Path(__file__).parent
 
@@ -307,9 +307,9 @@ def test_two_concurrent_runs_into_one_directory_one_writer(config, tmp_path):
 def test_lock_held_in_process_refuses_a_run_and_frees_on_release(config, tmp_path):
   out = tmp_path / "run"
   launch.run(str(config), out=str(out), progress=False)
-  lock = runner.RunLock(out).acquire()
+  lock = run_directory.RunLock(out).acquire()
   try:
-    with pytest.raises(runner.RunDirError, match=f"in use by another specjax run \\(pid "
+    with pytest.raises(run_directory.RunDirError, match=f"in use by another specjax run \\(pid "
                        f"{os.getpid()}\\)"):
       launch.run(str(config), out=str(out), progress=False)
   finally:
@@ -475,7 +475,7 @@ def test_every_corrupt_line_is_skipped_and_reported_once_with_its_number(tmp_pat
   assert capsys.readouterr().err == ""
   assert runner.read_results(tmp_path / "missing.jsonl") == {}
   (tmp_path / "adir.jsonl").mkdir()
-  with pytest.raises(runner.RunDirError, match="cannot read .*adir.jsonl"):
+  with pytest.raises(run_directory.RunDirError, match="cannot read .*adir.jsonl"):
     runner.read_results(tmp_path / "adir.jsonl")
   many = runner.skipped_lines_message("f", list(range(1, 14)))
   assert "lines 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, ... (3 more)" in many
@@ -567,7 +567,7 @@ def test_run_directory_files_get_the_modes_the_umask_gives(config, tmp_path, uma
   file_mode, dir_mode = 0o666 & ~mask, 0o777 & ~mask
   assert out.stat().st_mode & 0o777 == dir_mode
   for name in ("config.gin", "config.json", "environment.json", runner.RESULTS, "report.md",
-               runner.LOCK):
+               run_directory.LOCK):
     assert (out / name).stat().st_mode & 0o777 == file_mode, name
   assert main(["merge", str(out), "--out", str(tmp_path / "merged")]) == 0
   for p in [tmp_path / "merged", *(tmp_path / "merged").iterdir()]:
@@ -584,7 +584,8 @@ def test_atomic_write_text_keeps_the_old_file_when_the_write_fails(tmp_path, mon
     raise OSError(errno.ENOSPC, "No space left on device")
 
   monkeypatch.setattr(os, "fsync", full)
-  with pytest.raises(runner.RunDirError, match="no space left on device writing .*report.md"):
+  with pytest.raises(run_directory.RunDirError,
+                     match="no space left on device writing .*report.md"):
     runner.atomic_write_text(path, "new " * 1000)
   monkeypatch.undo()
   assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["report.md"]

@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 
 import gin
 
-from specjax.sweeps import overrides, report, runner
+from specjax.sweeps import overrides, report, run_directory, runner
 from specjax.sweeps.sweep import Sweep
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
@@ -234,7 +234,7 @@ def run(config: str, bindings: Sequence[str] = (), out: str | None = None,
         changes: Sequence[overrides.Override] = ()) -> runner.RunSummary:
   sweep, config_text = load_sweep(config, bindings, changes)
   points = plan(sweep, shard_index, num_shards)
-  fp = runner.fingerprint(config_text, shard_index, num_shards)
+  fp = run_directory.fingerprint(config_text, shard_index, num_shards)
 
   def init(run_dir: pathlib.Path) -> None:
     runner.atomic_write_text(run_dir / "config.gin", config_text)
@@ -243,9 +243,10 @@ def run(config: str, bindings: Sequence[str] = (), out: str | None = None,
         "num_shards": num_shards, "axes": dict(sweep.axes), "fixed": dict(sweep.fixed),
         "vectorized": list(sweep.vectorized), "points": len(points)}, indent=2, default=repr))
 
-  with runner.open_run_dir(root, sweep.name, fp, out, init=init) as (run_dir, resumed):
+  with run_directory.open_run_dir(root, sweep.name, fp, out, init=init) as (run_dir, resumed):
     runner.atomic_write_text(run_dir / "environment.json",
-                             json.dumps(runner.environment(sweep.seed), indent=2, default=repr))
+                             json.dumps(run_directory.environment(sweep.seed), indent=2,
+                                        default=repr))
     print(f"specjax run: {sweep.name}: {len(points)} points -> {run_dir}"
           f"{' (resuming)' if resumed else ''}", file=sys.stderr)
     skipped, ok, failed = runner.run_points(
