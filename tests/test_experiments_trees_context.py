@@ -154,8 +154,9 @@ def test_tree_shapes_validate_rejects_bad_values(change, match):
     ({"temperature": "hot"}, "temperature must be a finite number >= 0"),
     ({"models": "huge"}, r"models must be one of \('default', 'random'\)"),
     # past the positions the models were trained for: refused before work, not mid-sweep
-    ({"context_len": 1024}, r"1024 \+ max_new_tokens 64 \+ k 4 \+ 1 = 1093 exceeds the "
-                            r"model's max_len 512 .* the longest context_len here is 443"),
+    # (the shipped target: 1,024 positions)
+    ({"context_len": 2048}, r"2048 \+ max_new_tokens 64 \+ k 4 \+ 1 = 2117 exceeds the "
+                            r"model's max_len 1024 .* the longest context_len here is 955"),
 ])
 def test_long_context_validate_rejects_bad_values(change, match):
   with pytest.raises(ValueError, match=match):
