@@ -145,6 +145,7 @@ def test_generate_bad_input_before_work(pair):
 # ----------------------------------------------------------------------------- the loop
 
 
+@pytest.mark.slow
 def test_greedy_identity_with_shapes_alternating_every_cycle(pair):
   """Ragged batch, the policy forced through k=1, k=0, tree, k=3 in turn: the tokens are
   plain greedy decoding's; the drafter's copy of the target's features (passed by every
@@ -208,6 +209,7 @@ def _adaptive_first_three(target, draft, sampler, seed, run=None, threshold=0.0,
   return np.asarray(state.tokens)[:, 3:6], prompt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threshold, forced", [(0.0, (1, 0, 2)), (1.0, (2, 0, 1)),
                                                (0.0, (0, 1, 2))],
                          ids=["no-stopping", "draft-stopping", "lazy-catch-up"])
@@ -247,6 +249,7 @@ class _MisreportedFillers(ModelDrafter):
     return cache, kids, jnp.where(skipped, root_q_BV[None, :, None], q), drafted
 
 
+@pytest.mark.slow
 def test_joint_distribution_test_catches_misreported_fillers():
   """Negative control of the draft-stopping case: the same χ² test rejects fillers whose
   law is not the point mass they are."""
@@ -258,6 +261,7 @@ def test_joint_distribution_test_catches_misreported_fillers():
   assert joint_pvalue(tokens, exact_joint(target, prompt, sampler)) < FALSE_ALARM
 
 
+@pytest.mark.slow
 def test_draft_stopping_skips_the_levels_and_fills_point_masses(pair):
   """A chain of 4 with threshold 1 drafts node 1 only: the other nodes are the root law's
   least likely token (one-hot laws when sampled); threshold 0 drafts exactly what the
@@ -315,6 +319,7 @@ def test_a_stopping_drafter_in_the_fixed_shape_loop(pair):
   assert np.all(run.stats["depth_tried"][:, 1:] == 0)
 
 
+@pytest.mark.slow
 def test_joint_distribution_test_catches_a_planted_bug(monkeypatch):
   """Negative control: the same χ² test rejects an 'always accept' acceptance rule."""
   target, draft = _joint_models()
@@ -513,6 +518,7 @@ def test_theory_adaptive_prints_the_first_choice_from_the_calibrated_depth_profi
       capsys.readouterr().out)
 
 
+@pytest.mark.slow
 def test_deeper_priors_follow_the_rows_own_first_draft_rate():
   """A row's prior at depths >= 2 is the calibrated profile shifted in log-odds by the row's
   own depth-1 evidence: a row that rejects its first drafts is not credited with the deep

@@ -68,6 +68,7 @@ def pair():
   return target, perturbed(target, seed=1, noise=0.25)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_drafter_is_greedy_identical_under_every_menu_entry(pair, kind):
   """Ragged batch, budgets and an EOS cutting cycles short: plain greedy tokens, with every
@@ -86,6 +87,7 @@ def test_every_drafter_is_greedy_identical_under_every_menu_entry(pair, kind):
     assert hist[0] == 0, f"self-drafting rejected a draft at T = 0: {hist}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["eagle", "medusa", "layer-skip", "lookup", "model"])
 def test_k_auto_through_the_default_policy(pair, kind):
   """`k='auto'` with the default policy (its default menu of chains) equals plain greedy

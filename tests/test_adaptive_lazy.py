@@ -65,6 +65,7 @@ def test_model_drafter_declares_lazy_catch_up_and_feature_drafters_do_not(pair):
   assert not FeatureProbe(lm=LM.of(draft), deterministic=True).lazy_catch_up
 
 
+@pytest.mark.slow
 def test_lazy_greedy_identity_self_drafting_and_no_recompile(pair):
   """Ragged batch, k = 0 runs of 1 to 7 steps (P = 3) between k = 2 and tree cycles: plain
   greedy tokens; with the target as its own draft every draft is accepted (each catch-up
@@ -108,6 +109,7 @@ def test_lazy_forced_plain_equals_plain_decoding_in_runs_and_catches_up_only_at_
   assert int(state.adapt.catch_ups) == cycles - 1
 
 
+@pytest.mark.slow
 def test_a_run_of_plain_steps_ends_in_a_choice_informed_by_its_catch_up(pair):
   """A prior that prices speculation out (α₀ = 0) starts with a k = 0 run of P steps; the
   catch-up that ends it observes a self-draft accepting every skipped token, and the very
@@ -131,6 +133,7 @@ def test_a_run_of_plain_steps_ends_in_a_choice_informed_by_its_catch_up(pair):
       _plain(target))
 
 
+@pytest.mark.slow
 def test_lookup_drafter_lazy_greedy_identity(pair):
   """The lookup drafter (stateless) through the same schedule: plain greedy tokens, and its
   catch-up guesses feed the policy's estimate (the acceptance counts move)."""

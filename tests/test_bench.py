@@ -25,6 +25,7 @@ def _rows(run_dir):
   return [json.loads(l) for l in (run_dir / "results.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_bench_writes_a_row_per_question_and_the_table_then_resumes(tmp_path, capsys):
   qs = _write(tmp_path / "q.jsonl", QUESTIONS)
   argv = ["bench", "--target", "default", "--draft", "eagle:default", "--prompts", str(qs),

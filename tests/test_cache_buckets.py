@@ -48,6 +48,7 @@ def test_bucketed_attention_equals_reading_every_slot(monkeypatch, mask):
     assert "case" in text  # the run-time choice is in the program, not a retrace
 
 
+@pytest.mark.slow
 def test_long_cache_generation_is_unchanged_by_buckets(monkeypatch):
   """Greedy plain and speculative decoding (chain and tree) over a 512-slot cache whose
   buckets (64..512) are crossed during the run (64 -> 128) give the same tokens as one full path.
@@ -79,6 +80,7 @@ def test_long_cache_generation_is_unchanged_by_buckets(monkeypatch):
   assert int(np.max(batch.prompt_len_B)) + 80 > 64  # the run crosses the 64-slot bucket
 
 
+@pytest.mark.slow
 def test_bf16_cache_halves_the_bytes_and_keeps_greedy_identity():
   cfg = TINY["llama"].replace(cache_dtype="bfloat16")
   assert kv.cache_bytes(cfg, 2, 64) * 2 == kv.cache_bytes(TINY["llama"], 2, 64)

@@ -1,10 +1,12 @@
 """`specjax generate` end to end on tiny random models."""
 
+import pytest
 import json
 
 from specjax.cli import main
 
 
+@pytest.mark.slow
 def test_generate_cli_reports_plain_vs_speculative(capsys):
   code = main(["generate", "--target-config", "tiny-llama", "--draft-config", "self",
                "--max-new-tokens", "12", "--k", "3", "--repeats", "1", "--json",
@@ -38,6 +40,7 @@ def test_generate_cli_rope_past_max_len_only_with_the_opt_in(capsys):
   assert report["identical_to_plain"] is True and report["plain"]["tokens"] == 8
 
 
+@pytest.mark.slow
 def test_generate_cli_adaptive_with_draft_stopping(capsys, monkeypatch):
   """--k auto --draft-stop: the adaptive loop with draft stopping. The default policy's menu
   is narrowed to chains of 3 (monkeypatched) so that every cycle drafts; a random draft is

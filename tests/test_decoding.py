@@ -33,6 +33,7 @@ def family_models(request):
   return target, perturbed(target, seed=1, noise=0.25)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k, prompts", [(1, RAGGED), (3, RAGGED), (6, RAGGED), (3, RAGGED[1:2])],
                          ids=["k1-ragged6", "k3-ragged6", "k6-ragged6", "k3-batch1"])
 def test_greedy_speculative_equals_plain_greedy(family_models, k, prompts):
@@ -48,6 +49,7 @@ def test_greedy_speculative_equals_plain_greedy(family_models, k, prompts):
   assert self_run.summary().alpha == 1.0  # self-speculation at T=0 accepts every draft
 
 
+@pytest.mark.slow
 def test_greedy_identity_with_random_separate_draft_and_deterministic_drafter():
   cfg = TINY["llama"]
   target = model(cfg, logit_scale=4.0)
@@ -58,6 +60,7 @@ def test_greedy_identity_with_random_separate_draft_and_deterministic_drafter():
     assert run.tokens == plain.tokens
 
 
+@pytest.mark.slow
 def test_self_speculation_at_temperature_one_accepts_nearly_everything():
   target = model(TINY["gpt2"], logit_scale=4.0)
   run = decoding.speculative_generate(target, target, RAGGED, k=4, max_new_tokens=40,
@@ -98,6 +101,7 @@ def _speculative_first_three(target, draft, sampler, seed, run=None):
                      run=run)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampler_args", [(1.0, 0, 1.0), (0.8, 5, 0.9)],
                          ids=["T1", "T0.8-topk5-topp0.9"])
 def test_joint_distribution_of_first_three_tokens_matches_target(joint_setup, sampler_args):
@@ -115,6 +119,7 @@ def test_joint_distribution_of_first_three_tokens_matches_target(joint_setup, sa
   assert stats.chi2_contingency(table).pvalue > FALSE_ALARM
 
 
+@pytest.mark.slow
 def test_joint_distribution_test_catches_an_always_accept_sampler(joint_setup):
   """Negative control: the same χ² test must reject a planted 'always accept' bug
   (`planted_bugs.planted`, traced in a jitted loop of its own)."""
@@ -139,6 +144,7 @@ def _loop_inputs(target, prompts, budget):
   return batch
 
 
+@pytest.mark.slow
 def test_speculative_loop_composes_with_vmap():
   target = model(TINY["llama"], logit_scale=4.0)
   draft = perturbed(target, seed=1, noise=0.25)
@@ -193,6 +199,7 @@ MULTI_DEVICE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_speculative_loop_over_four_fake_devices_matches_serial():
   env = dict(os.environ, SPECJAX_TESTS_DIR=os.path.dirname(__file__))
   out = subprocess.run([sys.executable, "-c", MULTI_DEVICE_SCRIPT], env=env,
@@ -234,6 +241,7 @@ def test_stats_record_logs_cycles_that_accept_128_or_more_nodes():
   assert s.log_complete and s.histogram[130] == 1 and s.histogram[300] == 1
 
 
+@pytest.mark.slow
 def test_self_speculation_logs_a_cycle_of_130_accepted_drafts():
   """End to end: the target drafting for itself at T = 0 with k = 130 accepts whole chains;
   the log and the summary see 130, not an int8 wrap-around."""
@@ -289,6 +297,7 @@ def test_bad_sampler_settings_and_vocab_mismatch(tiny_pair):
     decoding.speculative_generate(target, other, [[1]], k=2, max_new_tokens=3)
 
 
+@pytest.mark.slow
 def test_generation_concat_is_the_rows_of_its_parts_in_order(tiny_pair):
   """Two one-prompt calls concatenated read like one call over both prompts: tokens,
   prompt lengths and per-row counters in order (greedy, so equal to the batched call's),
@@ -382,6 +391,7 @@ def test_transformer_capture_returns_the_residual_stream_and_final_hidden():
       m(toks, pos, capture=bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree", [trees.chain(3), trees.branching((2, 1))], ids=["chain", "tree"])
 def test_loop_passes_verify_features_of_the_accepted_path_to_the_drafter(tree):
   """A drafter declaring `feature_layers` gets the prompt's and each verify pass's features;

@@ -67,6 +67,7 @@ def _reference_logits(drafter, tokens, path):
   return np.asarray(head_logits(head, tgt, h[None, None])[0, 0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree", TREES, ids=TREE_IDS)
 def test_proposals_equal_a_cache_free_reference_after_some_cycles(byte_target, drafter, tree):
   """After a few cycles (ragged rows, some finished), every drafted node is its parent's
@@ -99,6 +100,7 @@ def test_proposals_equal_a_cache_free_reference_after_some_cycles(byte_target, d
                                  atol=1e-4, err_msg=f"row {b} node {i}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree", TREES, ids=TREE_IDS)
 def test_greedy_identity_with_plain_decoding_on_a_ragged_batch(byte_target, drafter, tree):
   """Same tokens as plain greedy decoding, also with per-row budgets and an EOS that cuts
@@ -106,6 +108,7 @@ def test_greedy_identity_with_plain_decoding_on_a_ragged_batch(byte_target, draf
   assert_greedy_identity(byte_target[0], drafter, tree, new_tokens=20)
 
 
+@pytest.mark.slow
 def test_reduced_vocabulary_greedy_identity_and_drafts_inside_it(byte_target, drafter):
   """FR-Spec: only the most frequent tokens are drafted; the output stays plain greedy's."""
   from specjax.drafters.eagle import frequent_vocab
@@ -156,6 +159,7 @@ class _ReportsTheWrongLaw(EagleDrafter):
     return super()._children(logits_BRV, sharp, parent_row, rank, width, key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree, sampler_args, vocab", [
     (trees.chain(2), (0.8, 5, 0.9), None), (trees.branching((2, 1)), (0.8, 5, 0.9), None),
     (trees.chain(2), (1.0, 0, 1.0), (0, 2, 3, 6))],
@@ -172,6 +176,7 @@ def test_joint_law_of_first_three_tokens_matches_target(joint_target, tree, samp
   assert joint_pvalue(tokens, exact_joint(joint_target, PROMPT, sampler)) > FALSE_ALARM
 
 
+@pytest.mark.slow
 def test_joint_law_test_catches_a_drafter_reporting_the_wrong_law(joint_target):
   """Negative control: the same χ² test rejects a planted q mismatch."""
   good = EagleDrafter.of(joint_target, seed=3)
@@ -204,6 +209,7 @@ def test_training_lowers_the_loss_and_raises_acceptance(byte_target, trained):
   assert runs[1] > runs[0] + 0.05, runs
 
 
+@pytest.mark.slow
 def test_save_restore_round_trip(data, byte_target, tmp_path):
   result = train_head(KIND, TCFG, byte_target[1], TC.replace(steps=3), data, TOK,
                       out_dir=tmp_path / "h", progress=False)
@@ -253,6 +259,7 @@ def test_bad_input_is_refused_before_any_work(byte_target):
 # ----------------------------------------------------------------------------- CLI
 
 
+@pytest.mark.slow
 def test_cli_trains_an_eagle_head_and_generates_with_it(byte_target, tmp_path, capsys):
   import json
 
@@ -295,6 +302,7 @@ def test_default_eagle_head_is_built_on_first_use_then_cached(monkeypatch, tmp_p
       == decoding.generate(target, [[5, 6, 7]], max_new_tokens=6).tokens
 
 
+@pytest.mark.slow
 def test_a_narrow_head_drafts_exactly_and_round_trips(data, byte_target, tmp_path):
   """width < d_model: the head's layer is narrower and its output is mapped back to d_model
   for the target's LM head (folded once into one W x V product when drafting). Greedy

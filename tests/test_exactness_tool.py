@@ -56,6 +56,7 @@ def _assert_passed(report):
 # ----------------------------------------------------------------------------- chains
 
 
+@pytest.mark.slow
 def test_oracle_chain_passes_and_the_stated_power_covers_the_planted_bug(pair):
   """The controlled-α drafter: the real run passes; the always-accept bug is rejected, and
   its deviation is provably inside the stated power: it emits the second token from q, so its
@@ -113,6 +114,7 @@ class MisreportingDrafter(Drafter):
     return self.inner.commit(*args, **kwargs)
 
 
+@pytest.mark.slow
 def test_a_drafter_that_misreports_its_law_fails(pair):
   target, draft = pair
   report = _check(target, MisreportingDrafter(ModelDrafter.of(draft)), k=1,
@@ -124,6 +126,7 @@ def test_a_drafter_that_misreports_its_law_fails(pair):
 # ----------------------------------------------------------------------------- trees
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("deterministic", [False, True], ids=["sampled", "top-k"])
 def test_static_tree_end_to_end_chi_square_at_positive_temperature(pair, deterministic):
   """A static tree (two siblings at the root, one grandchild under each) through the loop at
@@ -138,6 +141,7 @@ def test_static_tree_end_to_end_chi_square_at_positive_temperature(pair, determi
   assert all(c.test.p_value < 1e-20 for c in report.controls)
 
 
+@pytest.mark.slow
 def test_greedy_mode_checks_identity_with_plain_decoding(pair):
   """T = 0: a ragged batch (the prompt and random ones) must equal plain greedy decoding
   token for token; the always-accept bug must not. (The experiment runs a dynamic tree.)"""
@@ -216,6 +220,7 @@ def test_power_bound_and_pooling():
 # ----------------------------------------------------------------------------- CLI
 
 
+@pytest.mark.slow
 def test_check_exact_cli_end_to_end(tmp_path, capsys):
   out = tmp_path / "report.json"
   argv = ["check-exact", "--target-config", "tiny-llama:n_layers=1,d_model=32,d_ff=64",
@@ -254,6 +259,7 @@ def test_check_exact_cli_bad_input_is_one_line(capsys, args, match):
 # ----------------------------------------------------------------------------- experiment
 
 
+@pytest.mark.slow
 def test_exactness_experiment_reduced(tmp_path):
   """The `exactness` study (configs/exactness.gin) on one loop case, few rows."""
   from specjax.sweeps import launch, runner

@@ -19,6 +19,7 @@ TINY = [
 ]
 
 
+@pytest.mark.slow
 def test_reduced_run_rows_and_report(tmp_path):
   summary = launch.run(CONFIG, TINY, out=str(tmp_path / "run"), progress=False)
   assert (summary.total, summary.ok, summary.failed) == (3, 3, 0)

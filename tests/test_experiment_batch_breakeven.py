@@ -37,6 +37,7 @@ def tiny_run(tmp_path_factory):
   return summary, root / "run", root / "cache"
 
 
+@pytest.mark.slow
 def test_tiny_run_metrics_are_present_and_sane(tiny_run):
   summary, out, cache = tiny_run
   assert (summary.total, summary.ok, summary.failed) == (2, 2, 0)

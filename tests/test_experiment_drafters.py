@@ -65,6 +65,7 @@ def _run(tmp_path, axes: str, prompts: int = 1, target_dtype: str = "float32"):
       f'"target_dtype": "{target_dtype}"}}'])
 
 
+@pytest.mark.slow
 def test_drafters_reduced_end_to_end(tmp_path, monkeypatch, capsys, virtual_clock):
   monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))  # a fresh calibration
   axes = (f'{{"variant": {VARIANTS}, "category": ["code"], "temperature": [0.0]}}'
@@ -112,6 +113,7 @@ def test_drafters_sampled_point_on_prose(tmp_path, monkeypatch, virtual_clock):
   assert m["temperature"] == 1.0 and m["tau_iid"] is not None
 
 
+@pytest.mark.slow
 def test_drafters_on_a_bf16_served_target(tmp_path, monkeypatch, virtual_clock):
   """The target served in bfloat16 (heads trained on its float32 weights, the EAGLE and
   Medusa drafters reading the bf16 target's embedding, LM head and features): every drafter

@@ -19,6 +19,7 @@ def _models() -> str:
   return "default" if defaults.entry_dir("tiny", "code").exists() else "random"
 
 
+@pytest.mark.slow
 def test_quickstart_reduced_end_to_end(tmp_path, monkeypatch, capsys):
   monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))  # a fresh calibration
   models = _models()
@@ -72,6 +73,7 @@ def test_quickstart_reduced_end_to_end(tmp_path, monkeypatch, capsys):
   assert s.table.count("\n") >= 10 and "efficiency" in s.table
 
 
+@pytest.mark.slow
 def test_quickstart_drafts_with_an_eagle_head(tmp_path, monkeypatch):
   """drafter "eagle": the target's EAGLE head (trained here for a few steps on the random
   target) drafts the chain and the tree; greedy output identical to plain, rows and labels
@@ -98,6 +100,7 @@ def test_quickstart_drafts_with_an_eagle_head(tmp_path, monkeypatch):
   assert "- EAGLE head, batch 1, T=0" in report and "- draft model, batch 1, T=0" in report
 
 
+@pytest.mark.slow
 def test_alpha_k_sweep_runs_vectorised_and_tracks_the_dial(tmp_path, monkeypatch):
   monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))  # a fresh calibration
   s = launch.run("alpha_k_sweep", out=str(tmp_path / "ak"), progress=False,

@@ -28,7 +28,7 @@ def test_config_parses_and_plans_without_loading_models(name, monkeypatch):
   monkeypatch.setattr(measure, "models", refuse)
   sweep, _ = launch.load_sweep(f"configs/{name}.gin")
   points = launch.plan(sweep)
-  assert len(points) == (32 if name == "tree_shapes" else 4)
+  assert len(points) == (32 if name == "tree_shapes" else 5)  # long_context: 64 .. 896
   assert all(sweep.memory_fn(p.params) > 0 for p in points)
 
 
@@ -73,12 +73,14 @@ def _run_trees(tmp_path, shapes, monkeypatch):
   return by_shape, report
 
 
+@pytest.mark.slow
 def test_tree_shapes_chain(tmp_path, monkeypatch):
   by_shape, report = _run_trees(tmp_path, ["chain"], monkeypatch)
   assert by_shape["chain"]["parents"] == list(range(-1, BUDGET))
   assert by_shape["chain"]["rank_probs"] is None and "| chain | 6 |" in report
 
 
+@pytest.mark.slow
 def test_tree_shapes_branching_and_optimal(tmp_path, monkeypatch):
   by_shape, report = _run_trees(tmp_path, ["branching", "optimal"], monkeypatch)
   assert by_shape["branching"]["parents"] == [-1, 0, 0, 1, 1, 2, 2]  # exactly N nodes

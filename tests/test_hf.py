@@ -112,6 +112,7 @@ TOKENS = np.random.default_rng(0).integers(0, V, (3, 16))
 PROMPTS = [list(range(1, 6)), [7, 250, 3, 99, 42, 42, 8, 1, 0], [int(x) for x in TOKENS[1, :12]]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILY_KW))
 def test_logits_match_transformers(models, family):
   model, d = models[family]
@@ -180,6 +181,7 @@ def test_llama3_frequencies_equal_transformers():
   assert ratio[0] == pytest.approx(1.0) and 0.25 < ratio[1] < 1 and ratio[2:] == pytest.approx(0.25)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2", "qwen2", "llama3", "mistral", "qwen3"])
 def test_greedy_generation_matches_transformers(models, family):
   model, d = models[family]
@@ -189,6 +191,7 @@ def test_greedy_generation_matches_transformers(models, family):
   assert ours == theirs
 
 
+@pytest.mark.slow
 def test_speculative_matches_assisted_generation(models, tmp_path):
   """Llama target (GQA, rope) and a draft made from its weights plus noise (so drafts are
   both accepted and rejected), k = 3 on both sides."""
@@ -219,6 +222,7 @@ def _perturbed(model, scale: float, seed: int):
   return hf.build_model(model.config, params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,tree", [("llama3", None), ("qwen2", None),
                                          ("mistral", (2, 2, 1)), ("qwen3", "dynamic")])
 def test_speculative_matches_plain(models, family, tree):
@@ -239,6 +243,7 @@ def test_speculative_matches_plain(models, family, tree):
   assert spec.tokens == plain
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILY_KW))
 def test_export_loads_in_transformers_with_equal_logits(models, tmp_path, family):
   model, d = models[family]
@@ -291,6 +296,7 @@ def _flax_tree(family: str, state: dict) -> dict:
   return tree
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILY_KW))
 def test_flax_msgpack_import_and_export(models, tmp_path, family):
   """flax_model.msgpack from the torch weights imports with the torch logits; export back

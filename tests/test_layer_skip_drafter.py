@@ -53,6 +53,7 @@ def test_draft_shares_the_targets_arrays_and_runs_its_first_layers(target):
   np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("share_cache", [True, False], ids=["target-cache", "own-cache"])
 @pytest.mark.parametrize("shape", [dict(k=3), dict(tree=trees.branching((2, 2, 1))),
                                    dict(tree=trees.DynamicTree(budget=6, depth=3, width=2))],
@@ -109,6 +110,7 @@ def test_drafting_in_the_targets_cache_writes_only_its_layers_at_slots_from_L(ta
     assert not np.array_equal(v1, v0)  # it drafted in them, from slot L on
 
 
+@pytest.mark.slow
 def test_shared_cache_drafter_in_the_adaptive_loop_greedy_identity(target):
   """The adaptive loop with shapes alternating (plain steps catch the shared drafter up
   eagerly): identical to plain decoding at T = 0; no draft cache in the memory check."""
@@ -125,6 +127,7 @@ def test_shared_cache_drafter_in_the_adaptive_loop_greedy_identity(target):
                                      64) > 0
 
 
+@pytest.mark.slow
 def test_learned_positions_tied_head_and_deterministic_drafting_greedy_identity():
   gpt2 = model(TINY["gpt2"], logit_scale=4.0, mix=6.0)
   plain = decoding.generate(gpt2, PROMPTS, max_new_tokens=16)
@@ -140,6 +143,7 @@ def joint_target():
   return _joint_target()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree, sampler_args, share_cache", [
     (trees.chain(2), (0.8, 5, 0.9), True),
     (trees.branching((2, 1)), (1.0, 0, 1.0), True),
@@ -169,6 +173,7 @@ class _ReportsUniformQ(LayerSkipDrafter):
     return proposal.replace(q=jnp.full_like(proposal.q, 1.0 / proposal.q.shape[-1])), state
 
 
+@pytest.mark.slow
 def test_joint_law_test_catches_a_drafter_that_reports_the_wrong_q(joint_target):
   """Negative control: the same test must reject the planted drafter's output."""
   sampler = sampling.make_sampler(0.8, 5, 0.9)

@@ -102,6 +102,7 @@ def _first_three(target, tree, sampler, seed, run=None):
                      slots=tree.n_nodes, run=run)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree, sampler_args", [
     (trees.chain(2), (0.8, 5, 0.9)),
     (trees.branching((2, 1)), (1.0, 0, 1.0)),
@@ -131,6 +132,7 @@ def test_joint_law_test_catches_a_rejected_point_mass_left_in_the_residual(joint
 # ----------------------------------------------------------------------------- CLI, bad input
 
 
+@pytest.mark.slow
 def test_cli_generate_with_lookup_draft(capsys):
   code = main(["generate", "--target-config", "tiny-llama", "--draft", "lookup",
                "--ngram-max", "2", "--max-new-tokens", "12", "--k", "3", "--repeats", "1",

@@ -50,6 +50,7 @@ def drafter(target):
 # ----------------------------------------------------------------------------- decoding
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree", [trees.chain(3), trees.from_paths(
     [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])], ids=["chain", "tree"])
 def test_greedy_identity_with_plain_decoding_on_a_ragged_batch(target, drafter, tree):
@@ -100,6 +101,7 @@ def _first_three(target, drafter, sampler, run=None):
 SAMPLER = (0.8, 5, 0.9)  # temperature, top-k, top-p
 
 
+@pytest.mark.slow
 def test_joint_law_of_first_three_tokens_matches_target(joint_setup):
   """χ² goodness of fit of 40,000 rows (first token from prefill, then one Medusa tree
   cycle) against the enumerated warped target joint over 8³ outcomes; false-alarm 1e-3."""
@@ -109,6 +111,7 @@ def test_joint_law_of_first_three_tokens_matches_target(joint_setup):
   assert joint_pvalue(tokens, exact_joint(target, PROMPT, sampler)) > FALSE_ALARM
 
 
+@pytest.mark.slow
 def test_joint_law_test_catches_a_point_mass_bug(joint_setup, monkeypatch):
   """Negative control: a rejected candidate left in the residual must be detected."""
   target, drafter = joint_setup
@@ -165,6 +168,7 @@ def test_training_lowers_the_loss_and_raises_acceptance(data, byte_target):
   assert acc.tree(8).max_depth <= 3
 
 
+@pytest.mark.slow
 def test_save_restore_round_trip(data, byte_target, six_steps, tmp_path):
   result = train_head(KIND, TCFG, byte_target[1], TC.replace(steps=6), data, TOK,
                       out_dir=tmp_path / "h", progress=False)

@@ -233,6 +233,7 @@ def test_loop_flags_fraction_and_tail():
   assert metrics.ends_in_loop(list(range(50)) + [5, 6, 7] * 11)
 
 
+@pytest.mark.slow
 def test_divergences_name_the_first_differing_position_and_its_logit_gap():
   import jax.numpy as jnp
   from flax import nnx

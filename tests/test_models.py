@@ -406,6 +406,7 @@ def _nan_model(cfg, seed=0):
   return m
 
 
+@pytest.mark.slow
 def test_loops_count_non_finite_logits_and_the_host_api_refuses_them():
   """The loops count the passes with NaN/inf logits in the loop state (no host sync);
   generate / speculative_generate raise NonFiniteLogitsError (a ValueError) instead of
@@ -452,6 +453,7 @@ def test_loops_count_non_finite_logits_and_the_host_api_refuses_them():
     assert len(e.value.generation.tokens) == 2, name
 
 
+@pytest.mark.slow
 def test_generate_command_reports_nan_logits_as_one_line_exit_2(tmp_path, capsys):
   """`specjax generate` on a checkpoint whose weights hold a NaN: exit 2, one line
   (was: eight "\\x00" tokens, α = 1.000 and "identical to plain: True", exit 0)."""

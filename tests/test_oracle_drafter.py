@@ -35,6 +35,7 @@ def _prompts(n, length=6, seed=0):
   return [rng.integers(0, 61, size=length).tolist() for _ in range(n)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("alpha", [0.0, 0.05, 0.3, 0.77, 1.0])
 @pytest.mark.parametrize("law", ["softmax", "top_k", "greedy"])
 def test_controlled_law_hits_alpha_exactly(alpha, law):
@@ -99,6 +100,7 @@ def _row_alphas():
   return np.repeat(np.asarray(ALPHAS, np.float32), ROWS_PER_ALPHA)
 
 
+@pytest.mark.slow
 def test_chain_acceptance_is_alpha_and_planted_bug_fails(target):
   k = 4
   prompts = _prompts(len(ALPHAS) * ROWS_PER_ALPHA)
@@ -132,6 +134,7 @@ def test_greedy_output_unchanged_and_alpha_is_a_runtime_value(target):
       :ROWS_PER_ALPHA].sum()  # the first rows now run at α = 0.95 instead of 0.2
 
 
+@pytest.mark.slow
 def test_tree_first_candidates_accepted_with_alpha(target):
   tree = trees.branching((2, 2, 1))
   alpha = 0.6

@@ -22,6 +22,7 @@ def _dot_precisions(fn, *args) -> set[str]:
   return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, hlo", [("highest", "HIGHEST"), ("high", "HIGH"),
                                        ("default", "DEFAULT")])
 def test_every_product_of_the_speculative_loop_runs_under_the_policy(name, hlo):
@@ -41,6 +42,7 @@ def test_every_product_of_the_speculative_loop_runs_under_the_policy(name, hlo):
     assert _dot_precisions(run, jax.random.key(0)) == {hlo}
 
 
+@pytest.mark.slow
 def test_host_api_takes_the_policy_and_compiles_once_per_policy():
   target = model(TINY["gpt2"], seed=0, logit_scale=4.0)
   draft = perturbed(target, seed=1, noise=0.2)
@@ -83,6 +85,7 @@ def test_host_api_runs_both_loops_under_the_requested_policy(monkeypatch):
   assert seen == ["default", "highest"]
 
 
+@pytest.mark.slow
 def test_with_dtype_serves_the_same_model_in_bf16_with_greedy_identity():
   from specjax.models.transformer import with_dtype
   target = model(TINY["llama"], seed=0, logit_scale=4.0)

@@ -13,6 +13,7 @@ from specjax.drafters.model import ModelDrafter
 PROMPT = [[5, 6, 7, 8, 9, 10]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft, cls, shape", [
     ("default", ModelDrafter, {"k": 3}),
     ("eagle:default", EagleDrafter, {"k": 3}),

@@ -149,6 +149,7 @@ def test_shards_cover_the_sweep_and_merge_into_one_run(config, tmp_path):
     runner.shard(runner.expand({"x": [1]}), 3, 3)
 
 
+@pytest.mark.slow
 def test_two_process_jax_distributed_sweep_splits_and_merges(config, tmp_path):
   """`--coordinator/--num-processes/--process-id`: jax.distributed across two processes,
   each running its shard of the sweep; merged, they are the whole sweep."""
@@ -198,6 +199,7 @@ EXACTNESS_ARGS = ["run", "exactness", "--no-progress", "--json", "--gin_param",
                   "--gin_param", 'sweeps.Sweep.fixed = {"samples": 4000}']
 
 
+@pytest.mark.slow
 def test_sweep_over_four_fake_devices_matches_serial_run(tmp_path):
   serial = _run([*EXACTNESS_ARGS, "--out", str(tmp_path / "serial")],
                 {"XLA_FLAGS": "--xla_backend_optimization_level=0"})
@@ -280,6 +282,7 @@ def test_sweep_seed_becomes_the_points_seed(tmp_path):
     launch.load_sweep("exactness", ['sweeps.Sweep.fixed = {"seed": 1}', "sweeps.Sweep.seed = 5"])
 
 
+@pytest.mark.slow
 def test_two_concurrent_runs_into_one_directory_one_writer(config, tmp_path):
   out = tmp_path / "run"
   env = {**os.environ, "SWEEP_SLEEP": "0.4",
@@ -399,6 +402,7 @@ def test_out_pointing_at_a_file_is_a_one_line_error_for_run_and_merge(config, tm
   assert afile.read_text() == "keep"
 
 
+@pytest.mark.slow
 def test_alpha_k_point_alone_equals_the_point_in_its_vectorised_group(tmp_path):
   """The issue's case: α = 0.8, k = 3 gave another alpha_trial when resumed alone."""
   from experiments import alpha_k_sweep

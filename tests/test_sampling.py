@@ -325,6 +325,7 @@ def _step_uniforms(p_V: np.ndarray, c_V: np.ndarray) -> np.ndarray:
   return np.unique(np.clip(us, lo, hi).astype(np.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("V", sorted(_ZERO_CASES))
 def test_draw_never_returns_zero_probability_token_at_realistic_vocabularies(V):
   """Guarantee: sample_from_uniforms never returns a token of warped probability 0, for
@@ -359,6 +360,7 @@ def test_draw_never_returns_zero_probability_token_at_realistic_vocabularies(V):
     assert control_hits > 0, "negative control: the counting draw should hit a removed token"
 
 
+@pytest.mark.slow
 def test_draw_law_at_realistic_vocabulary_stratified():
   """The law, not only the support, at V = 50,257 (top-p 0.9, T = 0.8): N stratified
   uniforms (i + 1/2) / N give every token a count within 1 + N·1e-5 of N·p (each token's

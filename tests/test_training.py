@@ -210,6 +210,7 @@ def _use_preset(monkeypatch, cache_dir, name: str, preset) -> None:
                       lambda spec: _REAL_LOAD_CORPUS(spec, max_bytes=MAX_BYTES))
 
 
+@pytest.mark.slow
 def test_default_pair_cache_builds_loads_and_rebuilds(monkeypatch, tmp_path, capfd):
   micro = presets.Preset("tiny", TEACHER, STUDENT, TC.replace(steps=3, ckpt_every=2),
                          TC.replace(steps=3, objective="distill"), "test preset")
@@ -271,6 +272,7 @@ def test_default_pair_cache_builds_loads_and_rebuilds(monkeypatch, tmp_path, cap
   assert f"draft: d_model={STUDENT.d_model}" in out and str(draft_entry) in out
 
 
+@pytest.mark.slow
 def test_bpe_preset_pair_is_built_cached_and_resumed_with_its_tokenizer(monkeypatch, tmp_path,
                                                                          capfd):
   """The default preset's shape of build: a BPE trained on the corpus, saved before training,

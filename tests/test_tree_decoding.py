@@ -78,6 +78,7 @@ def assert_cache_prefix_equal(got: kv.KVCache, want: kv.KVCache, lengths):
                                  atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_greedy_tree_equals_plain_greedy_and_caches_are_compacted(pair, plain, name):
   tree, deterministic = SHAPES[name]
