@@ -61,3 +61,19 @@ def test_generate_cli_adaptive_with_draft_stopping(capsys, monkeypatch):
   assert cycles > 0 and set(report["choices"]) == {"k=3"}
   assert report["draft_stop"] == {"threshold": 1.0, "stopped_cycles": cycles,
                                   "skipped_nodes": 2 * cycles}
+
+
+def test_generate_on_the_default_target_serves_bf16_and_reports_both_speeds(capsys):
+  """One speed, one meaning: end to end (whole calls) and the decode phase (prefill
+  subtracted), labelled; the shipped target served in bf16 as the studies serve it."""
+  code = main(["generate", "--target", "default", "--draft", "eagle:default", "--k", "3",
+               "--max-new-tokens", "8", "--repeats", "1", "--json"])
+  assert code == 0
+  report = json.loads(capsys.readouterr().out)
+  assert report["target_dtype"] == "bfloat16" and report["identical_to_plain"] is True
+  d = report["decode_phase"]
+  assert d["plain_tokens_per_s"] > 0 and d["speculative_tokens_per_s"] > 0 and d["speedup"] > 0
+  assert main(["generate", "--target", "default", "--draft", "self", "--target-dtype",
+               "float32", "--k", "2", "--max-new-tokens", "6", "--repeats", "1", "--json"]) == 0
+  report = json.loads(capsys.readouterr().out)
+  assert report["target_dtype"] == "float32" and report["speculative"]["alpha"] == 1.0

@@ -67,6 +67,9 @@ def add_parser(subparsers) -> None:
                  help="matmul precision of plain and speculative decoding alike: 'highest' "
                  "(full float32, the setting greedy identity is tested under), 'high', or "
                  "'default' (the backend's fastest, e.g. TF32 on GPUs) (default: %(default)s)")
+  p.add_argument("--target-dtype", choices=("float32", "bfloat16"), default=None,
+                 help="serve the target's weights in this dtype (default: bfloat16 for "
+                 "--target default, as the studies serve it; else as stored)")
   p.add_argument("--json", action="store_true", help="print one JSON document")
   p.set_defaults(func=run)
 
@@ -77,13 +80,21 @@ def _draft_kind(args) -> tuple[str, int | str | None]:
   return (kind, arg) if kind in ("lookup", "layer-skip") + HEAD_DRAFTS else ("model", None)
 
 
-def _drafter(args, target, draft):
+def _drafter(args, target, draft, serving=None):
   """(drafter, the k= or tree= of speculative_generate) for --draft (`resolve.make_drafter`),
-  validated before anything compiles."""
+  validated before anything compiles; `serving`: the target as served (--target-dtype)."""
   from specjax.resolve import make_drafter
   return make_drafter(args.draft, target, draft, k=args.k,
                       deterministic=args.deterministic_draft,
-                      ngram=(args.ngram_max, args.ngram_min), flag="--draft")
+                      ngram=(args.ngram_max, args.ngram_min), flag="--draft", serving=serving)
+
+
+def _serving(args, target):
+  """The target with its weights in --target-dtype (default: bfloat16 for the shipped
+  default target, which the studies serve in bf16; else as stored)."""
+  from specjax.models.transformer import with_dtype
+  dtype = args.target_dtype or ("bfloat16" if args.target == "default" else None)
+  return target if dtype is None else with_dtype(target, dtype)
 
 
 def _models(args):
@@ -192,11 +203,13 @@ def run(args: argparse.Namespace) -> int:
 
   _check_args(args)
   sampler = sampling.make_sampler(args.temperature, args.top_k, args.top_p)
-  target, draft, tok = _models(args)
+  stored, draft, tok = _models(args)
+  target = _serving(args, stored)
+  draft = target if draft is stored else draft  # "self" drafts with the served weights
   target_cfg = target.config
   texts = (args.prompt or [DEFAULT_PROMPT]) * args.batch
   prompts = [tok.encode(t, bos=True) for t in texts]
-  drafter, shape = _drafter(args, target, draft)
+  drafter, shape = _drafter(args, stored, draft, serving=target)
   if args.draft_stop > 0:  # --k auto (checked): the default policy with draft stopping
     shape = {"policy": decoding.default_policy(target, drafter, threshold=args.draft_stop)}
   draft_configs = [] if drafter.config is None else [drafter.config]
@@ -210,10 +223,16 @@ def run(args: argparse.Namespace) -> int:
     runs = [fn() for _ in range(args.repeats)]
     return runs[-1], float(np.median([r.seconds for r in runs]))
 
-  plain, plain_s = timed(lambda: decoding.generate(target, prompts, **common))
-  spec, spec_s = timed(lambda: decoding.speculative_generate(target, drafter, prompts,
-                                                             **shape, **common))
+  def call(n):  # both with max_new_tokens n (1: the prefill alone, for the decode phase)
+    few = {**common, "max_new_tokens": n}
+    return (timed(lambda: decoding.generate(target, prompts, **few)),
+            timed(lambda: decoding.speculative_generate(target, drafter, prompts, **shape,
+                                                        **few)))
+
+  (plain, plain_s), (spec, spec_s) = call(args.max_new_tokens)
+  (_, plain_1), (_, spec_1) = call(1)
   summary = spec.summary()
+  decoded = plain.emitted - len(plain.tokens)  # after each row's first token
   report = {
       "backend": jax.default_backend(),
       "target_config": target_cfg.to_dict(),
@@ -224,7 +243,12 @@ def run(args: argparse.Namespace) -> int:
                 "tokens_per_s": plain.emitted / plain_s},
       "speculative": {"tokens": spec.emitted, "seconds": spec_s,
                       "tokens_per_s": spec.emitted / spec_s, **summary.to_dict()},
+      "target_dtype": target.config.dtype,
       "speedup": (spec.emitted / spec_s) / (plain.emitted / plain_s),
+      "decode_phase": {"plain_tokens_per_s": decoded / max(plain_s - plain_1, 1e-9),
+                       "speculative_tokens_per_s": (spec.emitted - len(spec.tokens))
+                       / max(spec_s - spec_1, 1e-9),
+                       "speedup": (plain_s - plain_1) / max(spec_s - spec_1, 1e-9)},
       "identical_to_plain": plain.tokens == spec.tokens,
       "texts": [tok.decode(t) for t in spec.tokens],
   }
@@ -255,10 +279,15 @@ def summary_lines(report: dict, temperature: float) -> list[str]:
     alpha = f"α = {s['alpha']:.3f} [{low:.3f}, {high:.3f}]"
   tau = ("τ = n/a (no verifications)" if s.get("tau") is None
          else f"τ = {s['tau']:.2f} tokens/verification")
-  lines = [f"plain:        {report['plain']['tokens_per_s']:8.1f} tok/s",
-           f"speculative:  {s['tokens_per_s']:8.1f} tok/s   (k={report['k']}, speedup "
-           f"{report['speedup']:.2f}x)",
-           f"{alpha}   {tau}"]
+  lines = [f"plain:        {report['plain']['tokens_per_s']:8.1f} tok/s end to end",
+           f"speculative:  {s['tokens_per_s']:8.1f} tok/s end to end   (k={report['k']}, "
+           f"speedup {report['speedup']:.2f}x)"]
+  if "decode_phase" in report:
+    d = report["decode_phase"]
+    lines.append(f"decode phase: {d['plain_tokens_per_s']:.1f} -> "
+                 f"{d['speculative_tokens_per_s']:.1f} tok/s (speedup {d['speedup']:.2f}x; "
+                 f"prefill subtracted), target weights in {report.get('target_dtype')}")
+  lines.append(f"{alpha}   {tau}")
   if temperature == 0:
     lines.append(f"greedy outputs identical to plain decoding: {report['identical_to_plain']}")
   return lines
