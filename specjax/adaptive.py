@@ -1,10 +1,10 @@
 """The adaptive speculation policy: which shape of a static menu to verify this cycle.
 
-One object (`AdaptivePolicy`), used inside the compiled loop (`loop.adaptive_loop`, pure
-jnp) and on the host (`choose`, `table`: what `specjax theory` prints, what the
+One object (`AdaptivePolicy`), used inside the compiled loop
+(`adaptive_loop.adaptive_loop`, pure jnp) and on the host (`choose`, `table`: what `specjax theory` prints, what the
 experiments predict; those answers live in `specjax/adaptive_plan.py`, mixed in). The
 menu is static (each entry is traced once into the loop and the chosen one runs,
-`loop._run_chosen`); everything the choice reads is an array, so changing
+`adaptive_loop._run_chosen`); everything the choice reads is an array, so changing
 costs, decay, prior, threshold or forced schedule reuses the compiled loop (turning draft
 stopping on or off, threshold 0 vs > 0, is a static choice: `AdaptivePolicy.stopping`).
 
@@ -35,11 +35,11 @@ single α makes a chain of 2 look far better than a chain of 1, which it is not 
 
 A speculative cycle observes the result's per-rank counts and, per depth, whether the
 first candidate was tried and accepted; a k = 0 cycle observes the acceptance probability
-the drafter's one-token catch-up draft would have had (`loop._draft_acceptance`: rank 0,
-depth 1), so a policy that switched itself off keeps learning and switches back on. With
-lazy catch-up (`loop.adaptive_loop`) a k = 0 step observes nothing and leaves the estimate
-as it is; the catch-up pass (at most P steps later) observes all the skipped tokens at once
-from the drafter's guesses.
+the drafter's one-token catch-up draft would have had
+(`adaptive_loop._draft_acceptance`: rank 0, depth 1), so a policy that switched itself off
+keeps learning and switches back on. With lazy catch-up (`adaptive_loop.adaptive_loop`) a
+k = 0 step observes nothing and leaves the estimate as it is; the catch-up pass (at most P
+steps later) observes all the skipped tokens at once from the drafter's guesses.
 
 Expected tokens of an entry (Sequoia's positional model, `theory.tree_expected_tokens`,
 with the first candidate's rate per depth): the rank-0 child of an accepted depth-(d − 1)

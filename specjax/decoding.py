@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import adaptive, loop, metrics, sampling, trees
+from specjax import adaptive, adaptive_loop, loop, metrics, sampling, trees
 from specjax.drafters.base import LM, Drafter
 from specjax.drafters.model import ModelDrafter
 from specjax.models import cache as kv
@@ -459,7 +459,7 @@ def speculative_generate(target, draft, prompts, *, k: int | str | None = None,
   """Speculative decoding of a chain of k drafts, or of a token tree (exactly one of them),
   or adaptive: `k="auto"` and/or `policy=` (an `adaptive.AdaptivePolicy`; default
   `default_policy`) picks a shape of the policy's menu every cycle inside one compiled loop
-  (`loop.adaptive_loop`).
+  (`adaptive_loop.adaptive_loop`).
 
   draft: a draft model (wrapped as a `ModelDrafter`) or any `drafters.Drafter`, e.g.
   `LookupDrafter(max_ngram=3)` (prompt lookup, no model) or
@@ -558,9 +558,10 @@ def _adaptive_generate(target: LM, drafter: Drafter, policy: adaptive.AdaptivePo
   kv.check_fits(cfg, b, batch.cache_len, extra_bytes=extra, what="target + draft KV caches")
   sampler = sampler if sampler is not None else sampling.make_sampler(0.0)
   start = time.perf_counter()
-  state = loop.adaptive_jit(target, drafter, policy, batch.prompt_BP, batch.prompt_len_B,
-                            batch.budget_B, _eos(eos_id, cfg.vocab_size), sampler, _key(seed),
-                            cache_len=batch.cache_len, **_precision_kw(precision))
+  state = adaptive_loop.adaptive_jit(target, drafter, policy, batch.prompt_BP,
+                                     batch.prompt_len_B, batch.budget_B,
+                                     _eos(eos_id, cfg.vocab_size), sampler, _key(seed),
+                                     cache_len=batch.cache_len, **_precision_kw(precision))
   state = jax.block_until_ready(state)
   return _collect(state, batch, time.perf_counter() - start, max(policy.max_depth, 1), None,
                   policy)

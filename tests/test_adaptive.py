@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import struct
 
-from specjax import acceptance, adaptive, decoding, loop, sampling, theory, trees
+from specjax import acceptance, adaptive, adaptive_loop, decoding, loop, sampling, theory, trees
 from specjax.drafters.base import LM, Context
 from specjax.drafters.model import ModelDrafter
 from specjax_testing import (FALSE_ALARM, JOINT_ROWS, PROMPT, RAGGED, TINY, VOCAB, FeatureProbe,
@@ -199,7 +199,7 @@ def _adaptive_first_three(target, draft, sampler, seed, run=None, threshold=0.0,
   # cycle catches it up before drafting (forced (0, 1, 2): plain, then k = 1).
   policy = adaptive.AdaptivePolicy.create((0, 1, 2), [1.0, 1.1, 1.2], forced=list(forced),
                                           threshold=threshold)
-  run = run or loop.adaptive_jit
+  run = run or adaptive_loop.adaptive_jit
   state = run(LM.of(target), drafter_cls.of(draft), policy, batch.prompt_BP, batch.prompt_len_B,
               batch.budget_B, jnp.asarray(-1), sampler, jax.random.key(seed),
               cache_len=batch.cache_len, lazy_slots=1)
@@ -331,7 +331,7 @@ def test_joint_distribution_test_catches_a_planted_bug(monkeypatch):
                                   accepted=jnp.ones((b, k), bool))
 
   monkeypatch.setattr(acceptance, "accept_chain", always_accept)
-  fresh = jax.jit(lambda *a, **kw: loop.adaptive_loop(*a, **kw),
+  fresh = jax.jit(lambda *a, **kw: adaptive_loop.adaptive_loop(*a, **kw),
                   static_argnames=("cache_len", "lazy_slots"))
   sampler = sampling.make_sampler(1.0)
   tokens, prompt = _adaptive_first_three(target, draft, sampler, seed=11, run=fresh)

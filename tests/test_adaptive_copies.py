@@ -12,7 +12,7 @@ import re
 import jax
 import jax.numpy as jnp
 
-from specjax import adaptive, decoding, loop, sampling
+from specjax import adaptive, adaptive_loop, decoding, sampling
 from specjax.drafters.base import LM
 from specjax.drafters.model import ModelDrafter
 from specjax_testing import RAGGED, TINY, model, perturbed
@@ -38,10 +38,10 @@ def test_adaptive_loop_has_no_cache_copies():
   batch = decoding.prepare_batch(RAGGED[:2], vocab_size=target.config.vocab_size,
                                  max_len=target.config.max_len, max_new_tokens=20, slots=4)
   policy = adaptive.AdaptivePolicy.create((0, 1, 2), [1.0, 1.2, 1.4])
-  lowered = loop.adaptive_jit.lower(LM.of(target), drafter, policy, batch.prompt_BP,
-                                    batch.prompt_len_B, batch.budget_B, jnp.asarray(-1),
-                                    sampling.make_sampler(0.0), jax.random.key(0),
-                                    cache_len=batch.cache_len)
+  lowered = adaptive_loop.adaptive_jit.lower(LM.of(target), drafter, policy, batch.prompt_BP,
+                                             batch.prompt_len_B, batch.budget_B, jnp.asarray(-1),
+                                             sampling.make_sampler(0.0), jax.random.key(0),
+                                             cache_len=batch.cache_len)
   hlo = lowered.compile().as_text()
   assert "while(" in hlo  # the loop is there
   rows = 2 * target.config.n_kv_heads  # B·Hkv: the draft is the same shape

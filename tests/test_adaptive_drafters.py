@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from flax import struct
 
-from specjax import adaptive, decoding, loop, sampling, trees
+from specjax import adaptive, adaptive_loop, decoding, sampling, trees
 from specjax.drafters.base import LM
 from specjax.drafters.eagle import EagleDrafter
 from specjax.drafters.layer_skip import LayerSkipDrafter
@@ -130,9 +130,10 @@ def _joint_first_three(target, drafter, seed: int) -> np.ndarray:
   slots = max(max(e.n_nodes, drafter.slots_needed(e)) for e in shapes)
   batch = decoding.prepare_batch([PROMPT] * JOINT_ROWS, vocab_size=VOCAB, max_len=32,
                                  max_new_tokens=3, slots=slots)
-  state = loop.adaptive_jit(LM.of(target), drafter, policy, batch.prompt_BP, batch.prompt_len_B,
-                            batch.budget_B, jnp.asarray(-1), sampling.make_sampler(1.0),
-                            jax.random.key(seed), cache_len=batch.cache_len)
+  state = adaptive_loop.adaptive_jit(LM.of(target), drafter, policy, batch.prompt_BP,
+                                     batch.prompt_len_B, batch.budget_B, jnp.asarray(-1),
+                                     sampling.make_sampler(1.0), jax.random.key(seed),
+                                     cache_len=batch.cache_len)
   n = len(PROMPT)
   return np.asarray(state.tokens)[:, n:n + 3]
 

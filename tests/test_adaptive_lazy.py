@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import adaptive, decoding, loop, sampling, trees
+from specjax import adaptive, adaptive_loop, decoding, loop, sampling, trees
 from specjax.drafters.base import LM
 from specjax.drafters.lookup import LookupDrafter
 from specjax.drafters.model import ModelDrafter
@@ -45,9 +45,10 @@ def _run(target, drafter, forced, temperature=0.0, seed=0):
                                  max_len=target.config.max_len, max_new_tokens=BUDGET,
                                  slots=slots)
   policy = adaptive.AdaptivePolicy.create(MENU, [1.0, 1.2, 1.4], forced=forced)
-  state = loop.adaptive_jit(LM.of(target), drafter, policy, batch.prompt_BP, batch.prompt_len_B,
-                            batch.budget_B, jnp.asarray(-1), sampling.make_sampler(temperature),
-                            jax.random.key(seed), cache_len=batch.cache_len, lazy_slots=P)
+  state = adaptive_loop.adaptive_jit(LM.of(target), drafter, policy, batch.prompt_BP,
+                                     batch.prompt_len_B, batch.budget_B, jnp.asarray(-1),
+                                     sampling.make_sampler(temperature), jax.random.key(seed),
+                                     cache_len=batch.cache_len, lazy_slots=P)
   toks = np.asarray(state.tokens)
   lens = np.asarray(batch.prompt_len_B)
   return [toks[b, lens[b]:lens[b] + BUDGET].tolist() for b in range(len(RAGGED))], state
@@ -121,10 +122,10 @@ def test_a_run_of_plain_steps_ends_in_a_choice_informed_by_its_catch_up(pair):
                                  max_len=target.config.max_len, max_new_tokens=BUDGET,
                                  slots=slots)
   policy = adaptive.AdaptivePolicy.create(MENU, [1.0, 1.2, 1.4], prior_alpha=0.0)
-  state = loop.adaptive_jit(LM.of(target), ModelDrafter.of(target, deterministic=True),
-                            policy, batch.prompt_BP, batch.prompt_len_B, batch.budget_B,
-                            jnp.asarray(-1), sampling.make_sampler(0.0), jax.random.key(0),
-                            cache_len=batch.cache_len, lazy_slots=P)
+  state = adaptive_loop.adaptive_jit(LM.of(target), ModelDrafter.of(target, deterministic=True),
+                                     policy, batch.prompt_BP, batch.prompt_len_B, batch.budget_B,
+                                     jnp.asarray(-1), sampling.make_sampler(0.0),
+                                     jax.random.key(0), cache_len=batch.cache_len, lazy_slots=P)
   choices = np.asarray(state.adapt.choices)
   assert choices[0] == 0, "the prior α₀ = 0 should choose k = 0 first"
   assert choices[1] != 0, f"the catch-up's observations came too late: {choices[:4]}"
