@@ -56,3 +56,12 @@ def _free_compiled_programs_after_each_module():
   yield
   jax.clear_caches()
   gc.collect()
+
+
+@pytest.fixture
+def umask():
+  """Sets the process umask for a test (restored after): `umask(0o022)` inside a test."""
+  old = os.umask(0o022)
+  os.umask(old)
+  yield os.umask
+  os.umask(old)

@@ -28,15 +28,6 @@ RECIPE = {"format": "test", "what": "fake entry"}
 TEXTS = ["\n".join(f"name_{i} = value_{i * 7} + other_{i % 13}" for i in range(400))]
 
 
-@pytest.fixture
-def umask():
-  """Sets the process umask for a test (restored after)."""
-  old = os.umask(0o022)
-  os.umask(old)
-  yield os.umask
-  os.umask(old)
-
-
 # ----------------------------------------------------------------------------- atomic writes
 
 

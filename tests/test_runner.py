@@ -554,15 +554,6 @@ def test_damaged_config_json_is_reported_as_damaged_not_as_another_run(config, t
       capsys.readouterr().err)
 
 
-@pytest.fixture
-def umask():
-  """Sets the process umask for a test (restored after)."""
-  old = os.umask(0o022)
-  os.umask(old)
-  yield os.umask
-  os.umask(old)
-
-
 @pytest.mark.parametrize("mask", [0o022, 0o002])
 def test_run_directory_files_get_the_modes_the_umask_gives(config, tmp_path, umask, mask):
   umask(mask)
