@@ -77,3 +77,25 @@ def test_generate_on_the_default_target_serves_bf16_and_reports_both_speeds(caps
                "float32", "--k", "2", "--max-new-tokens", "6", "--repeats", "1", "--json"]) == 0
   report = json.loads(capsys.readouterr().out)
   assert report["target_dtype"] == "float32" and report["speculative"]["alpha"] == 1.0
+
+
+@pytest.mark.parametrize("shape", [["--tree", "2,1,1"], ["--dynamic-tree", "6,3,2"]])
+def test_generate_speaks_static_and_dynamic_trees(capsys, shape):
+  code = main(["generate", "--target-config", "tiny-llama", "--draft-config",
+               "tiny-llama:n_layers=1", "--max-new-tokens", "10", "--repeats", "1", "--json",
+               "--prompt", "def f(x):"] + shape)
+  assert code == 0
+  report = json.loads(capsys.readouterr().out)
+  assert report["identical_to_plain"] is True and report["shape"].endswith(shape[1])
+  depth = 3
+  assert len(report["acceptance_by_depth"]) == depth
+  assert all(a is None or 0.0 <= a <= 1.0 for a in report["acceptance_by_depth"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tree", "2,1", "--dynamic-tree", "4,2,2"], "--tree and --dynamic-tree are two shapes"),
+    (["--tree", "2,1", "--k", "auto"], "--k auto chooses chains each cycle"),
+])
+def test_generate_refuses_shapes_that_cannot_combine(capsys, argv, message):
+  assert main(["generate", "--max-new-tokens", "4", "--repeats", "1"] + argv) == 2
+  assert message in capsys.readouterr().err

@@ -47,6 +47,12 @@ def add_parser(subparsers) -> None:
   p.add_argument("--k", type=_k_arg, default=4,
                  help="drafted tokens per verification, or 'auto': the adaptive policy picks "
                  "a chain k in {0, 1, 2, 4, 6} every cycle (specjax.adaptive)")
+  p.add_argument("--tree", type=_ints(1), default=None, metavar="W1,W2,...",
+                 help="verify a static tree instead of a chain: W_d candidates per node at "
+                 "depth d (e.g. 2,1,1); drafted as distinct top candidates at T = 0")
+  p.add_argument("--dynamic-tree", type=_ints(3), default=None, metavar="BUDGET,DEPTH,WIDTH",
+                 help="verify an EAGLE-2 style dynamic tree: BUDGET nodes chosen by the "
+                 "draft's cumulative confidence from DEPTH levels of WIDTH candidates")
   p.add_argument("--draft-stop", type=float, default=0.0, metavar="THRESHOLD",
                  help="with --k auto: dynamic draft stopping, a chain stops drafting once "
                  "every row's cumulative draft confidence is below THRESHOLD in [0, 1] "
@@ -83,10 +89,16 @@ def _draft_kind(args) -> tuple[str, int | str | None]:
 def _drafter(args, target, draft, serving=None):
   """(drafter, the k= or tree= of speculative_generate) for --draft (`resolve.make_drafter`),
   validated before anything compiles; `serving`: the target as served (--target-dtype)."""
+  from specjax import trees
   from specjax.resolve import make_drafter
-  return make_drafter(args.draft, target, draft, k=args.k,
-                      deterministic=args.deterministic_draft,
-                      ngram=(args.ngram_max, args.ngram_min), flag="--draft", serving=serving)
+  tree = _tree(args)
+  # a static tree at T = 0 drafts distinct top candidates (i.i.d. siblings would all be the
+  # argmax: the point-mass rule); a dynamic tree's candidates are always deterministic
+  deterministic = args.deterministic_draft or (isinstance(tree, trees.TreeSpec)
+                                               and args.temperature == 0)
+  return make_drafter(args.draft, target, draft, k=args.k, tree=tree,
+                      deterministic=deterministic, ngram=(args.ngram_max, args.ngram_min),
+                      flag="--draft", serving=serving)
 
 
 def _serving(args, target):
@@ -124,8 +136,39 @@ def _k_arg(text: str):
     raise argparse.ArgumentTypeError(f"must be an int >= 1 or 'auto', got {text!r}") from None
 
 
+def _ints(count: int | None):
+  """An argparse type: ints >= 1 separated by commas (`count` of them, or any number when 1
+  means 'at least one')."""
+  def parse(text: str) -> tuple[int, ...]:
+    try:
+      values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+      values = ()
+    if not values or any(v < 1 for v in values) or (count > 1 and len(values) != count):
+      want = f"{count} ints >= 1" if count > 1 else "ints >= 1"
+      raise argparse.ArgumentTypeError(f"must be {want} separated by commas, got {text!r}")
+    return values
+  return parse
+
+
+def _tree(args):
+  """The tree --tree or --dynamic-tree asks for (None: a chain of --k)."""
+  from specjax import trees
+  if args.tree is not None:
+    return trees.branching(args.tree)
+  if args.dynamic_tree is not None:
+    budget, depth, width = args.dynamic_tree
+    return trees.DynamicTree(budget, depth, width)
+  return None
+
+
 def _k_max(args) -> int:
-  """The most drafts one cycle may verify: --k, or the adaptive menu's largest chain."""
+  """The most drafts one cycle may verify: --k, a tree's nodes, or the adaptive menu's
+  largest chain."""
+  if args.tree is not None:
+    return _tree(args).size
+  if args.dynamic_tree is not None:
+    return args.dynamic_tree[0]
   if args.k == "auto":
     from specjax import adaptive
     return max(adaptive.DEFAULT_CHAINS)
@@ -139,6 +182,11 @@ def _check_args(args) -> None:
                           ("--seed", args.seed, 0)):
     if value < lo:
       raise ValueError(f"{flag} must be an int >= {lo}, got {value}")
+  if args.tree is not None and args.dynamic_tree is not None:
+    raise ValueError("--tree and --dynamic-tree are two shapes: give one")
+  if (args.tree is not None or args.dynamic_tree is not None) and args.k == "auto":
+    raise ValueError("--k auto chooses chains each cycle: leave it out with --tree or "
+                     "--dynamic-tree")
   if args.draft_stop != 0.0:
     from specjax import adaptive
     if args.k != "auto":
@@ -237,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
       "backend": jax.default_backend(),
       "target_config": target_cfg.to_dict(),
       "drafter": args.draft or ("self" if args.draft_config == "self" else "model"),
-      "k": args.k, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+      "k": args.k, "shape": _shape_name(args), "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
       "batch": len(prompts),
       "plain": {"tokens": plain.emitted, "seconds": plain_s,
                 "tokens_per_s": plain.emitted / plain_s},
@@ -250,6 +298,7 @@ def run(args: argparse.Namespace) -> int:
                        / max(spec_s - spec_1, 1e-9),
                        "speedup": (plain_s - plain_1) / max(spec_s - spec_1, 1e-9)},
       "identical_to_plain": plain.tokens == spec.tokens,
+      "acceptance_by_depth": _by_depth(spec.stats),
       "texts": [tok.decode(t) for t in spec.tokens],
   }
   if spec.choices is not None:  # --k auto: the shape chosen at each loop iteration
@@ -267,6 +316,22 @@ def run(args: argparse.Namespace) -> int:
   return 0
 
 
+def _shape_name(args) -> str:
+  if args.tree is not None:
+    return "tree " + ",".join(map(str, args.tree))
+  if args.dynamic_tree is not None:
+    return "dynamic tree {},{},{}".format(*args.dynamic_tree)
+  return f"k={args.k}"
+
+
+def _by_depth(stats) -> list:
+  """Per draft depth: accepted ÷ tried, over all rows (None where nothing was tried)."""
+  if stats is None or "depth_tried" not in stats:
+    return []
+  tried, accepted = stats["depth_tried"].sum(axis=0), stats["depth_accepted"].sum(axis=0)
+  return [float(a / t) if t else None for a, t in zip(accepted, tried)]
+
+
 def summary_lines(report: dict, temperature: float) -> list[str]:
   """The text summary of a `run` report: tokens/s of both, speedup, α with its interval,
   τ. A run that drafted nothing (--k auto choosing k = 0 every cycle) has no α: printed as
@@ -280,7 +345,8 @@ def summary_lines(report: dict, temperature: float) -> list[str]:
   tau = ("τ = n/a (no verifications)" if s.get("tau") is None
          else f"τ = {s['tau']:.2f} tokens/verification")
   lines = [f"plain:        {report['plain']['tokens_per_s']:8.1f} tok/s end to end",
-           f"speculative:  {s['tokens_per_s']:8.1f} tok/s end to end   (k={report['k']}, "
+           f"speculative:  {s['tokens_per_s']:8.1f} tok/s end to end   "
+           f"({report.get('shape', 'k=' + str(report['k']))}, "
            f"speedup {report['speedup']:.2f}x)"]
   if "decode_phase" in report:
     d = report["decode_phase"]
@@ -288,6 +354,9 @@ def summary_lines(report: dict, temperature: float) -> list[str]:
                  f"{d['speculative_tokens_per_s']:.1f} tok/s (speedup {d['speedup']:.2f}x; "
                  f"prefill subtracted), target weights in {report.get('target_dtype')}")
   lines.append(f"{alpha}   {tau}")
+  if report.get("acceptance_by_depth"):
+    lines.append("acceptance by draft depth: " + " ".join(
+        "-" if a is None else f"{a:.2f}" for a in report["acceptance_by_depth"]))
   if temperature == 0:
     lines.append(f"greedy outputs identical to plain decoding: {report['identical_to_plain']}")
   return lines
