@@ -391,6 +391,20 @@ def as_drafter(draft) -> Drafter:
   return ModelDrafter.of(draft)
 
 
+def fit_vocab(drafter: Drafter, vocab_size: int) -> Drafter:
+  """The drafter for a target of `vocab_size` ids: as it is when its model's vocabulary has
+  as many ids (or it has no model), padded when it has fewer (a target with extra padded
+  or reserved rows: `ModelDrafter.padded_to`, docs/exactness.md "Padded vocabularies");
+  ValueError naming both sizes when it has more, or cannot be padded."""
+  cfg = drafter.config
+  if cfg is None or cfg.vocab_size == vocab_size:
+    return drafter
+  if isinstance(drafter, ModelDrafter):
+    return drafter.padded_to(vocab_size)
+  raise ValueError(f"draft vocabulary ({cfg.vocab_size}) must match the target's "
+                   f"({vocab_size}): {type(drafter).__name__} cannot pad its vocabulary")
+
+
 def resolve_tree(k: int | None, tree: TreeSpec | DynamicTree | None) -> TreeSpec | DynamicTree:
   """The tree of a speculative call: exactly one of k (a chain, `trees.chain(k)`) or tree."""
   if (k is None) == (tree is None):
@@ -472,7 +486,7 @@ def speculative_generate(target, draft, prompts, *, k: int | str | None = None,
   """
   check_precision(precision)
   target = LM.of(target)
-  drafter = as_drafter(draft)
+  drafter = fit_vocab(as_drafter(draft), target.config.vocab_size)
   if (isinstance(k, str) and k == "auto") or policy is not None:
     if tree is not None or (k is not None and not (isinstance(k, str) and k == "auto")):
       raise ValueError(f"adaptive speculation (k='auto' or policy=) takes its shapes from the "
@@ -488,9 +502,6 @@ def speculative_generate(target, draft, prompts, *, k: int | str | None = None,
     raise ValueError(f"k must be an int >= 1 or 'auto', got {k!r}")
   cfg = target.config
   draft_cfg = drafter.config
-  if draft_cfg is not None and draft_cfg.vocab_size != cfg.vocab_size:
-    raise ValueError(f"draft vocabulary ({draft_cfg.vocab_size}) must match the target's "
-                     f"({cfg.vocab_size})")
   configs = [cfg] if draft_cfg is None else [cfg, draft_cfg]
   max_len, limited, opt_in = _limits(configs, allow_beyond_max_len)
   sizes = dict(vocab_size=cfg.vocab_size, max_len=max_len, max_new_tokens=max_new_tokens,
@@ -534,10 +545,7 @@ def _adaptive_generate(target: LM, drafter: Drafter, policy: adaptive.AdaptivePo
   """`speculative_generate` with a policy: every menu shape validated (the drafter, the
   vocabulary, the cache: the largest shape's slots must fit) before anything compiles."""
   cfg = target.config
-  draft_cfg = drafter.config
-  if draft_cfg is not None and draft_cfg.vocab_size != cfg.vocab_size:
-    raise ValueError(f"draft vocabulary ({draft_cfg.vocab_size}) must match the target's "
-                     f"({cfg.vocab_size})")
+  draft_cfg = drafter.config  # the drafter fits the target's vocabulary (`fit_vocab`)
   adaptive.menu(policy.menu)  # empty, dynamic or duplicate shapes: ValueError
   adaptive.check_threshold(float(policy.threshold))
   configs = [cfg] if draft_cfg is None else [cfg, draft_cfg]

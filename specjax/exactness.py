@@ -454,9 +454,7 @@ def check(target, drafter, *, k: int | None = None, tree: TreeSpec | DynamicTree
     if name not in visible:
       raise ValueError(f"controls: planted bug {name!r} is invisible at temperature 0 (the "
                        f"residual of a one-hot target is the target itself); use {visible}")
-  if drafter.config is not None and drafter.config.vocab_size != cfg.vocab_size:
-    raise ValueError(f"draft vocabulary ({drafter.config.vocab_size}) must match the "
-                     f"target's ({cfg.vocab_size})")
+  drafter = decoding.fit_vocab(drafter, cfg.vocab_size)  # padded, or refused
   if not greedy and outcome_bound(cfg.vocab_size, top_k, tokens) > max_cells:
     s = top_k if 0 < top_k < cfg.vocab_size else cfg.vocab_size
     raise ValueError(f"the law of the first {tokens} tokens may have {s}^{tokens} = "

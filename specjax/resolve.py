@@ -116,10 +116,11 @@ def load_from_ref(flag: str, path: str):
 
 
 def draft_model(spec: str | None, target, *, seed: int = 0, default_config: str | None = None,
-                flag: str = "draft"):
+                flag: str = "draft", tokenizer=None):
   """The draft Transformer of a model reference ("self", "default", "random:SPEC", a
   directory; None: a random model of `default_config`), or None for drafters without a
-  model of their own."""
+  model of their own. tokenizer: the target's, if known; a directory's draft must spell its
+  ids the same way (its vocabulary may be shorter: padded rows, docs/exactness.md)."""
   kind, arg = draft_kind(spec, flag)
   if kind == "self":
     return target
@@ -127,7 +128,13 @@ def draft_model(spec: str | None, target, *, seed: int = 0, default_config: str 
     from specjax.training.defaults import load_default_pair
     return load_default_pair().draft_module()
   if kind == "model":
-    return load_from_ref(flag, arg)[0]
+    from specjax.data.tokenizer import vocab_mismatch
+    net, draft_tok = load_from_ref(flag, arg)
+    why = vocab_mismatch(tokenizer, draft_tok)
+    if why:
+      raise ValueError(f"{flag} {arg}: the draft's tokenizer is not the target's ({why}): "
+                       f"speculative decoding needs one vocabulary")
+    return net
   if kind == "random":
     from flax import nnx
 
@@ -219,7 +226,8 @@ def load(target: str = "default", draft: str = "eagle:default", *, k=4, tree=Non
   if target_dtype is not None:
     from specjax.models.transformer import with_dtype
     serving = with_dtype(model, target_dtype)
-  draft_net = draft_model(draft, serving if kind == "self" else model, seed=seed)
+  draft_net = draft_model(draft, serving if kind == "self" else model, seed=seed,
+                          tokenizer=tok)
   drafter, shape = make_drafter(draft, model, draft_net, k=k, tree=tree,
                                 deterministic=deterministic, ngram=ngram, serving=serving)
   return Loaded(serving, tok, draft_net, drafter, shape, target, draft)

@@ -136,7 +136,7 @@ def _models(args):
   target, tok = target_from_flags(args, pair)
   if args.draft == "oracle":
     return target, OracleDrafter.of(target, args.alpha), tok
-  draft = draft_from_flags(args.draft, args, target, pair)
+  draft = draft_from_flags(args.draft, args, target, pair, tokenizer=tok)
   return target, ModelDrafter.of(draft, deterministic=args.deterministic_draft), tok
 
 

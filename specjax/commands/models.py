@@ -48,13 +48,14 @@ def target_from_flags(args, pair=None):
                       rngs=nnx.Rngs(args.seed)), tok)
 
 
-def draft_from_flags(spec: str | None, args, target, pair=None):
+def draft_from_flags(spec: str | None, args, target, pair=None, tokenizer=None):
   """The draft Transformer for the --draft value `spec`: 'self' (the target itself),
   'default' (the default `pair`'s draft), a checkpoint directory, or, when None, a random
   model from --draft-config on the target's vocabulary (seed --seed + 1, wrapped into the
-  int64 range that a JAX key takes): `resolve.draft_model` with the CLI's flag names."""
+  int64 range that a JAX key takes): `resolve.draft_model` with the CLI's flag names
+  (`tokenizer`: the target's, to refuse a directory draft with another one)."""
   if spec == "default":
     return pair.draft_module()
   from specjax.resolve import draft_model
   return draft_model(spec, target, seed=args.seed, default_config=args.draft_config,
-                     flag="--draft")
+                     flag="--draft", tokenizer=tokenizer)

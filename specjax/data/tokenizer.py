@@ -213,3 +213,25 @@ def tokenizer_from_spec(spec: dict, directory: str | pathlib.Path | None = None)
                        f"spec {spec}")
     return tok
   raise ValueError(f"tokenizer kind must be 'byte' or 'bpe', got {kind!r}")
+
+
+def _pieces(tok, n: int) -> list:
+  """The strings of ids 0..n-1: a `tokenizers` backend's pieces where the tokenizer has one
+  (BPETokenizer, the Hugging Face wrapper), else each id decoded alone."""
+  backend = getattr(tok, "_tok", None)
+  if backend is not None and hasattr(backend, "id_to_token"):
+    return [backend.id_to_token(i) for i in range(n)]
+  return [tok.decode([i]) for i in range(n)]
+
+
+def vocab_mismatch(target_tok, draft_tok) -> str | None:
+  """Why a draft's tokenizer is not the target's, in a few words, or None when the ids both
+  have spell the same tokens (the same tokenizer, or one with extra ids at the end: a padded
+  vocabulary, docs/exactness.md). None when either tokenizer is unknown (None)."""
+  if target_tok is None or draft_tok is None or target_tok == draft_tok:
+    return None
+  n = min(target_tok.vocab_size, draft_tok.vocab_size)
+  for i, (a, b) in enumerate(zip(_pieces(target_tok, n), _pieces(draft_tok, n))):
+    if a != b:
+      return f"id {i} is {a!r} in the target's tokenizer but {b!r} in the draft's"
+  return None

@@ -286,7 +286,8 @@ class LevelDrafter(Drafter):
     the scan would. A node's confidence is the max probability of the draft's softmax (at
     temperature 1, whatever the sampler: a score, as a dynamic tree's) at its parent, and the
     cumulative confidence the product along the chain. The levels not run hold fillers: per
-    row the token the newest draft logits make least likely, with a one-hot law when the
+    row the token the newest draft logits make least likely (among those not at -inf: a
+    padded or reduced vocabulary's missing ids are never proposed), with a one-hot law when the
     candidates are sampled (point masses are exact for any token). Returns (cache, kids
     [levels, B, M], q [levels, B, 1, V] or None, drafted [B]: nodes drafted, 1 + levels
     run)."""
@@ -294,8 +295,9 @@ class LevelDrafter(Drafter):
     kids0 = jnp.zeros((levels, b, m), jnp.int32)
     q0 = None if root_q_BV is None else jnp.zeros((levels, b, 1, v), root_q_BV.dtype)
 
-    def score(logits_BV):  # (confidence, filler candidate) of a law
-      return jnp.max(jax.nn.softmax(logits_BV, axis=-1), axis=-1), jnp.argmin(logits_BV, -1)
+    def score(logits_BV):  # (confidence, filler: the least likely id it can draft, not -inf)
+      low = jnp.argmin(jnp.where(logits_BV == -jnp.inf, jnp.inf, logits_BV), axis=-1)
+      return jnp.max(jax.nn.softmax(logits_BV, axis=-1), axis=-1), low
 
     conf0, low0 = score(root_logits_BV)
 
