@@ -117,7 +117,7 @@ def _costs(k: int, batch: int, max_new_tokens: int, prompt_len: int, temperature
           "cycle_steps": costs.cycle_steps(tree),
           "calibration_cached": bool(costs.meta.get("cached")),
           # False: the decode phase was lost in timing noise even re-measured, so the
-          # calibration timed whole calls (prefill included; `calibration._decode_seconds`)
+          # calibration timed whole calls (prefill included; `timing.decode_seconds`)
           "calibration_differenced": bool(costs.meta.get("prefill_differenced", True)),
           "t1": sc.t1, "v": sc.v, "c_measured": sc.c,
           "real_draft_alpha": run.summary().alpha_trial}

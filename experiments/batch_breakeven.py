@@ -59,7 +59,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from experiments import measure
-from specjax import calibration, roofline, theory
+from specjax import calibration, roofline, theory, timing
 
 MAX_BATCH = 4096
 MAX_K = 64
@@ -85,7 +85,7 @@ def validate(params: dict) -> None:
   measure.check_choice(params, "models", "default", measure.MODELS)
   measure.check_choice(params, "draft_cost", "full", roofline.DRAFT_COSTS)
   measure.check_int(params, "calibration_repeats", 3, 1, MAX_REPEATS)
-  measure.check_choice(params, "statistic", "median", calibration.STATISTICS)
+  measure.check_choice(params, "statistic", "median", timing.STATISTICS)
   measure.check_choice(params, "recalibrate", False, (False, True))
   ks = params.get("calibration_k", ())
   if isinstance(ks, (str, bytes)) or not isinstance(ks, (list, tuple)) or not all(

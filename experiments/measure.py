@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import calibration, decoding, metrics, roofline, sampling, trees
+from specjax import calibration, decoding, metrics, roofline, sampling, timing, trees
 from specjax.drafters.base import LM, Drafter
 from specjax.drafters.model import ModelDrafter
 from specjax.models import cache as kv
@@ -319,9 +319,9 @@ class Timing:
 
 
 def alternate(fns: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, Timing]:
-  """{name: Timing} of each callable, alternated (`specjax.calibration.alternate`: one
+  """{name: Timing} of each callable, alternated (`specjax.timing.alternate`: one
   warm-up call each, then every callable in turn, `repeats` times)."""
-  times, last = calibration.alternate(fns, repeats)
+  times, last = timing.alternate(fns, repeats)
   return {name: Timing(tuple(times[name]), last[name]) for name in fns}
 
 
@@ -608,7 +608,8 @@ def speculative_row(cmp: Comparison, tau_loop: float, temperature: float,
                           "t_fixed": fit.t_fixed / costs.t_step,
                           "t_verify": fit.t_verify / costs.t_step,
                           "t_draft": fit.t_draft / costs.t_step, "rel_rms": fit.rel_rms},
-                      "cached": bool(costs.meta.get("cached")), "key": costs.meta.get("key")},
+                      "cached": bool(costs.meta.get("cached")), "key": costs.meta.get("key"),
+                      "revalidated": costs.meta.get("revalidated")},
       "identical_to_plain": cmp.identical if temperature == 0 else None,
       "backend": jax.default_backend(),
       **({} if tau_loop_iid is None else {"tau_loop_iid": tau_loop_iid,

@@ -20,9 +20,10 @@ slows a call down) give tokens/s of both and their ratio, the measured speedup.
 The prediction beside it (`specjax.calibration`, docs/cost_model.md, "Calibrated loop
 costs"): the compiled loops are timed once per (batch, temperature) on a few shapes (chains
 of `calibration_k` and k, and the tree), decoding the same prompts in the same batches as
-the point (`calibrate(..., batch=)`), cached on disk, giving the cycle of this point's
-shape in plain target steps; the tokens one loop iteration emits come from the measured
-acceptance:
+the point (`calibrate(..., batch=)`), cached on disk and re-validated on the day (a probe
+of the plain step off by more than `revalidate`, 10%, measures it again), giving the cycle
+of this point's shape in plain target steps; the tokens one loop iteration emits come from
+the measured acceptance:
 
     each row's measured reach by draft depth, P(n ≥ d) = depth_accepted ÷ cycles
     (`calibration.row_length_probs`; chains and trees alike);
@@ -142,7 +143,7 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
           calibration_k: tuple = (1, 2), calibration_repeats: int = 3,
           recalibrate: bool = False, statistic: str = "median",
           target_dtype: str = "float32", prompts: int = 8, drafter: str = "model",
-          head_steps: int = 8) -> dict:
+          head_steps: int = 8, revalidate: float | None = 0.10) -> dict:
   target, tok, texts = measure.target_model(models, target_dtype)
   # The draft model is loaded (and trained, on its first use) only when it drafts.
   draft = measure.models(models, target_dtype)[1] if drafter == "model" else None
@@ -168,7 +169,7 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
                                 max_new_tokens=max_new_tokens, repeats=calibration_repeats,
                                 temperature=temperature, seed=seed, cache_len=cache_len,
                                 recalibrate=recalibrate, statistic=statistic,
-                                drafter_for=drafter_for)
+                                drafter_for=drafter_for, revalidate=revalidate)
   cmp = measure.compare(target, drafter_for(draft, tree), all_ids, batch=batch, tree=tree,
                         max_new_tokens=max_new_tokens, repeats=repeats,
                         temperature=temperature, seed=seed, cache_len=cache_len,
@@ -297,6 +298,14 @@ def _sample_table(r: dict) -> list[str]:
           f"| {cell(s['plain'])} | {cell(s['speculative'])} |", ""]
 
 
+def _cache_note(cal: dict) -> str:
+  """', cached (probe 1.03)' / ', recalibrated (probe 1.18)' / '' for a fresh calibration."""
+  check = cal.get("revalidated")
+  if cal.get("cached"):
+    return ", cached" + (f" (probe {check['ratio']:.2f})" if check else "")
+  return f", recalibrated (probe {check['ratio']:.2f})" if check else ""
+
+
 def report(records: list[dict], run_dir) -> str:
   from specjax.sweeps import report as rep
   records = sorted(records, key=lambda r: r.get("index", 0))
@@ -339,7 +348,7 @@ def report(records: list[dict], run_dir) -> str:
         f"(rms {100 * fit['rel_rms']:.1f}%)")
     lines.append(f"- {DRAFTER_NAMES[key[2]]}, batch {key[0]}, T={key[1]:g} "
                  f"(t_step {r['metrics']['t_step_ms']:.3f} ms"
-                 f"{', cached' if cal.get('cached') else ''}): {shapes}{fit_text}")
+                 f"{_cache_note(cal)}): {shapes}{fit_text}")
   lines += ["", "### Sample: plain vs speculative", ""]
   smallest = min(r["params"]["batch"] for r in records)
   picked = [r for r in records if r["params"]["batch"] == smallest]

@@ -56,7 +56,7 @@ import numpy as np
 
 from experiments import measure
 from specjax import calibration as loop_calibration
-from specjax import decoding, sampling, trees
+from specjax import decoding, sampling, timing, trees
 from specjax.drafters.model import ModelDrafter
 
 SHAPES = ("chain", "branching", "optimal", "dynamic")
@@ -73,7 +73,7 @@ def validate(params: dict) -> None:
   measure.check_number(params, "temperature", 0.0, 0)
   measure.check_choice(params, "models", "default", measure.MODELS)
   measure.check_int(params, "calibration_repeats", 3, 1)
-  measure.check_choice(params, "statistic", "median", loop_calibration.STATISTICS)
+  measure.check_choice(params, "statistic", "median", timing.STATISTICS)
   measure.check_choice(params, "recalibrate", False, (False, True))
   measure.check_int(params, "prompts", 8, 1)
   measure.check_choice(params, "target_dtype", "float32", ("float32", "bfloat16"))

@@ -16,7 +16,7 @@ this module times the compiled loops themselves, through the public host API:
 every call compiled first, then all of them alternated `repeats` times, medians (or the
 fastest calls, `statistic="fastest"`: load on a shared machine only slows a call). A
 difference lost in timing noise is re-measured, then falls back to whole calls, flagged in
-`meta["prefill_differenced"]` (`_decode_seconds`): a fluctuation never fails a calibration. The
+`meta["prefill_differenced"]` (`timing.decode_seconds`): a fluctuation never fails a calibration. The
 cycle times are then fitted (pure numpy, `cycle_fit.fit`) to
 
     cycle(N, D) = t_fixed + t_verify·(N + 1) + D·t_draft        (seconds, all ≥ 0)
@@ -57,7 +57,6 @@ import math
 import os
 import pathlib
 import platform
-import statistics
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -68,6 +67,7 @@ from specjax import decoding, sampling, trees
 from specjax.cycle_fit import CycleFit, fit, identifiable
 from specjax.drafters.base import LM, Drafter
 from specjax.drafters.model import ModelDrafter
+from specjax.timing import STATISTICS, decode_seconds, probe_step
 from specjax.models.one_row_bf16 import padding_policy
 
 VERSION = 3  # bump when what a cached calibration holds changes (3: bf16 one-row padding probed)
@@ -323,62 +323,10 @@ def _describe_drafter(d: Drafter) -> str:
   """The drafter's class and its static (non-array) fields, e.g. "ModelDrafter(deterministic=
   False)", "LookupDrafter(max_ngram=3, min_ngram=1)": with the weights' digest, what sets
   the loop that is timed (any drafter kind, no per-kind case)."""
-  static = ([f.name for f in dataclasses.fields(d) if not f.metadata.get("pytree_node", True)]
-            if dataclasses.is_dataclass(d) else [])
+  static = ([f.name for f in dataclasses.fields(d) if not f.metadata.get("pytree_node", True)
+             and not (f.default is None and getattr(d, f.name) is None)]  # an unset optional
+            if dataclasses.is_dataclass(d) else [])  # field (added later) keeps old keys
   return f"{type(d).__name__}({', '.join(f'{n}={getattr(d, n)!r}' for n in static)})"
-
-
-STATISTICS = ("median", "fastest")
-
-
-def alternate(fns: Mapping[str, Callable[[], Any]], repeats: int,
-              timer: Callable[[], float] = time.perf_counter, *, warmup: bool = True
-              ) -> tuple[dict[str, list[float]], dict[str, Any]]:
-  """The one alternating-timing loop (the experiments' `measure.alternate` wraps it): one
-  warm-up call each (compilation excluded; warmup=False: none, for callables already run),
-  then every callable in turn, `repeats` times, so drift and other load hit all of them
-  alike. Returns ({name: seconds of each call}, {name: last result})."""
-  last = {name: jax.block_until_ready(fn()) for name, fn in fns.items()} if warmup else {}
-  times: dict[str, list[float]] = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, fn in fns.items():
-      start = timer()
-      last[name] = jax.block_until_ready(fn())
-      times[name].append(timer() - start)
-  return times, last
-
-
-REMEASURE_ROUNDS = 2  # extra rounds (2x, then 4x the repeats) for a difference lost in noise
-
-
-def _decode_seconds(fns: Mapping[str, Callable[[], Any]], names: Sequence[str], repeats: int,
-                    timer: Callable[[], float], statistic: str
-                    ) -> tuple[dict[str, float], dict[str, Any], dict[str, Any]]:
-  """Seconds of the decode phase of each of `names` (fns holds "<name>/M" and "<name>/1"):
-  the median (or fastest) M-token call minus the 1-token call (the prefill alone), and each
-  call's last result.
-
-  A timing fluctuation never fails a calibration: where a difference is not positive (a
-  sub-millisecond decode phase under load), only those calls are alternated again,
-  REMEASURE_ROUNDS times with 2x, 4x the repeats, their times pooled. If one is still not
-  positive, every name is timed by its whole M-token call instead (prefill included, for
-  all alike so the cycle-to-step ratios stay comparable). The third value records what
-  happened: {"remeasured": rounds, "prefill_differenced": bool, "not_differenced": [names
-  whose difference stayed <= 0]}."""
-  times, last = alternate(fns, repeats, timer)
-  pick = statistics.median if statistic == "median" else min
-  diff = lambda n: pick(times[f"{n}/M"]) - pick(times[f"{n}/1"])  # noqa: E731
-  rounds = 0
-  while rounds < REMEASURE_ROUNDS and (bad := [n for n in names if not diff(n) > 0]):
-    rounds += 1
-    more, _ = alternate({f"{n}/{tag}": fns[f"{n}/{tag}"] for n in bad for tag in "M1"},
-                        repeats * 2**rounds, timer, warmup=False)
-    for key, extra in more.items():
-      times[key].extend(extra)
-  bad = [n for n in names if not diff(n) > 0]
-  seconds = {n: pick(times[f"{n}/M"]) if bad else diff(n) for n in names}
-  return seconds, last, {"remeasured": rounds, "prefill_differenced": not bad,
-                         "not_differenced": bad}
 
 
 def measure(target, draft, prompt_ids: Sequence[Sequence[int]], shapes: Sequence[Tree], *,
@@ -409,7 +357,7 @@ def measure(target, draft, prompt_ids: Sequence[Sequence[int]], shapes: Sequence
           lambda ids, n=n, t=t: decoding.speculative_generate(
               target, drafters[shape_key(t)], ids, tree=t, max_new_tokens=n, **common),
           prompt_ids, rows)
-  seconds, last, timing = _decode_seconds(fns, ["plain", *drafters], repeats, timer, statistic)
+  seconds, last, timing = decode_seconds(fns, ["plain", *drafters], repeats, timer, statistic)
   batches = len(prompt_ids) // rows
   t_step = seconds["plain"] / (batches * (max_new_tokens - 1))
   cycles = []
@@ -514,7 +462,8 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
               cache_len: int | None = None, drafter_for: Callable | None = None,
               recalibrate: bool = False, cache_dir: str | os.PathLike | None = None,
               statistic: str = "median", batch: int | None = None,
-              timer: Callable[[], float] = time.perf_counter) -> LoopCosts:
+              timer: Callable[[], float] = time.perf_counter,
+              revalidate: float | None = None) -> LoopCosts:
   """The calibration of `target` with `draft` (a draft model or a `Drafter`) at this batch
   (`batch` rows per call, default len(prompt_ids); fewer rows decode the prompts as
   consecutive batches, `measure`) and temperature: cached under `cache_root(cache_dir)` by
@@ -522,7 +471,10 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
   6} (add the trees you will predict; the fit needs one). recalibrate: measure even when cached.
   drafter_for(draft, tree) -> Drafter: the drafter of each shape (default: the draft
   model, sampled candidates for chains, top-k candidates for trees). statistic: "median"
-  or "fastest" call (`measure`).
+  or "fastest" call (`measure`). revalidate: a fraction (`timing.REVALIDATE`, 0.10): a
+  cached calibration is checked on the day by a short probe (one plain decode step now,
+  `timing.probe_step`) and measured again when off by more (a machine faster or slower than
+  when it was taken); None (default): trusted as cached. meta["revalidated"] records it.
   """
   shapes = [trees.chain(k) for k in DEFAULT_CHAINS] if shapes is None else shapes
   if isinstance(shapes, (str, bytes)) or not isinstance(shapes, Sequence) or not shapes:
@@ -556,12 +508,23 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
                    seed=seed, statistic=statistic, batch=rows)
   key = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:24]
   path = cache_root(cache_dir) / f"{key}.json"
+  revalidated = None  # the probe's record when a cached calibration failed it
   if not recalibrate and path.exists():
     try:
       costs = LoopCosts.from_dict(json.loads(path.read_text()))
       # "depth_alpha": calibrations stored before it was measured are measured again
       if set(costs.cycles) == set(drafters) and "depth_alpha" in costs.meta:
-        return dataclasses.replace(costs, meta={**costs.meta, "cached": True})
+        check = None
+        if revalidate is not None:
+          probe = probe_step(target, prompt_ids, max_new_tokens=max_new_tokens,
+                             temperature=temperature, seed=seed, cache_len=cache_len,
+                             batch=rows, timer=timer, statistic=statistic)
+          check = {"probe_t_step": probe, "cached_t_step": costs.t_step,
+                   "ratio": probe / costs.t_step, "tolerance": revalidate}
+        if check is None or abs(check["ratio"] - 1) <= revalidate:
+          return dataclasses.replace(costs, meta={**costs.meta, "cached": True,
+                                                  "revalidated": check})
+        revalidated = {**check, "recalibrated": True}
     except (ValueError, KeyError, TypeError, OSError):  # unreadable: measure again
       pass
   costs = measure(target, draft, prompt_ids, shapes, max_new_tokens=max_new_tokens,
@@ -569,7 +532,8 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
                   drafter_for=lambda _d, t: drafters[shape_key(t)], statistic=statistic,
                   batch=rows, timer=timer)
   costs = dataclasses.replace(costs, meta={**costs.meta, "fingerprint": fp, "key": key,
-                                           "cached": False})
+                                           "cached": False,
+                                           "revalidated": revalidated})
   if not costs.meta.get("prefill_differenced", True):
     return costs  # whole calls (the decode phase was lost in noise): measured again next time
   try:

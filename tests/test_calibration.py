@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from specjax import calibration, cycle_fit, decoding, theory, trees
+from specjax import calibration, cycle_fit, decoding, theory, timing, trees
 
 T_FIXED, T_VERIFY, T_DRAFT, T_STEP = 3e-4, 1e-4, 5e-5, 2e-4
 SHAPES = [trees.chain(1), trees.chain(2), trees.chain(4), trees.chain(6),
@@ -386,3 +386,31 @@ def test_a_weak_first_position_the_measured_law_sees_and_the_iid_law_does_not():
   alpha = reach.sum() / (cycles + 600 + 570 + 540) * cycles
   assert iid == pytest.approx(float(theory.expected_tokens(alpha, 4)), rel=0.02)
   assert iid > 1.05 * tau
+
+
+@pytest.mark.parametrize("drift, recalibrated", [(1.05, False), (1.25, True), (0.8, True)])
+def test_a_cached_calibration_is_revalidated_on_the_day(fake_engine, random_pair, tmp_path,
+                                                       monkeypatch, drift, recalibrated):
+  """revalidate=0.1: a short probe of the plain step against the cached t_step; a machine
+  more than 10% faster or slower than when it was calibrated is calibrated again."""
+  import sys
+  clock, calls = fake_engine
+  target, draft = random_pair
+  prompts = [[1, 2, 3, 4]] * 2
+  kw = dict(max_new_tokens=31, repeats=2, cache_dir=tmp_path, timer=clock,
+            revalidate=timing.REVALIDATE)
+  first = calibration.calibrate(target, draft, prompts, SHAPES[:5], **kw)
+  assert first.meta["cached"] is False and first.meta["revalidated"] is None
+  made, base = calls["n"], T_STEP
+  monkeypatch.setattr(sys.modules[__name__], "T_STEP", base * drift)
+  again = calibration.calibrate(target, draft, prompts, SHAPES[:5], **kw)
+  check = again.meta["revalidated"]
+  assert check["ratio"] == pytest.approx(drift, rel=1e-6)
+  assert again.meta["cached"] is (not recalibrated)
+  probe = 2 * (1 + timing.PROBE_REPEATS)  # plain M and 1, warm-up + repeats
+  assert calls["n"] - made == (probe + made if recalibrated else probe)
+  if recalibrated:
+    assert check["recalibrated"] is True and again.t_step == pytest.approx(base * drift)
+  trusted = calibration.calibrate(target, draft, prompts, SHAPES[:5],
+                                  **{**kw, "revalidate": None})
+  assert trusted.meta["cached"] is True and trusted.meta["revalidated"] is None

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from experiments import drafters
-from specjax import calibration
+from specjax import timing
 from specjax.sweeps import launch, runner
 
 VARIANTS = ["lookup:tree", "layer_skip:chain", "medusa:tree", "eagle:dynamic", "model:chain",
@@ -30,11 +30,11 @@ STEP, PREFILL, CYCLE = 1e-3, 1e-2, 1.5  # planted: seconds per plain step, per p
 
 @pytest.fixture
 def virtual_clock(monkeypatch):
-  """Every timed call (`calibration.alternate`, which the calibration and `measure.compare`
+  """Every timed call (`timing.alternate`, which the calibration and `measure.compare`
   share) costs PREFILL plus STEP per plain token after the first, or CYCLE·STEP per loop
   iteration of a speculative run (its slowest row's cycles), on a virtual clock."""
   now = [0.0]
-  real = calibration.alternate
+  real = timing.alternate
 
   def cost(g) -> float:
     if g.stats is not None:
@@ -52,7 +52,7 @@ def virtual_clock(monkeypatch):
     del timer
     return real({name: timed(fn) for name, fn in fns.items()}, repeats, timer=lambda: now[0])
 
-  monkeypatch.setattr(calibration, "alternate", alternate)
+  monkeypatch.setattr(timing, "alternate", alternate)
 
 
 def _run(tmp_path, axes: str, prompts: int = 1, target_dtype: str = "float32"):

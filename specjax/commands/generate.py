@@ -122,7 +122,7 @@ def _models(args):
   if _draft_kind(args)[0] != "model":
     draft = None  # built from the target (layer-skip, heads) or no model at all (lookup)
   else:
-    draft = draft_from_flags(draft_spec, args, target, pair)
+    draft = draft_from_flags(draft_spec, args, target, pair, tokenizer=tok)
   return target, draft, tok
 
 
@@ -293,10 +293,8 @@ def run(args: argparse.Namespace) -> int:
                       "tokens_per_s": spec.emitted / spec_s, **summary.to_dict()},
       "target_dtype": target.config.dtype,
       "speedup": (spec.emitted / spec_s) / (plain.emitted / plain_s),
-      "decode_phase": {"plain_tokens_per_s": decoded / max(plain_s - plain_1, 1e-9),
-                       "speculative_tokens_per_s": (spec.emitted - len(spec.tokens))
-                       / max(spec_s - spec_1, 1e-9),
-                       "speedup": (plain_s - plain_1) / max(spec_s - spec_1, 1e-9)},
+      "decode_phase": _decode_phase(decoded, spec.emitted - len(spec.tokens),
+                                    plain_s - plain_1, spec_s - spec_1),
       "identical_to_plain": plain.tokens == spec.tokens,
       "acceptance_by_depth": _by_depth(spec.stats),
       "texts": [tok.decode(t) for t in spec.tokens],
@@ -314,6 +312,15 @@ def run(args: argparse.Namespace) -> int:
   print()
   print("\n".join(summary_lines(report, args.temperature)))
   return 0
+
+
+def _decode_phase(plain_tokens: int, spec_tokens: int, plain_s: float, spec_s: float):
+  """Decode-phase tokens/s of both and their ratio; None where a call of n tokens minus a
+  call of 1 is not positive (a decode phase lost in timing noise: more tokens or repeats)."""
+  if not (plain_s > 0 and spec_s > 0 and plain_tokens > 0):
+    return None
+  return {"plain_tokens_per_s": plain_tokens / plain_s,
+          "speculative_tokens_per_s": spec_tokens / spec_s, "speedup": plain_s / spec_s}
 
 
 def _shape_name(args) -> str:
@@ -348,7 +355,9 @@ def summary_lines(report: dict, temperature: float) -> list[str]:
            f"speculative:  {s['tokens_per_s']:8.1f} tok/s end to end   "
            f"({report.get('shape', 'k=' + str(report['k']))}, "
            f"speedup {report['speedup']:.2f}x)"]
-  if "decode_phase" in report:
+  if report.get("decode_phase") is None and "decode_phase" in report:
+    lines.append("decode phase: lost in timing noise (use more --max-new-tokens or --repeats)")
+  elif "decode_phase" in report:
     d = report["decode_phase"]
     lines.append(f"decode phase: {d['plain_tokens_per_s']:.1f} -> "
                  f"{d['speculative_tokens_per_s']:.1f} tok/s (speedup {d['speedup']:.2f}x; "
