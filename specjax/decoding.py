@@ -501,28 +501,15 @@ def speculative_generate(target, draft, prompts, *, k: int | str | None = None,
   if isinstance(k, str):
     raise ValueError(f"k must be an int >= 1 or 'auto', got {k!r}")
   cfg = target.config
-  draft_cfg = drafter.config
-  configs = [cfg] if draft_cfg is None else [cfg, draft_cfg]
-  max_len, limited, opt_in = _limits(configs, allow_beyond_max_len)
-  sizes = dict(vocab_size=cfg.vocab_size, max_len=max_len, max_new_tokens=max_new_tokens,
-               cache_len=cache_len, positions_limited=limited, max_len_opt_in=opt_in)
   if tree is None and k is not None:
     # A chain of k writes k + 1 slots a cycle: check that against the context before the
     # chain (and anything sized by it) is built.
-    prepare_batch(prompts, slots=_check_int("k", k, 1) + 1, **sizes)
+    _sized_batch(target, drafter, prompts, max_new_tokens, cache_len, allow_beyond_max_len,
+                 slots=_check_int("k", k, 1) + 1)
   tree = resolve_tree(k, tree)
-  width = tree.max_width
-  if width > cfg.vocab_size:
-    raise ValueError(f"tree has a node with {width} candidates (width {width}) but the "
-                     f"vocabulary has only {cfg.vocab_size} tokens: width must be <= "
-                     f"{cfg.vocab_size}")
-  slots = max(tree.n_nodes, drafter.slots_needed(tree))
-  batch = prepare_batch(prompts, slots=slots, **sizes)
-  b = len(batch.budget_B)
-  drafter.validate(tree, b)
-  extra = _draft_cache_bytes(drafter, b, batch.cache_len)
-  kv.check_fits(cfg, b, batch.cache_len, extra_bytes=extra, what="target + draft KV caches")
-  sampler = sampler if sampler is not None else sampling.make_sampler(0.0)
+  batch, sampler = _checked_plan(target, drafter, prompts, [tree], "tree",
+                                 max_new_tokens=max_new_tokens, cache_len=cache_len,
+                                 allow_beyond_max_len=allow_beyond_max_len, sampler=sampler)
   start = time.perf_counter()
   state = loop.speculative_jit(target, drafter, batch.prompt_BP, batch.prompt_len_B,
                                batch.budget_B, _eos(eos_id, cfg.vocab_size), sampler,
@@ -530,6 +517,40 @@ def speculative_generate(target, draft, prompts, *, k: int | str | None = None,
                                **_precision_kw(precision))
   state = jax.block_until_ready(state)
   return _collect(state, batch, time.perf_counter() - start, tree.size, tree)
+
+
+def _sized_batch(target: LM, drafter: Drafter, prompts, max_new_tokens, cache_len,
+                 allow_beyond_max_len, *, slots: int) -> Batch:
+  """`prepare_batch` against the target's and the draft's limits (positions, vocabulary)."""
+  cfg, draft_cfg = target.config, drafter.config
+  configs = [cfg] if draft_cfg is None else [cfg, draft_cfg]
+  max_len, limited, opt_in = _limits(configs, allow_beyond_max_len)
+  return prepare_batch(prompts, slots=slots, vocab_size=cfg.vocab_size, max_len=max_len,
+                       max_new_tokens=max_new_tokens, cache_len=cache_len,
+                       positions_limited=limited, max_len_opt_in=opt_in)
+
+
+def _checked_plan(target: LM, drafter: Drafter, prompts, shapes, what: str, *,
+                  max_new_tokens, cache_len, allow_beyond_max_len, sampler):
+  """The one set of checks every speculative run passes before anything compiles, for the
+  shapes it may verify (one tree, or a policy's menu): widths within the vocabulary, the
+  batch and its cache sized for the most slots any shape writes, the drafter able to draft
+  each shape at this batch, both KV caches within memory. Returns (batch, sampler)."""
+  cfg = target.config
+  width = max(e.max_width for e in shapes)
+  if width > cfg.vocab_size:
+    raise ValueError(f"{what} has a node with {width} candidates (width {width}) but the "
+                     f"vocabulary has only {cfg.vocab_size} tokens: width must be <= "
+                     f"{cfg.vocab_size}")
+  slots = max(max(e.n_nodes, drafter.slots_needed(e)) for e in shapes)
+  batch = _sized_batch(target, drafter, prompts, max_new_tokens, cache_len,
+                       allow_beyond_max_len, slots=slots)
+  b = len(batch.budget_B)
+  for e in shapes:
+    drafter.validate(e, b)
+  extra = _draft_cache_bytes(drafter, b, batch.cache_len)
+  kv.check_fits(cfg, b, batch.cache_len, extra_bytes=extra, what="target + draft KV caches")
+  return batch, sampler if sampler is not None else sampling.make_sampler(0.0)
 
 
 def _draft_cache_bytes(drafter: Drafter, batch: int, cache_len: int) -> int:
@@ -545,26 +566,12 @@ def _adaptive_generate(target: LM, drafter: Drafter, policy: adaptive.AdaptivePo
   """`speculative_generate` with a policy: every menu shape validated (the drafter, the
   vocabulary, the cache: the largest shape's slots must fit) before anything compiles."""
   cfg = target.config
-  draft_cfg = drafter.config  # the drafter fits the target's vocabulary (`fit_vocab`)
   adaptive.menu(policy.menu)  # empty, dynamic or duplicate shapes: ValueError
   adaptive.check_threshold(float(policy.threshold))
-  configs = [cfg] if draft_cfg is None else [cfg, draft_cfg]
-  max_len, limited, opt_in = _limits(configs, allow_beyond_max_len)
   shapes = [trees.chain(1) if e is None else e for e in policy.menu]  # k = 0 drafts a chain(1)
-  width = max(e.max_width for e in shapes)
-  if width > cfg.vocab_size:
-    raise ValueError(f"policy menu has a tree of width {width} but the vocabulary has only "
-                     f"{cfg.vocab_size} tokens: width must be <= {cfg.vocab_size}")
-  slots = max(max(e.n_nodes, drafter.slots_needed(e)) for e in shapes)
-  batch = prepare_batch(prompts, slots=slots, vocab_size=cfg.vocab_size, max_len=max_len,
-                        max_new_tokens=max_new_tokens, cache_len=cache_len,
-                        positions_limited=limited, max_len_opt_in=opt_in)
-  b = len(batch.budget_B)
-  for e in shapes:
-    drafter.validate(e, b)
-  extra = _draft_cache_bytes(drafter, b, batch.cache_len)
-  kv.check_fits(cfg, b, batch.cache_len, extra_bytes=extra, what="target + draft KV caches")
-  sampler = sampler if sampler is not None else sampling.make_sampler(0.0)
+  batch, sampler = _checked_plan(target, drafter, prompts, shapes, "policy menu",
+                                 max_new_tokens=max_new_tokens, cache_len=cache_len,
+                                 allow_beyond_max_len=allow_beyond_max_len, sampler=sampler)
   start = time.perf_counter()
   state = adaptive_loop.adaptive_jit(target, drafter, policy, batch.prompt_BP,
                                      batch.prompt_len_B, batch.budget_B,
