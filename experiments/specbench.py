@@ -75,7 +75,7 @@ def prompt_set(ref: str, target: str, draft: str, k, tree_widths, temperature, t
   return {p.question_id: p for p in prompts}
 
 
-def question_ids(ref: str, tokenizer=None) -> list:
+def question_ids(ref: str) -> list:
   """The question ids of a prompt set, in file order (the sweep's axis)."""
   if ref in ("code", "prose"):
     return list(range(1, EMBEDDED_COUNT + 1))

@@ -516,7 +516,8 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
       if set(costs.cycles) == set(drafters) and "depth_alpha" in costs.meta:
         check = None
         if revalidate is not None:
-          probe = probe_step(target, prompt_ids, max_new_tokens=max_new_tokens,
+          # the first batch stands for the workload: a probe of the machine, not a measurement
+          probe = probe_step(target, prompt_ids[:rows], max_new_tokens=max_new_tokens,
                              temperature=temperature, seed=seed, cache_len=cache_len,
                              batch=rows, timer=timer, statistic=statistic)
           check = {"probe_t_step": probe, "cached_t_step": costs.t_step,
