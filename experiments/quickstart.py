@@ -3,7 +3,7 @@ predict by how much?
 
 One point = (mode, batch, temperature): mode "chain" (k drafts) or "tree" (`tree_widths`),
 drafted by `drafter`: "eagle", the target's EAGLE head (for the default target, the cached
-default head, trained on first use: `training.defaults.load_default_heads`; for random
+shipped default head: `training.defaults.load_default_heads`; for random
 models, one trained here for `head_steps` steps), or "model", the separate draft model
 (the distilled draft of the embedded pair). The main job drafts with the EAGLE head: on
 the embedded target it accepts far more than the 1-layer draft model at about its cost
@@ -61,8 +61,8 @@ from specjax import calibration, theory, trees
 from specjax.drafters.model import ModelDrafter
 
 MODES = ("chain", "tree")
-# "eagle": the EAGLE head of the target (the default target's is trained on first use and
-# cached, like the pair); "model": the separate draft model distilled from the target.
+# "eagle": the EAGLE head of the target (the default target's ships with the package,
+# like the pair); "model": the separate draft model distilled from the target.
 DRAFTERS = ("eagle", "model")
 DRAFTER_NAMES = {"eagle": "EAGLE head", "model": "draft model"}
 SAMPLE_CHARS = 240
