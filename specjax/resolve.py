@@ -9,8 +9,9 @@ target:
   "default"        the shipped embedded target (`training.defaults`)
   "random:SPEC"    random weights of a model config spec (`models.presets.parse_config`:
                    a preset name, NAME:field=value,..., JSON), byte vocabulary
-  a directory      a Hugging Face model directory or a specjax checkpoint
-                   (`checkpoints.load_model`)
+  a directory      a Hugging Face model directory (imported on first use and cached under
+                   $SPECJAX_CACHE_DIR/hf, keyed by the sha256 of its files: `imported_hf`)
+                   or a specjax checkpoint (`checkpoints.load_model`)
 draft:
   "default"        the embedded pair's distilled draft model (with the default target)
   "self"           the target as its own draft
@@ -90,7 +91,44 @@ def load_target(ref: str = "default", *, seed: int = 0, flag: str = "target"):
     from specjax.models.transformer import Transformer
     tok = ByteTokenizer()
     return Transformer(config_from_ref(flag, spec, tok.vocab_size), rngs=nnx.Rngs(seed)), tok
+  from specjax.checkpoints import is_hf_dir
+  if is_hf_dir(ref):
+    return load_from_ref(flag, str(imported_hf(ref)))
   return load_from_ref(flag, ref)
+
+
+def _files_key(directory) -> str:
+  """sha256 over a directory's regular files (names, sizes, contents), hidden ones aside:
+  a Hugging Face directory's identity, whatever its path."""
+  import hashlib
+  import pathlib
+  h = hashlib.sha256()
+  root = pathlib.Path(directory)
+  for path in sorted(p for p in root.rglob("*") if p.is_file()
+                     and not any(part.startswith(".") for part in p.relative_to(root).parts)):
+    h.update(f"{path.relative_to(root).as_posix()}\0{path.stat().st_size}\0".encode())
+    with open(path, "rb") as f:
+      for block in iter(lambda: f.read(1 << 22), b""):
+        h.update(block)
+  return h.hexdigest()
+
+
+def imported_hf(directory):
+  """The specjax checkpoint of a Hugging Face model directory: imported once into
+  $SPECJAX_CACHE_DIR/hf/<name>-<key> (key: `_files_key`, so an edited file is imported
+  again) and reused after; written all or nothing (`checkpoints.save_model`)."""
+  import pathlib
+
+  from specjax.checkpoints import hf, save_model
+  from specjax.training.defaults import cache_dir
+  src = pathlib.Path(directory)
+  entry = cache_dir() / "hf" / f"{src.resolve().name}-{_files_key(src)[:16]}"
+  if not entry.is_dir():
+    imported = hf.import_hf(src)  # names what is missing or broken
+    save_model(entry, imported.model(), tokenizer_dir=src,
+               metadata={"family": imported.family, "source_layout": imported.layout,
+                         "source": str(src.resolve()), "hf_config": imported.hf_config})
+  return entry
 
 
 def config_from_ref(flag: str, spec: str, vocab_size: int):

@@ -386,3 +386,32 @@ def test_a_config_claiming_a_billion_layers_is_read_at_once_and_refused_at_impor
                      "this machine's"):
     hf.import_hf(d)
   assert time.perf_counter() - start < 10
+
+
+def test_a_hf_target_by_reference_is_imported_once_and_cached_by_its_files(models, tmp_path,
+                                                                         monkeypatch):
+  """`specjax.load` / `resolve.load_target` of a Hugging Face directory: imported on first
+  use into $SPECJAX_CACHE_DIR/hf (keyed by the files' sha256), loaded from there after, and
+  imported again when a file changes; the cached model's logits equal the direct import's."""
+  import shutil
+
+  from specjax import resolve
+  from specjax.checkpoints import hf
+  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))
+  src = tmp_path / "llama_dir"
+  shutil.copytree(models["llama"][1], src)
+  calls = []
+  real = hf.import_hf
+  monkeypatch.setattr(hf, "import_hf", lambda *a, **k: calls.append(a) or real(*a, **k))
+  first, _ = resolve.load_target(str(src))
+  assert len(calls) == 1 and len(list((tmp_path / "cache" / "hf").iterdir())) == 1
+  again, _ = resolve.load_target(str(src))
+  assert len(calls) == 1  # from the cache, not imported again
+  tokens = np.arange(12, dtype=np.int32)[None] % first.config.vocab_size
+  np.testing.assert_array_equal(_sj_logits(first, tokens), _sj_logits(again, tokens))
+  np.testing.assert_allclose(_sj_logits(again, tokens), _hf_logits(models["llama"][0], tokens),
+                             atol=1e-4, rtol=1e-4)
+  cfg = src / "config.json"
+  cfg.write_text(cfg.read_text() + "\n")  # another file: another key
+  resolve.load_target(str(src))
+  assert len(calls) == 2 and len(list((tmp_path / "cache" / "hf").iterdir())) == 2
