@@ -91,10 +91,14 @@ def load_target(ref: str = "default", *, seed: int = 0, flag: str = "target"):
     from specjax.models.transformer import Transformer
     tok = ByteTokenizer()
     return Transformer(config_from_ref(flag, spec, tok.vocab_size), rngs=nnx.Rngs(seed)), tok
+  return load_from_ref(flag, _model_dir(ref))
+
+
+def _model_dir(ref: str) -> str:
+  """A model directory to load: a Hugging Face one's cached import (`imported_hf`), else
+  the reference itself."""
   from specjax.checkpoints import is_hf_dir
-  if is_hf_dir(ref):
-    return load_from_ref(flag, str(imported_hf(ref)))
-  return load_from_ref(flag, ref)
+  return str(imported_hf(ref)) if is_hf_dir(ref) else ref
 
 
 def _files_key(directory) -> str:
@@ -167,7 +171,7 @@ def draft_model(spec: str | None, target, *, seed: int = 0, default_config: str 
     return load_default_pair().draft_module()
   if kind == "model":
     from specjax.data.tokenizer import vocab_mismatch
-    net, draft_tok = load_from_ref(flag, arg)
+    net, draft_tok = load_from_ref(flag, _model_dir(arg))
     why = vocab_mismatch(tokenizer, draft_tok)
     if why:
       raise ValueError(f"{flag} {arg}: the draft's tokenizer is not the target's ({why}): "
