@@ -33,7 +33,7 @@ import statistics
 import numpy as np
 
 from experiments import measure
-from specjax import decoding, metrics, resolve, sampling, trees
+from specjax import decoding, metrics, resolve, sampling, timing, trees
 from specjax.prompts import encode_prompt, load_prompts
 
 EMBEDDED_COUNT, EMBEDDED_LEN = 16, 64  # the embedded sets' questions and their length
@@ -112,9 +112,9 @@ def point(question, target: str = "default", draft: str = "eagle:default",
   s = {name: t.median for name, t in timed.items()}
   p_run, s_run = timed["plain"].result, timed["spec"].result
   summary = s_run.summary()
-  decoded = p_run.emitted - len(p_run.tokens)
-  decode_speedup = ((s["plain"] - s["plain_prefill"]) / (s["spec"] - s["spec_prefill"])
-                    if s["spec"] > s["spec_prefill"] and decoded > 0 else float("nan"))
+  decode = timing.decode_phase(p_run.emitted - len(p_run.tokens),
+                               s_run.emitted - len(s_run.tokens),
+                               s["plain"] - s["plain_prefill"], s["spec"] - s["spec_prefill"])
   st = s_run.stats
   same = p_run.tokens == s_run.tokens
   extra = {}
@@ -128,7 +128,7 @@ def point(question, target: str = "default", draft: str = "eagle:default",
       "new_tokens": int(np.mean([len(t) for t in s_run.tokens])),
       "tau": summary.tau, "alpha": summary.alpha,
       "plain_tok_s": p_run.emitted / s["plain"], "spec_tok_s": s_run.emitted / s["spec"],
-      "speedup": s["plain"] / s["spec"], "speedup_decode": decode_speedup,
+      "speedup": s["plain"] / s["spec"], "speedup_decode": decode["speedup"] if decode else float("nan"),
       "plain_s": s["plain"], "spec_s": s["spec"],
       "accept_by_position": [float(a / t) if t else None for a, t in zip(accepted, tried)],
       "loop_fraction": metrics.loop_fraction(s_run.tokens),

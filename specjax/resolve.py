@@ -106,14 +106,14 @@ def _files_key(directory) -> str:
   a Hugging Face directory's identity, whatever its path."""
   import hashlib
   import pathlib
+
+  from specjax.checkpoints.dirs import file_sha256
   h = hashlib.sha256()
   root = pathlib.Path(directory)
   for path in sorted(p for p in root.rglob("*") if p.is_file()
                      and not any(part.startswith(".") for part in p.relative_to(root).parts)):
     h.update(f"{path.relative_to(root).as_posix()}\0{path.stat().st_size}\0".encode())
-    with open(path, "rb") as f:
-      for block in iter(lambda: f.read(1 << 22), b""):
-        h.update(block)
+    file_sha256(path, h)
   return h.hexdigest()
 
 

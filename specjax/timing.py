@@ -87,3 +87,12 @@ def probe_step(target, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: i
       prompt_ids, batch) for n, tag in ((max_new_tokens, "M"), (1, "1"))}
   seconds, _, _ = decode_seconds(fns, ["plain"], PROBE_REPEATS, timer, statistic)
   return seconds["plain"] / ((len(prompt_ids) // batch) * (max_new_tokens - 1))
+
+
+def decode_phase(plain_tokens: int, spec_tokens: int, plain_s: float, spec_s: float):
+  """Decode-phase tokens/s of both and their ratio; None where a call of n tokens minus a
+  call of 1 is not positive (a decode phase lost in timing noise: more tokens or repeats)."""
+  if not (plain_s > 0 and spec_s > 0 and plain_tokens > 0):
+    return None
+  return {"plain_tokens_per_s": plain_tokens / plain_s,
+          "speculative_tokens_per_s": spec_tokens / spec_s, "speedup": plain_s / spec_s}

@@ -71,7 +71,7 @@ def test_a_bad_question_file_is_one_line_naming_the_line(tmp_path, capsys, conte
 
 @pytest.mark.parametrize("argv, message", [
     (["--k", "0"], "--k: must be an int >= 1 or 'auto'"),
-    (["--tree", "2,x"], "--tree: must be widths per depth"),
+    (["--tree", "2,x"], "--tree: must be ints >= 1 separated by commas"),
     (["--max-new-tokens", "0"], "max_new_tokens must be an int >= 1"),
     (["--limit", "0"], "--limit must be an int >= 1"),
 ])

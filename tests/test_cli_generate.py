@@ -74,10 +74,10 @@ def test_generate_on_the_default_target_serves_bf16_and_reports_both_speeds(caps
   d = report["decode_phase"]  # None when the difference of two calls is lost in noise
   assert d is None or (d["plain_tokens_per_s"] > 0 and d["speculative_tokens_per_s"] > 0
                        and d["speedup"] > 0)
-  from specjax.commands.generate import _decode_phase
-  assert _decode_phase(10, 12, 0.5, 0.25) == {"plain_tokens_per_s": 20.0,
+  from specjax.timing import decode_phase
+  assert decode_phase(10, 12, 0.5, 0.25) == {"plain_tokens_per_s": 20.0,
                                               "speculative_tokens_per_s": 48.0, "speedup": 2.0}
-  assert _decode_phase(10, 12, -0.01, 0.25) is None and _decode_phase(0, 1, 1.0, 1.0) is None
+  assert decode_phase(10, 12, -0.01, 0.25) is None and decode_phase(0, 1, 1.0, 1.0) is None
   assert main(["generate", "--target", "default", "--draft", "self", "--target-dtype",
                "float32", "--k", "2", "--max-new-tokens", "6", "--repeats", "1", "--json"]) == 0
   report = json.loads(capsys.readouterr().out)

@@ -21,11 +21,22 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import pathlib
 import secrets
 import shutil
 from typing import Iterator
+
+
+def file_sha256(path: str | os.PathLike, h=None) -> str:
+  """The sha256 of a file's bytes, read in blocks (or fed into the running hash `h`, whose
+  hexdigest is returned): the one file digest of manifests and cache keys."""
+  h = hashlib.sha256() if h is None else h
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 22), b""):
+      h.update(block)
+  return h.hexdigest()
 
 
 def _temp_name(parent: pathlib.Path, name: str, kind: str) -> pathlib.Path:

@@ -59,8 +59,8 @@ def named_leaves(tree: Any) -> dict[str, Any]:
 def save_flat(path: str | os.PathLike, params: Any, *, dtype: str = "bfloat16",
               metadata: dict | None = None) -> dict[str, int]:
   """Write `params`'s floating leaves in `dtype` (others as they are) to one safetensors file,
-  atomically (a temporary sibling renamed into place). Returns {name: element count}."""
-  from safetensors.numpy import save_file
+  atomically (`dirs.atomic_write`). Returns {name: element count}."""
+  from safetensors.numpy import save
 
   from specjax.checkpoints.dirs import atomic_write
 
@@ -74,20 +74,8 @@ def save_flat(path: str | os.PathLike, params: Any, *, dtype: str = "bfloat16",
     tensors[name] = np.array(a, order="C")  # (ascontiguousarray makes a 0-d array 1-d)
   meta = {"format": "specjax-flat", "dtype": dtype,
           **({"metadata": json.dumps(metadata, sort_keys=True)} if metadata else {})}
-  tmp = pathlib.Path(str(path) + ".writing")
-  save_file(tensors, str(tmp), metadata=meta)
-  data = tmp.read_bytes()
-  tmp.unlink()
-  atomic_write(path, data)
+  atomic_write(path, save(tensors, metadata=meta))
   return {k: int(v.size) for k, v in tensors.items()}
-
-
-def read_metadata(path: str | os.PathLike) -> dict:
-  """The metadata dict `save_flat` stored (empty when none)."""
-  from safetensors import safe_open
-  with safe_open(str(path), "np") as f:
-    meta = f.metadata() or {}
-  return json.loads(meta["metadata"]) if "metadata" in meta else {}
 
 
 def load_flat(path: str | os.PathLike, *, like: Any) -> Any:

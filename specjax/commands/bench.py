@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from specjax.commands.models import ints_arg
+
 
 def _k(text: str):
   if text == "auto":
@@ -25,17 +27,6 @@ def _k(text: str):
   if value < 1:
     raise argparse.ArgumentTypeError(f"must be an int >= 1 or 'auto', got {text!r}")
   return value
-
-
-def _widths(text: str) -> tuple[int, ...]:
-  try:
-    widths = tuple(int(w) for w in text.split(","))
-  except ValueError:
-    widths = ()
-  if not widths or any(w < 1 for w in widths):
-    raise argparse.ArgumentTypeError(f"must be widths per depth, ints >= 1 separated by "
-                                     f"commas (e.g. 2,1,1), got {text!r}")
-  return widths
 
 
 def add_parser(subparsers) -> None:
@@ -55,7 +46,7 @@ def add_parser(subparsers) -> None:
                  "embedded 'code' / 'prose' sets (default %(default)s)")
   shape = p.add_mutually_exclusive_group()
   shape.add_argument("--k", type=_k, default=4, help="chain length, or 'auto' (default 4)")
-  shape.add_argument("--tree", type=_widths, default=None, metavar="W1,W2,...",
+  shape.add_argument("--tree", type=ints_arg(1), default=None, metavar="W1,W2,...",
                      help="a static tree: candidates per depth")
   p.add_argument("--temperature", type=float, default=0.0)
   p.add_argument("--top-k", type=int, default=0)

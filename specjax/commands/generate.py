@@ -6,7 +6,7 @@ import argparse
 import json
 
 from specjax.commands.models import (add_config_flags, default_models, draft_from_flags,
-                                     target_from_flags)
+                                     ints_arg, target_from_flags)
 from specjax.resolve import HEAD_DRAFTS
 from specjax.resolve import draft_kind as resolve_kind
 
@@ -47,10 +47,10 @@ def add_parser(subparsers) -> None:
   p.add_argument("--k", type=_k_arg, default=4,
                  help="drafted tokens per verification, or 'auto': the adaptive policy picks "
                  "a chain k in {0, 1, 2, 4, 6} every cycle (specjax.adaptive)")
-  p.add_argument("--tree", type=_ints(1), default=None, metavar="W1,W2,...",
+  p.add_argument("--tree", type=ints_arg(1), default=None, metavar="W1,W2,...",
                  help="verify a static tree instead of a chain: W_d candidates per node at "
                  "depth d (e.g. 2,1,1); drafted as distinct top candidates at T = 0")
-  p.add_argument("--dynamic-tree", type=_ints(3), default=None, metavar="BUDGET,DEPTH,WIDTH",
+  p.add_argument("--dynamic-tree", type=ints_arg(3), default=None, metavar="BUDGET,DEPTH,WIDTH",
                  help="verify an EAGLE-2 style dynamic tree: BUDGET nodes chosen by the "
                  "draft's cumulative confidence from DEPTH levels of WIDTH candidates")
   p.add_argument("--draft-stop", type=float, default=0.0, metavar="THRESHOLD",
@@ -134,21 +134,6 @@ def _k_arg(text: str):
     return int(text)
   except ValueError:
     raise argparse.ArgumentTypeError(f"must be an int >= 1 or 'auto', got {text!r}") from None
-
-
-def _ints(count: int | None):
-  """An argparse type: ints >= 1 separated by commas (`count` of them, or any number when 1
-  means 'at least one')."""
-  def parse(text: str) -> tuple[int, ...]:
-    try:
-      values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-      values = ()
-    if not values or any(v < 1 for v in values) or (count > 1 and len(values) != count):
-      want = f"{count} ints >= 1" if count > 1 else "ints >= 1"
-      raise argparse.ArgumentTypeError(f"must be {want} separated by commas, got {text!r}")
-    return values
-  return parse
 
 
 def _tree(args):
@@ -247,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
   import jax
   import numpy as np
 
-  from specjax import decoding, sampling
+  from specjax import decoding, sampling, timing
 
   _check_args(args)
   sampler = sampling.make_sampler(args.temperature, args.top_k, args.top_p)
@@ -293,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
                       "tokens_per_s": spec.emitted / spec_s, **summary.to_dict()},
       "target_dtype": target.config.dtype,
       "speedup": (spec.emitted / spec_s) / (plain.emitted / plain_s),
-      "decode_phase": _decode_phase(decoded, spec.emitted - len(spec.tokens),
+      "decode_phase": timing.decode_phase(decoded, spec.emitted - len(spec.tokens),
                                     plain_s - plain_1, spec_s - spec_1),
       "identical_to_plain": plain.tokens == spec.tokens,
       "acceptance_by_depth": _by_depth(spec.stats),
@@ -312,15 +297,6 @@ def run(args: argparse.Namespace) -> int:
   print()
   print("\n".join(summary_lines(report, args.temperature)))
   return 0
-
-
-def _decode_phase(plain_tokens: int, spec_tokens: int, plain_s: float, spec_s: float):
-  """Decode-phase tokens/s of both and their ratio; None where a call of n tokens minus a
-  call of 1 is not positive (a decode phase lost in timing noise: more tokens or repeats)."""
-  if not (plain_s > 0 and spec_s > 0 and plain_tokens > 0):
-    return None
-  return {"plain_tokens_per_s": plain_tokens / plain_s,
-          "speculative_tokens_per_s": spec_tokens / spec_s, "speedup": plain_s / spec_s}
 
 
 def _shape_name(args) -> str:

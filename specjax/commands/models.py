@@ -5,6 +5,8 @@ flag."""
 
 from __future__ import annotations
 
+import argparse
+
 from specjax.resolve import config_from_ref as config_from_flag  # the CLI's names
 from specjax.resolve import load_from_ref as load_from_flag
 
@@ -59,3 +61,19 @@ def draft_from_flags(spec: str | None, args, target, pair=None, tokenizer=None):
   from specjax.resolve import draft_model
   return draft_model(spec, target, seed=args.seed, default_config=args.draft_config,
                      flag="--draft", tokenizer=tokenizer)
+
+
+def ints_arg(count: int):
+  """An argparse type: ints >= 1 separated by commas, exactly `count` of them (1: one or
+  more): tree widths, a dynamic tree's budget,depth,width."""
+  def parse(text: str) -> tuple[int, ...]:
+    try:
+      values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+      values = ()
+    if not values or any(v < 1 for v in values) or (count > 1 and len(values) != count):
+      want = f"{count} ints >= 1" if count > 1 else "ints >= 1"
+      raise argparse.ArgumentTypeError(f"must be {want} separated by commas (e.g. 2,1,1), "
+                                       f"got {text!r}")
+    return values
+  return parse

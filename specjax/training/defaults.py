@@ -63,7 +63,7 @@ from flax import nnx
 from specjax.data.batches import TokenData
 from specjax.data.corpus import EMBEDDED, load_corpus
 from specjax.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
-from specjax.checkpoints.dirs import atomic_write
+from specjax.checkpoints.dirs import atomic_write, file_sha256
 from specjax.checkpoints.trained import load_trained
 from specjax.models.transformer import ModelConfig, Transformer, from_params
 from specjax.training.config import TrainConfig
@@ -148,11 +148,7 @@ def _file_digests(root: pathlib.Path) -> dict[str, str]:
   digests = {}
   for path in sorted(root.rglob("*")):
     if path.is_file() and path.name != MANIFEST:
-      h = hashlib.sha256()
-      with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-          h.update(chunk)
-      digests[path.relative_to(root).as_posix()] = h.hexdigest()
+      digests[path.relative_to(root).as_posix()] = file_sha256(path)
   return digests
 
 

@@ -25,7 +25,6 @@ shipped, rounded ones (what a shipped load yields).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pathlib
 import platform
@@ -34,6 +33,7 @@ import time
 
 import jax
 
+from specjax.checkpoints.dirs import file_sha256
 from specjax.checkpoints.flat import load_flat, save_flat
 
 SHIPPED_FORMAT = 1
@@ -48,14 +48,6 @@ def embedded_root() -> pathlib.Path:
 
 def shipped_dir(preset: str, corpus: str) -> pathlib.Path:
   return embedded_root() / f"{preset}-{corpus}"
-
-
-def sha256(path: pathlib.Path) -> str:
-  h = hashlib.sha256()
-  with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-      h.update(block)
-  return h.hexdigest()
 
 
 def export(preset: str, corpus: str, out: str | pathlib.Path, *, heads=HEAD_KINDS,
@@ -99,7 +91,7 @@ def export(preset: str, corpus: str, out: str | pathlib.Path, *, heads=HEAD_KIND
                                            if k not in ("recipe", "files")},
                                "spec": built["recipe"]["spec"]}
   manifest["export_seconds"] = round(time.perf_counter() - t0, 1)
-  manifest["files"] = {p.name: sha256(p) for p in sorted(out.iterdir())
+  manifest["files"] = {p.name: file_sha256(p) for p in sorted(out.iterdir())
                        if p.is_file() and p.name != MANIFEST}
   (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
   return manifest
@@ -128,7 +120,7 @@ def check_file(directory: pathlib.Path, manifest: dict, name: str) -> pathlib.Pa
     raise ShippedError(f"{directory / MANIFEST} lists no {name}")
   if not path.is_file():
     raise ShippedError(f"{path} is missing")
-  if sha256(path) != want:
+  if file_sha256(path) != want:
     raise ShippedError(f"{path} does not match its digest in {MANIFEST} (damaged or edited)")
   return path
 
