@@ -107,8 +107,7 @@ class LayerSkipDrafter(ModelDrafter):
   def borrow_cache(self, state: ModelDraftState, target_cache: kv.KVCache) -> ModelDraftState:
     """The target's first m layers as the draft's cache (the same buffers)."""
     m = self.layers
-    return state.replace(cache=kv.KVCache(k=target_cache.k[:m], v=target_cache.v[:m],
-                                          lengths=target_cache.lengths))
+    return state.replace(cache=target_cache.replace(k=target_cache.k[:m], v=target_cache.v[:m]))
 
   def return_cache(self, state: ModelDraftState, target_cache: kv.KVCache):
     """The target's cache with the draft's writes (slots >= L of its first m layers), its

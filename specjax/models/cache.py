@@ -18,6 +18,14 @@ so q·Kᵀ and p·V are plain batched NN matmuls and per-layer buffers are updat
 inside the generation loop (a stacked [L, B, S, H, D] buffer made XLA copy the whole cache
 every step). Grouped-query heads sharing one KV head are stacked as extra query rows
 (`LayerView.group`).
+
+Over a device mesh (an active `jax.set_mesh` with axes `data` and `model`, set by the host
+API when it is given `mesh=`; `specjax/sharding.py`) the merged rows are ordered
+(group, batch, head within the group) with `groups` = the model axis' size, so that one
+contiguous block of rows is one (KV-head group, batch block): splitting that axis over
+('model', 'data') puts each device's KV heads of its own rows on it. With one group (no
+mesh, or KV heads not divisible by the model axis: then the cache is split over the batch
+only) the order is today's (batch, head).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import os
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec
 
 Array = jax.Array
 
@@ -36,6 +45,7 @@ class KVCache:
   k: tuple[Array, ...]  # per layer (B·Hkv, head_dim, S)
   v: tuple[Array, ...]  # per layer (B·Hkv, S, head_dim)
   lengths: Array  # int32 [B]
+  groups: int = struct.field(pytree_node=False, default=1)  # KV-head groups (module doc)
 
   @property
   def batch(self) -> int:
@@ -102,6 +112,37 @@ def check_fits(config, batch: int, max_len: int, dtype=None, *, extra_bytes: int
   return need
 
 
+def _mesh_axes() -> dict[str, int]:
+  """{axis: size} of the active mesh's `data` and `model` axes ({} without a mesh)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return {}
+  return {a: n for a, n in mesh.shape.items() if a in ("data", "model")}
+
+
+def layout_for(n_kv_heads: int, batch: int) -> tuple[int, PartitionSpec | None]:
+  """(groups, the merged rows' partition spec) of a cache under the active mesh (module
+  doc): KV heads over `model` when they divide, rows over `data` when the batch divides;
+  (1, None) without a mesh."""
+  axes = _mesh_axes()
+  if not axes:
+    return 1, None
+  model, data = axes.get("model", 1), axes.get("data", 1)
+  split_heads = model > 1 and n_kv_heads % model == 0
+  names = (("model",) if split_heads else ()) + (("data",) if batch % data == 0 else ())
+  return (model if split_heads else 1), PartitionSpec(names or None, None, None)
+
+
+def constrain(cache: KVCache) -> KVCache:
+  """The cache's buffers pinned to their shardings under the active mesh (a no-op without
+  one): helps sharding propagation through the loop's carry."""
+  groups, spec = layout_for(cache.n_kv_heads, cache.batch)
+  if spec is None or groups != cache.groups:
+    return cache
+  pin = lambda x: jax.lax.with_sharding_constraint(x, spec)
+  return cache.replace(k=tuple(map(pin, cache.k)), v=tuple(map(pin, cache.v)))
+
+
 def init(config, batch: int, max_len: int, dtype=None) -> KVCache:
   """An empty cache (all lengths 0) stored in `dtype`, by default the config's
   `cache_dtype`: float32 unless asked otherwise, also for bf16 weights (on XLA:CPU a bf16
@@ -111,7 +152,8 @@ def init(config, batch: int, max_len: int, dtype=None) -> KVCache:
   rows, hd = batch * config.n_kv_heads, config.head_dim
   k = tuple(jnp.zeros((rows, hd, max_len), dtype) for _ in range(config.n_layers))
   v = tuple(jnp.zeros((rows, max_len, hd), dtype) for _ in range(config.n_layers))
-  return KVCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
+  groups, _ = layout_for(config.n_kv_heads, batch)
+  return constrain(KVCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32), groups=groups))
 
 
 def set_lengths(cache: KVCache, lengths_B: Array) -> KVCache:
@@ -123,16 +165,41 @@ def commit(cache: KVCache, n_B: Array) -> KVCache:
   return cache.replace(lengths=cache.lengths + n_B.astype(jnp.int32))
 
 
+def _per_row(x_B: Array, heads: int, groups: int) -> Array:
+  """A per-batch-row array [B, ...] repeated onto the merged buffer rows [B·Hkv, ...] in
+  their order (group, batch, head within the group)."""
+  rows = jnp.repeat(x_B, heads // groups, axis=0)
+  return rows if groups == 1 else jnp.tile(rows, (groups,) + (1,) * (x_B.ndim - 1))
+
+
+def _to_rows(x_BH: Array, groups: int) -> Array:
+  """[B, Hkv, ...] -> the merged buffer rows [B·Hkv, ...] (order: module doc)."""
+  b, h = x_BH.shape[:2]
+  if groups == 1:
+    return x_BH.reshape((b * h,) + x_BH.shape[2:])
+  x = x_BH.reshape((b, groups, h // groups) + x_BH.shape[2:])
+  return jnp.swapaxes(x, 0, 1).reshape((b * h,) + x_BH.shape[2:])
+
+
+def _from_rows(x_N: Array, b: int, groups: int) -> Array:
+  """The merged rows [B·Hkv, ...] -> [B, Hkv, ...] (the inverse of `_to_rows`)."""
+  h = x_N.shape[0] // b
+  if groups == 1:
+    return x_N.reshape((b, h) + x_N.shape[1:])
+  x = x_N.reshape((groups, b, h // groups) + x_N.shape[1:])
+  return jnp.swapaxes(x, 0, 1).reshape((b, h) + x_N.shape[1:])
+
+
 def _row_offsets(cache: KVCache) -> Array:
-  return jnp.repeat(cache.lengths, cache.n_kv_heads)  # [B·Hkv]
+  return _per_row(cache.lengths, cache.n_kv_heads, cache.groups)  # [B·Hkv]
 
 
 def write(cache: KVCache, layer: int, k_BTHD: Array, v_BTHD: Array) -> KVCache:
   """Writes T new entries at each row's offset `lengths[b]` (lengths unchanged)."""
   b, t, h, d = k_BTHD.shape
   kbuf, vbuf = cache.k[layer], cache.v[layer]
-  k_new = k_BTHD.transpose(0, 2, 3, 1).reshape(b * h, d, t).astype(kbuf.dtype)
-  v_new = v_BTHD.transpose(0, 2, 1, 3).reshape(b * h, t, d).astype(vbuf.dtype)
+  k_new = _to_rows(k_BTHD.transpose(0, 2, 3, 1), cache.groups).astype(kbuf.dtype)
+  v_new = _to_rows(v_BTHD.transpose(0, 2, 1, 3), cache.groups).astype(vbuf.dtype)
   offsets = _row_offsets(cache)
   zero = jnp.zeros((), jnp.int32)
   kbuf = jax.vmap(lambda buf, u, o: jax.lax.dynamic_update_slice(buf, u, (zero, o)))(
@@ -154,7 +221,7 @@ def gather_block(cache: KVCache, index_BP: Array, span: int) -> KVCache:
   """
   b, p = index_BP.shape
   h = cache.n_kv_heads
-  idx = jnp.repeat(index_BP.astype(jnp.int32), h, axis=0)  # [B·Hkv, P]
+  idx = _per_row(index_BP.astype(jnp.int32), h, cache.groups)  # [B·Hkv, P]
   offsets = _row_offsets(cache)
   zero = jnp.zeros((), jnp.int32)
 
@@ -193,6 +260,7 @@ class LayerView:
   k: Array  # (B·Hkv, head_dim, S)
   v: Array  # (B·Hkv, S, head_dim)
   lengths: Array  # int32 [B]
+  groups: int = struct.field(pytree_node=False, default=1)  # KV-head groups (module doc)
 
   @property
   def slots(self) -> int:
@@ -214,21 +282,23 @@ class LayerView:
     one KV head become its extra query rows."""
     _, t, h, d = q_BTHD.shape
     b, hkv, g = self._groups(h)
-    return q_BTHD.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b * hkv, g * t, d)
+    rows = q_BTHD.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+    return _to_rows(rows, self.groups)
 
   def group_mask(self, mask_BTS: Array, heads: int) -> Array:
     """A mask [B, T, S] on the rows of `group` for `heads` query heads: [B·Hkv, G·T, S]."""
     _, t, s = mask_BTS.shape
     b, hkv, g = self._groups(heads)
-    return jnp.broadcast_to(mask_BTS[:, None, None], (b, hkv, g, t, s)).reshape(b * hkv,
-                                                                                g * t, s)
+    rows = jnp.broadcast_to(mask_BTS[:, None, None], (b, hkv, g, t, s)).reshape(b, hkv, g * t, s)
+    return _to_rows(rows, self.groups)
 
   def ungroup(self, out_NRD: Array, heads: int) -> Array:
     """Buffer rows [B·Hkv, G·T, D] back to [B, T, H, D] (the inverse of `group`)."""
     b, hkv, g = self._groups(heads)
     d = out_NRD.shape[-1]
     t = out_NRD.shape[1] // g
-    return out_NRD.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, heads, d)
+    out = _from_rows(out_NRD, b, self.groups)
+    return out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, heads, d)
 
   def scores(self, q_NRD: Array, s: int) -> Array:
     """float32 [N, R, s]: each query row's products with the keys of slots [0, s)."""
@@ -244,4 +314,5 @@ class LayerView:
 
 def layer_view(cache: KVCache, layer: int) -> LayerView:
   """What attention reads of `layer` (`LayerView`)."""
-  return LayerView(k=cache.k[layer], v=cache.v[layer], lengths=cache.lengths)
+  return LayerView(k=cache.k[layer], v=cache.v[layer], lengths=cache.lengths,
+                   groups=cache.groups)
