@@ -15,6 +15,10 @@ PRESETS: dict[str, ModelConfig] = {
     # A 2-layer, width-256 draft: c ~ 0.10-0.15 against gpt2-small on XLA:CPU
     # (the measured cost ratio c; see docs/cost_model.md).
     "gpt2-draft": ModelConfig.gpt2(d_model=256, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=1024),
+    # GPT-2 medium's shape (355M parameters, 1.42 GB in float32): memory-bound on a CPU; the
+    # scaled-down check of benchmarks/bench_scaled_cpu.py.
+    "gpt2-medium": ModelConfig.gpt2(d_model=1024, n_layers=24, n_heads=16, n_kv_heads=16,
+                                    d_ff=4096),
     "llama-small": ModelConfig.llama(),
     "llama-draft": ModelConfig.llama(d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=688),
     # An 8B-class Llama-3 shape (32 layers, d 4096, GQA 32/8, vocab 128,256; ~8.0B
