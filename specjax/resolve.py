@@ -19,6 +19,8 @@ draft:
   "layer-skip:M"   the target's first M layers, final norm and head (its own cache)
   "eagle:DIR"      an EAGLE head (`specjax train eagle`; "eagle:default": the default
                    target's), a chain of k
+  "eagle3:DIR"     an EAGLE-3-structured head (`specjax import-head --kind eagle3`, or
+                   trained; "eagle:DIR" also loads one)
   "medusa:DIR"     Medusa heads ("medusa:default"); k is the node budget of the best static
                    tree for their measured acceptance
   "random:SPEC"    a random draft model on the target's vocabulary
@@ -33,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-HEAD_DRAFTS = ("medusa", "eagle")  # draft heads trained on the target: KIND:DIR or KIND:default
+HEAD_DRAFTS = ("medusa", "eagle", "eagle3")  # draft heads on the target: KIND:DIR, KIND:default
 
 
 @dataclasses.dataclass
@@ -204,13 +206,20 @@ def head_drafter(spec: str, target, kind: str, where: str, *, k, deterministic: 
   else:
     from specjax.training.heads import load_head
     try:
-      head = load_head(where, target=(target.config, nnx.state(target, nnx.Param)), kind=kind)
+      # eagle:DIR takes either EAGLE structure (the head records which); eagle3:DIR only its own
+      head = load_head(where, target=(target.config, nnx.state(target, nnx.Param)),
+                       kind=None if kind == "eagle" else kind)
     except ValueError as e:
       raise ValueError(f"{flag} {spec}: {e}") from None
-  if kind == "eagle":  # a chain of k (or the adaptive menu, or the given tree)
+    if head.kind.name not in (kind, "eagle3"):
+      raise ValueError(f"{flag} {spec}: {where!r} holds a {head.kind.name!r} head, not an "
+                       f"EAGLE head")
+  if head.kind.name in ("eagle", "eagle3"):  # a chain of k (or the adaptive menu, or the tree)
     from specjax.drafters.eagle import EagleDrafter
     layers = head.kind.feature_layers(target.config)
-    return (EagleDrafter.of(serving, head.params, layers, deterministic=deterministic),
+    params = (head.kind.module(target.config, head.params) if head.kind.name == "eagle3"
+              else head.params)
+    return (EagleDrafter.of(serving, params, layers, deterministic=deterministic),
             _shape(k, tree))
   drafter = MedusaDrafter.of(serving, head.params)
   if tree is not None or k == "auto":

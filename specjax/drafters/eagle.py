@@ -58,7 +58,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from specjax.drafters import eagle3
 from specjax.drafters.base import LM, Context
+from specjax.drafters.eagle3 import Eagle3Head
 from specjax.drafters.levels import LevelDrafter, _plan
 from specjax.models import attention
 from specjax.models import cache as kv
@@ -291,16 +293,22 @@ class EagleDrafter(LevelDrafter):
   def of(cls, target, head: EagleHead | LM | None = None, layers=None, *,
          deterministic: bool = False, seed: int = 0, vocab=None) -> "EagleDrafter":
     """A drafter for `target` (a Transformer or LM). head: an `EagleHead`, an LM of one, or
-    trained params (`training.eagle.EagleHeads`); None: an untrained head. vocab: token ids the head
-    may draft (FR-Spec, e.g. `frequent_vocab`); None: the whole vocabulary."""
+    trained params (`training.eagle.EagleHeads`); None: an untrained head; or an
+    `eagle3.Eagle3Head` (the EAGLE-3 structure, which carries its own LM head and draft
+    vocabulary). vocab: token ids the head may draft (FR-Spec, e.g. `frequent_vocab`); None:
+    the whole vocabulary."""
     target = LM.of(target)
     layers = check_layers(target.config, default_layers(target.config.n_layers)
                           if layers is None else layers)
     if head is None:
       head = init_head(target.config, layers, seed)
-    elif not isinstance(head, (EagleHead, LM)):  # trained params (an nnx.State)
+    elif not isinstance(head, (EagleHead, Eagle3Head, LM)):  # trained params (nnx.State)
       head = head_from_params(target.config, head)
     head = LM.of(head)
+    if isinstance(head.module(), Eagle3Head):  # the EAGLE-3 structure: own LM head and vocab
+      vocab, lm = eagle3.drafter_parts(head.module(), target.config, layers, vocab)
+      return cls(head=head, target=target, layers=layers, deterministic=bool(deterministic),
+                 vocab=vocab, lm=lm)
     have = head.config.to_dict()
     try:
       want = head_config(target.config, head.config.d_model).to_dict()

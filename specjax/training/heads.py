@@ -75,6 +75,7 @@ from specjax.training.config import TrainConfig
 from specjax.training.losses import positions_for
 from specjax.training.checkpointed import CheckpointedRun, _log
 from specjax.training.eagle import EagleHeads
+from specjax.training.eagle3 import Eagle3Heads
 from specjax.training.medusa import MedusaHeads
 from specjax.training.trainer import (_with_learning_rate, f32_graphdef, learning_rate,
                                       make_optimizer, params_fingerprint, param_total)
@@ -86,7 +87,8 @@ HEAD_KIND = "specjax-head"  # metadata "kind" of a head checkpoint
 # The one name -> class table of the head kinds: it resolves a name that comes from outside
 # (a checkpoint's metadata, `kind_from_spec` for the default heads). Code that knows the kind
 # imports its class.
-KINDS: dict[str, type] = {kind.name: kind for kind in (MedusaHeads, EagleHeads)}
+KINDS: dict[str, type] = {kind.name: kind for kind in (MedusaHeads, EagleHeads,
+                                                         Eagle3Heads)}
 
 
 class HeadKind(Protocol):
