@@ -20,7 +20,7 @@ from specjax import acceptance, sampling, trees
 from specjax.drafters.base import LM, Context
 from specjax.loop import (LAZY_SLOTS, TRACE_COUNTS, LoopState, Stats, _emit, _finished,
                           _nonfinite, _not_finished, _propose, _spec_cycle, _start,
-                          _under_precision)
+                          _under_precision, is_eos)
 from specjax.models import cache as kv
 
 Array = jax.Array
@@ -162,7 +162,7 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
   tokens, cache, first, prompt_features = _start(target, prompt_BP, prompt_len_B, sampler,
                                                  first_key, cache_len, capture)
   length = prompt_len_B.astype(jnp.int32)
-  done = _finished(jnp.ones_like(length), budget_B, first == eos)
+  done = _finished(jnp.ones_like(length), budget_B, is_eos(first, eos))
   rows = jnp.arange(b)
   one = trees.chain(1)
   # the drafter's state is sized for every entry: their nodes, the deepest one's depth
@@ -208,7 +208,7 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
     write_at = jnp.minimum(s.length + 1, s.tokens.shape[1] - 1)
     tokens = s.tokens.at[rows, write_at].set(jnp.where(active, nxt, s.tokens[rows, write_at]))
     length = s.length + active.astype(jnp.int32)
-    done = s.done | _finished(length + 1 - prompt_len_B, budget_B, active & (nxt == eos))
+    done = s.done | _finished(length + 1 - prompt_len_B, budget_B, active & is_eos(nxt, eos))
     a = s.adapt
     p_x = jnp.take_along_axis(p_BV, nxt[:, None], axis=1)[:, 0]
     slot = jnp.minimum(a.behind, slots - 1)

@@ -7,8 +7,8 @@ Bookkeeping shared by the loops (per row b of a ragged batch):
 - `tokens[b]` holds the prompt then every emitted token; `length[b]` = L is the index of
   the pending token: tokens [0, L) are in the target's KV cache, token L (the last one
   emitted) is not yet. Prefill samples the first token, so L starts at the prompt length.
-- A row is done when it emitted `budget[b]` tokens or an EOS; done rows keep flowing
-  through the (static-shape) computation but commit nothing.
+- A row is done when it emitted `budget[b]` tokens or one of the EOS ids (`is_eos`); done
+  rows keep flowing through the (static-shape) computation but commit nothing.
 - Emitted so far = L + 1 - prompt_len.
 
 A speculative cycle verifies a token tree (a chain of k drafts is the tree `chain(k)`;
@@ -25,7 +25,7 @@ lengths; the drafter does the same with its own cache.
 The loops are pure, jittable and vmappable, and check nothing: the host API
 (`specjax.decoding`) validates inputs and resolves the tree before it calls them. They count
 (`Stats`); the analysis of the counts is the host's (`decoding.Generation.summary`).
-Runtime values (temperature, top-k, top-p, budgets, EOS id, seed, drafter weights) are
+Runtime values (temperature, top-k, top-p, budgets, EOS ids, seed, drafter weights) are
 arrays: changing them reuses the compiled loop. Static: model shapes, batch, prompt bucket,
 cache length, the tree shape (the adaptive loop: the policy's menu, see
 `specjax.adaptive_loop`). See docs/architecture.md for the jit boundary.
@@ -162,6 +162,14 @@ def _finished(emitted_B, budget_B, hit_eos_B):
   return (emitted_B >= budget_B) | hit_eos_B
 
 
+def is_eos(tokens, eos) -> Array:
+  """tokens (any shape) equal to one of the EOS ids: `eos` is an int32 scalar or an [E]
+  array padded with -1 (`batching.eos_ids`: a fixed E, so other ids of the same count or
+  fewer reuse the compiled loop); -1 matches no token."""
+  eos = jnp.reshape(eos, (1,) * jnp.ndim(tokens) + (-1,))
+  return jnp.any(tokens[..., None] == eos, axis=-1)
+
+
 def _write_rows(tokens_BS, start_B, values_BT, count_B):
   """tokens[b, start[b] + j] = values[b, j] for j < count[b]; other slots unchanged."""
   t = values_BT.shape[1]
@@ -198,7 +206,7 @@ def generate_loop(target: LM, prompt_BP, prompt_len_B, budget_B, eos, sampler, k
   tokens, cache, first, _ = _start(target, prompt_BP, prompt_len_B, sampler, first_key,
                                    cache_len)
   length = prompt_len_B.astype(jnp.int32)
-  done = _finished(jnp.ones_like(length), budget_B, first == eos)
+  done = _finished(jnp.ones_like(length), budget_B, is_eos(first, eos))
   rows = jnp.arange(length.shape[0])
 
   def body(s: LoopState) -> LoopState:
@@ -210,7 +218,7 @@ def generate_loop(target: LM, prompt_BP, prompt_len_B, budget_B, eos, sampler, k
     write_at = jnp.minimum(s.length + 1, s.tokens.shape[1] - 1)
     tokens = s.tokens.at[rows, write_at].set(jnp.where(active, nxt, s.tokens[rows, write_at]))
     length = s.length + active.astype(jnp.int32)
-    done = s.done | _finished(length + 1 - prompt_len_B, budget_B, active & (nxt == eos))
+    done = s.done | _finished(length + 1 - prompt_len_B, budget_B, active & is_eos(nxt, eos))
     return s.replace(tokens=tokens, length=length, done=done, key=key,
                      cache=kv.set_lengths(cache, length),
                      nonfinite=s.nonfinite + _nonfinite(active, logits))
@@ -228,9 +236,9 @@ def _emit(s: LoopState, emitted_BT, n_B, prompt_len_B, budget_B, eos, stop_B=Non
   m = jnp.minimum(n_B + 1, room)
   if stop_B is not None:  # dynamic draft stopping: the cut is fixed before verification
     m = jnp.minimum(m, stop_B + 1)
-  is_eos = (emitted_BT == eos) & (steps[None] < m[:, None])
-  hit_eos = jnp.any(is_eos, axis=1)
-  m = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, m)
+  at_eos = is_eos(emitted_BT, eos) & (steps[None] < m[:, None])
+  hit_eos = jnp.any(at_eos, axis=1)
+  m = jnp.where(hit_eos, jnp.argmax(at_eos, axis=1) + 1, m)
   m = jnp.where(active, m, 0).astype(jnp.int32)
   tokens = _write_rows(s.tokens, s.length + 1, emitted_BT, m)
   length = s.length + m
@@ -328,7 +336,7 @@ def speculative_loop(target: LM, drafter, prompt_BP, prompt_len_B, budget_B, eos
   tokens, cache, first, prompt_features = _start(target, prompt_BP, prompt_len_B, sampler,
                                                  first_key, cache_len, capture)
   length = prompt_len_B.astype(jnp.int32)
-  done = _finished(jnp.ones_like(length), budget_B, first == eos)
+  done = _finished(jnp.ones_like(length), budget_B, is_eos(first, eos))
 
   def body(s: LoopState) -> LoopState:
     key, draft_key, accept_key = jax.random.split(s.key, 3)

@@ -51,8 +51,8 @@ def run_loop(target, drafter, tree, sampler=GREEDY, seed=0):
                                  max_new_tokens=BUDGET, slots=slots, cache_len=CACHE_LEN,
                                  positions_limited=False)
   state = loop.speculative_jit(LM.of(target), drafter, batch.prompt_BP, batch.prompt_len_B,
-                               batch.budget_B, decoding._eos(None, cfg.vocab_size), sampler,
-                               decoding._key(seed), tree=tree, cache_len=CACHE_LEN)
+                               batch.budget_B, decoding.eos_ids(None, cfg.vocab_size), sampler,
+                               decoding.key_of(seed), tree=tree, cache_len=CACHE_LEN)
   return jax.block_until_ready(state), batch
 
 
