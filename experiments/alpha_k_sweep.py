@@ -1,5 +1,8 @@
 """α × k: the controlled-α drafter on a real target, measured against E[τ] and the formula.
 
+`target` (or its older name `models`), `draft` (also a preset name: a random draft of that
+size) and `prompts` by reference (experiments/references.py).
+
 One point = (α, k). The drafter (`specjax.drafters.oracle.OracleDrafter`) proposes from the
 target's own law mixed with a point mass so that every draft is accepted with probability
 exactly α; the target is the embedded trained tiny model (or a random one for smoke runs).
@@ -35,13 +38,14 @@ The oracle's own wall time is not a speedup (its drafts run the target) and is n
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import measure
-from specjax import calibration, decoding, loop, metrics, sampling, theory, trees
+from experiments import measure, references
+from specjax import calibration, decoding, loop, metrics, plan, sampling, theory, trees
 from specjax.drafters.base import LM
 from specjax.drafters.model import ModelDrafter
 from specjax.drafters.oracle import OracleDrafter, check_alpha
@@ -58,31 +62,35 @@ def validate(params: dict) -> None:
   if params.get("k", 1) > 32:
     raise ValueError(f"k must be <= 32, got {params['k']}")
   measure.check_number(params, "temperature", 1.0, 0)
-  measure.check_choice(params, "models", "default", measure.MODELS)
+  references.check_target(params)
+  references.check_prompts(params)
   measure.check_number(params, "c", None, 0, allow_none=True,
                        note=" (None: measure a real draft)")
   draft = params.get("draft", "default")
   from specjax.models.presets import PRESETS
-  if draft != "default" and draft not in PRESETS:
-    raise ValueError(f"draft must be 'default' (the embedded draft) or a preset name "
-                     f"{sorted(PRESETS)}, got {draft!r}")
+  if draft not in PRESETS or os.path.isdir(str(draft)):
+    references.check_draft(params, also=f", a preset name {sorted(PRESETS)}")
 
 
 def memory(params: dict) -> int:
   """KV bytes of one point: the target's cache twice (target + oracle) and a real draft's."""
   cache_len = decoding.cache_len_for(params.get("prompt_len", 64),
                                      params.get("max_new_tokens", 64), params.get("k", 4) + 1)
-  target, draft = measure.cache_bytes(params.get("models", "default"), params.get("batch", 1),
-                                      cache_len)
+  which = references.target_ref(params.get("target"), params.get("models"))
+  draft = params.get("draft", "default")
+  from specjax.models.presets import PRESETS
+  target, draft = measure.cache_bytes(which, params.get("batch", 1), cache_len,
+                                      "default" if draft in PRESETS else draft)
   return 2 * target + draft
 
 
-def _oracle_run(target: LM, prompt_BP, prompt_len_B, budget_B, sampler, alpha, key, *, k: int,
-                cache_len: int):
+def _oracle_run(target: LM, prompt_BP, prompt_len_B, budget_B, eos, sampler, alpha, key, *,
+                k: int, cache_len: int):
+  """One point's loop (vmapped over α and the key): the run `plan.prepare` checked, with the
+  oracle's α a runtime value."""
   drafter = OracleDrafter(lm=target, deterministic=False, alpha=alpha)
-  s = loop.speculative_loop(target, drafter, prompt_BP, prompt_len_B, budget_B,
-                            jnp.asarray(-1, jnp.int32), sampler, key, tree=trees.chain(k),
-                            cache_len=cache_len)
+  s = loop.speculative_loop(target, drafter, prompt_BP, prompt_len_B, budget_B, eos, sampler,
+                            key, tree=trees.chain(k), cache_len=cache_len)
   return s.length, s.stats
 
 
@@ -93,14 +101,16 @@ def _run_fn(k: int, cache_len: int):
 
 @functools.lru_cache(maxsize=32)
 def _costs(k: int, batch: int, max_new_tokens: int, prompt_len: int, temperature: float,
-           models: str, draft: str, repeats: int, seed: int) -> dict:
+           models: str, draft: str, repeats: int, seed: int, prompts: str = "code",
+           chat_template: bool = True) -> dict:
   """Costs of one (k, batch): the calibrated loop costs of a real draft's chain(k) (plain
   step and cycle, decode phase, `calibration.calibrate`), standalone forwards (t_1,
   t_verify(k + 1), the draft's passes) at the mean decoding context, and the real draft's
   α from one run of its loop (already compiled by the calibration)."""
   target, tok, texts = measure.target_model(models)
   draft_lm = measure.draft_model(draft, models)
-  prompt_ids = measure.prompts(tok, texts, batch, prompt_len)
+  prompt_ids = references.workload(models, tok, texts, prompts, batch, prompt_len,
+                                   chat_template=chat_template).ids
   tree = trees.chain(k)
   cache_len = calibration.default_cache_len(target, draft_lm, prompt_ids, [tree],
                                             max_new_tokens)
@@ -126,27 +136,31 @@ def _costs(k: int, batch: int, max_new_tokens: int, prompt_len: int, temperature
 def group(params_list: list[dict]) -> list[dict]:
   first = {**_DEFAULTS, **params_list[0]}
   k, batch = first["k"], first["batch"]
-  target, tok, texts = measure.target_model(first["models"])
+  which = references.target_ref(first["target"], first["models"])
+  target, tok, texts = measure.target_model(which)
   lm = LM.of(target)
-  prompts = measure.prompts(tok, texts, batch, first["prompt_len"])
-  slots = OracleDrafter(lm=lm, alpha=jnp.float32(1)).slots_needed(trees.chain(k))
-  cfg = target.config
-  prep = decoding.prepare_batch(prompts, vocab_size=cfg.vocab_size, max_len=cfg.max_len,
-                                max_new_tokens=first["max_new_tokens"], slots=slots,
-                                positions_limited=cfg.positions == "learned")
+  work = references.workload(which, tok, texts, first["prompts"], batch, first["prompt_len"],
+                             chat_template=first["chat_template"])
+  prompts = work.ids
+  # the host API's checks, once (a RoPE target may run past max_len, as before); the loop
+  # itself is vmapped over α, so it is called directly with the checked arguments
+  run = plan.prepare(lm, OracleDrafter(lm=lm, alpha=jnp.float32(1)), prompts, plan.of(k=k),
+                     max_new_tokens=first["max_new_tokens"],
+                     sampler=sampling.make_sampler(first["temperature"]),
+                     allow_beyond_max_len=target.config.positions != "learned")
+  prep = run.batch
   alphas = jnp.asarray([float(p["alpha"]) for p in params_list], jnp.float32)
   # each point's keys from its own complete parameters: the same numbers alone or in a group
   complete = [runner.with_defaults(point, p) for p in params_list]
   keys = parallel.point_keys([runner.point_seed(p, "loop") for p in complete])
-  sampler = sampling.make_sampler(first["temperature"])
   length, st = parallel.device_map(
       _run_fn(k, prep.cache_len), alphas, keys,
       shared=(lm, jnp.asarray(prep.prompt_BP), jnp.asarray(prep.prompt_len_B),
-              jnp.asarray(prep.budget_B), sampler))
+              jnp.asarray(prep.budget_B), run.eos, run.sampler))
   length, st = jax.device_get((length, st))
   costs = _costs(k, batch, first["max_new_tokens"], first["prompt_len"],
-                 float(first["temperature"]), first["models"], first["draft"],
-                 first["repeats"], first["seed"])
+                 float(first["temperature"]), which, first["draft"],
+                 first["repeats"], first["seed"], first["prompts"], first["chat_template"])
   out = []
   for i, params in enumerate(params_list):
     out.append(_metrics(float(params["alpha"]), k, length[i], prep.prompt_len_B,
@@ -154,6 +168,7 @@ def group(params_list: list[dict]) -> list[dict]:
                                                                      "accepted", "cycle_log")},
                         costs, first["c"], first["mc_cycles"],
                         runner.point_seed(complete[i], "monte_carlo")))
+    out[-1].update(work.row_fields())
   return out
 
 
@@ -204,16 +219,19 @@ def _metrics(alpha, k, length_B, prompt_len_B, st, costs, c, mc_cycles, seed) ->
 
 
 _DEFAULTS = dict(batch=1, max_new_tokens=96, prompt_len=32, temperature=1.0, c=None,
-                 draft="default", models="default", repeats=3, mc_cycles=20_000, seed=0)
+                 draft="default", models=None, repeats=3, mc_cycles=20_000, seed=0,
+                 target=None, prompts="code", chat_template=True)
 
 
 def point(alpha: float, k: int, batch: int = 1, max_new_tokens: int = 96, prompt_len: int = 32,
           temperature: float = 1.0, c: float | None = None, draft: str = "default",
-          models: str = "default", repeats: int = 3, mc_cycles: int = 20_000,
-          seed: int = 0) -> dict:
+          models: str | None = None, repeats: int = 3, mc_cycles: int = 20_000,
+          seed: int = 0, target: str | None = None, prompts: str = "code",
+          chat_template: bool = True) -> dict:
   return group([dict(alpha=alpha, k=k, batch=batch, max_new_tokens=max_new_tokens,
                      prompt_len=prompt_len, temperature=temperature, c=c, draft=draft,
-                     models=models, repeats=repeats, mc_cycles=mc_cycles, seed=seed)])[0]
+                     models=models, repeats=repeats, mc_cycles=mc_cycles, seed=seed,
+                     target=target, prompts=prompts, chat_template=chat_template)])[0]
 
 
 # ----------------------------------------------------------------------------- report

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import optimize, stats
 
-from specjax import decoding, loop, planted_bugs, sampling
+from specjax import decoding, loop, plan, planted_bugs, sampling
 from specjax.drafters.base import LM, Drafter
 from specjax.models import cache as kv
 from specjax.models.transformer import Transformer
@@ -344,34 +344,34 @@ def _planted_tokens(target, drafter, prompt_BP, prompt_len_B, budget_B, eos, sam
 class _Plan:
   target: LM
   drafter: Drafter
-  tree: Any
+  spec: plan.SpeculationPlan  # a fixed shape (`plan.of`)
   sampler: Any
   tokens: int
   slots: int
   max_len: int
 
-
-def _batch(plan: _Plan, prompts) -> decoding.Batch:
-  return decoding.prepare_batch(prompts, vocab_size=plan.target.config.vocab_size,
-                                max_len=plan.max_len, max_new_tokens=plan.tokens,
-                                slots=plan.slots)
+  @property
+  def tree(self):
+    return self.spec.tree
 
 
-def _emitted(plan: _Plan, prompts, key, bug: str | None) -> tuple[list[list[int]], dict | None]:
+def _prepared(p: _Plan, prompts, key=0) -> plan.Prepared:
+  """The host API's checks of a run of these prompts, once (`plan.prepare`)."""
+  return plan.prepare(p.target, p.drafter, prompts, p.spec, max_new_tokens=p.tokens,
+                      sampler=p.sampler, seed=key)
+
+
+def _emitted(p: _Plan, prompts, key, bug: str | None) -> tuple[list[list[int]], dict | None]:
   """The tokens each prompt's row emits (exact path: the host API; else a planted loop)."""
-  batch = _batch(plan, prompts)
   if bug is None:
-    run = decoding.speculative_generate(plan.target, plan.drafter, prompts, tree=plan.tree,
-                                        max_new_tokens=plan.tokens, sampler=plan.sampler,
-                                        seed=key, cache_len=batch.cache_len)
+    run = decoding.speculative_generate(p.target, p.drafter, prompts, plan=p.spec,
+                                        max_new_tokens=p.tokens, sampler=p.sampler, seed=key)
     return run.tokens, run.stats
   which = jnp.asarray(list(planted_bugs.PLANTED_BUGS).index(bug), jnp.int32)
-  tokens = np.asarray(_planted_tokens(
-      plan.target, plan.drafter, batch.prompt_BP, batch.prompt_len_B, batch.budget_B,
-      jnp.asarray(-1, jnp.int32), plan.sampler, key, which, tree=plan.tree,
-      cache_len=batch.cache_len))
-  return [tokens[b, p:p + plan.tokens].tolist()
-          for b, p in enumerate(batch.prompt_len_B.tolist())], None
+  run = _prepared(p, prompts, key)
+  tokens = np.asarray(_planted_tokens(*run.loop_args(), which, **run.loop_kwargs()))
+  return [tokens[b, n:n + p.tokens].tolist()
+          for b, n in enumerate(run.batch.prompt_len_B.tolist())], None
 
 
 def _chunks(plan: _Plan, samples: int, cache_len: int) -> tuple[int, int]:
@@ -388,7 +388,7 @@ def _chunks(plan: _Plan, samples: int, cache_len: int) -> tuple[int, int]:
 def _sample(plan: _Plan, prompt, samples: int, key, bug: str | None):
   """First `tokens` emitted tokens of `samples` independent rows [N, m], and (exact path)
   the accepted / drafted counts."""
-  chunks, rows = _chunks(plan, samples, _batch(plan, [prompt]).cache_len)
+  chunks, rows = _chunks(plan, samples, _prepared(plan, [prompt]).batch.cache_len)
   out, accepted, drafted = [], 0, 0
   for i in range(chunks):
     toks, st = _emitted(plan, [prompt] * rows, jax.random.fold_in(key, i), bug)
@@ -430,7 +430,10 @@ def check(target, drafter, *, k: int | None = None, tree: TreeSpec | DynamicTree
   temperature, top_k, top_p = _sampler_values(sampler)
   greedy = temperature == 0.0
   seed = _int("seed", seed, 0)
-  tree = decoding.resolve_tree(k, tree)
+  spec = plan.of(k=k, tree=tree)  # a fixed shape: exactly one of k and tree
+  if spec.adaptive:
+    raise ValueError(f"k must be an int >= 1 (the check runs one fixed shape), got {k!r}")
+  tree = spec.tree
   prompt = _prompt(prompt, cfg.vocab_size, seed)
   max_len = min([cfg.max_len] + ([drafter.config.max_len] if drafter.config else []))
   slots = max(tree.n_nodes, drafter.slots_needed(tree))
@@ -460,17 +463,18 @@ def check(target, drafter, *, k: int | None = None, tree: TreeSpec | DynamicTree
     raise ValueError(f"the law of the first {tokens} tokens may have {s}^{tokens} = "
                      f"{s ** tokens} outcomes, more than max_cells={max_cells}: restrict the "
                      f"target with top_k (top_k=8 gives {8 ** tokens}) or lower tokens")
-  plan = _Plan(target=lm, drafter=drafter, tree=tree, sampler=sampler, tokens=tokens,
-               slots=slots, max_len=max_len)
+  setup = _Plan(target=lm, drafter=drafter, spec=spec, sampler=sampler, tokens=tokens,
+                slots=slots, max_len=max_len)
   prompts = [prompt]
-  _batch(plan, prompts)  # context and prompt checks
+  first = _prepared(setup, prompts)  # the host API's checks (context, prompt, drafter)
   if greedy:  # a ragged batch: the prompt and random ones no longer than what fits
     rng = np.random.default_rng(seed + 1)
-    longest = max(1, min(16, max_len - tokens - plan.slots))
+    longest = max(1, min(16, max_len - tokens - setup.slots))
     prompts += [rng.integers(0, cfg.vocab_size, n).tolist()
                 for n in rng.integers(1, longest + 1, GREEDY_PROMPTS - 1)]
-  drafter.validate(tree, len(prompts) if greedy else _chunks(
-      plan, samples, _batch(plan, prompts).cache_len)[1])
+  # again at the batch the runs use (the drafter at that batch, memory)
+  _prepared(setup, prompts if greedy else [prompt] * _chunks(
+      setup, samples, first.batch.cache_len)[1])
   settings = dict(drafter=type(drafter).__name__, tree=list(tree.parents) if isinstance(
       tree, TreeSpec) else str(tree), temperature=temperature, top_k=top_k, top_p=top_p,
                   tokens=tokens, samples=len(prompts) if greedy else samples,
@@ -478,9 +482,9 @@ def check(target, drafter, *, k: int | None = None, tree: TreeSpec | DynamicTree
                   controls=controls)
   keys = jax.random.split(jax.random.key(seed), 1 + len(controls))
   if greedy:
-    report = _check_greedy(plan, prompts, keys, controls, settings)
+    report = _check_greedy(setup, prompts, keys, controls, settings)
   else:
-    report = _check_chi2(plan, prompt, samples, keys, controls, settings, max_cells)
+    report = _check_chi2(setup, prompt, samples, keys, controls, settings, max_cells)
   report.seconds = time.perf_counter() - start
   return report
 
