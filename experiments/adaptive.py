@@ -1,6 +1,10 @@
 """Adaptive speculation: the engine choosing its shape every cycle vs every fixed shape of its
 menu vs plain decoding, across batch sizes, temperatures and prompt categories.
 
+`target` (or its older name `models`), `draft` and `prompts` by reference
+(experiments/references.py). `category` picks the embedded set; with a prompt file the
+file's categories go into the rows.
+
 One point = (batch, temperature, category, policy). `policy` is "adaptive" (the engine's
 `adaptive.AdaptivePolicy` over `menu`, `speculative_generate(policy=...)`), a fixed shape
 "k=K" (a chain of K drafts, `speculative_generate(k=K)`) or "plain". The point decodes the
@@ -64,7 +68,7 @@ from typing import Sequence
 
 import numpy as np
 
-from experiments import measure
+from experiments import measure, references
 from specjax import adaptive, calibration, decoding, sampling, trees
 from specjax.drafters.base import LM
 
@@ -88,12 +92,21 @@ def validate(params: dict) -> None:
   measure.check_int(params, "prompt_len", 64, 8, 1 << 16)
   measure.check_int(params, "repeats", 3, 1, 1000)
   measure.check_int(params, "seed", 0, 0, 2**31 - 1)
-  measure.check_choice(params, "models", "default", measure.MODELS)
+  references.check_target(params)
+  references.check_draft(params)
+  prompt_set, count = references.check_prompts(params)
+  if count > MAX_BATCH:
+    raise ValueError(f"prompt_count must be an int in [1, {MAX_BATCH}], got {count!r}")
+  if prompt_set not in references.EMBEDDED and params.get("category", "code") != "code":
+    raise ValueError(f"category {params['category']!r} picks an embedded prompt set; with "
+                     f"prompts={prompt_set!r} the file's own categories go into the rows: "
+                     f"drop the category axis (--set category=code)")
   measure.check_choice(params, "costs", "calibrated", COSTS)
   measure.check_choice(params, "cycles", "fit", adaptive.CYCLES)
   measure.check_number(params, "prior_weight", adaptive.DEFAULT_PRIOR_WEIGHT, 0, lo_open=True)
   measure.check_int(params, "calibration_repeats", 3, 1, 1000)
-  measure.check_int(params, "prompts", 8, 1, MAX_BATCH)
+  if isinstance(params.get("prompts"), int):
+    measure.check_int(params, "prompts", 8, 1, MAX_BATCH)
   measure.check_choice(params, "target_dtype", "float32", ("float32", "bfloat16"))
   if not isinstance(params.get("side_by_side", True), bool):
     raise ValueError(f"side_by_side must be True or False, got {params['side_by_side']!r}")
@@ -110,14 +123,17 @@ def memory(params: dict) -> int:
   slots = 1 + max([1] + [e.n_nodes for e in menu if e is not None] + [FIT_TREE.n_nodes])
   n = decoding.cache_len_for(params.get("prompt_len", 64), params.get("max_new_tokens", 64),
                              slots)
-  return 4 * sum(measure.cache_bytes(params.get("models", "default"), params.get("batch", 1),
-                                     n))
+  return 4 * sum(measure.cache_bytes(references.target_ref(params.get("target"),
+                                                          params.get("models")),
+                                     params.get("batch", 1), n, params.get("draft", "default")))
 
 
 @functools.lru_cache(maxsize=4)
 def _texts(models: str, category: str):
-  """Held-out prompt texts of a category (None: the random models' fallback text)."""
+  """Held-out prompt texts of a category (None: the random test target's fallback text)."""
   texts = measure.target_model(models)[2]
+  if models not in references.LEGACY:
+    return tuple(references.embedded_texts(models, category, texts))
   if texts is None or category == "code":
     return tuple(texts) if texts else None
   from specjax.data.corpus import load_corpus
@@ -134,10 +150,11 @@ def _alpha(gen) -> float:
 def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
           policy: str = "adaptive", menu: Sequence = adaptive.DEFAULT_CHAINS,
           max_new_tokens: int = 64, prompt_len: int = 64, repeats: int = 3, seed: int = 0,
-          models: str = "default", costs: str = "calibrated", calibration_repeats: int = 3,
-          threshold: float = 0.0, prompts: int = 8, target_dtype: str = "float32",
+          models: str | None = None, costs: str = "calibrated", calibration_repeats: int = 3,
+          threshold: float = 0.0, prompts="code", target_dtype: str = "float32",
           side_by_side: bool = True, cycles: str = "fit",
-          prior_weight: float = adaptive.DEFAULT_PRIOR_WEIGHT) -> dict:
+          prior_weight: float = adaptive.DEFAULT_PRIOR_WEIGHT, target: str | None = None,
+          draft: str = "default", prompt_count: int = 8, chat_template: bool = True) -> dict:
   """Plain vs the policy's tokens/s of the decode phase, α, and the calibrated prediction
   (module doc)."""
   params = dict(batch=batch, temperature=temperature, category=category, policy=policy,
@@ -145,10 +162,17 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
                 repeats=repeats, seed=seed, models=models, costs=costs,
                 calibration_repeats=calibration_repeats, threshold=threshold,
                 prompts=prompts, target_dtype=target_dtype, side_by_side=side_by_side,
-                cycles=cycles, prior_weight=prior_weight)
+                cycles=cycles, prior_weight=prior_weight, target=target, draft=draft,
+                prompt_count=prompt_count, chat_template=chat_template)
   validate(params)
-  target, draft, tok, _ = measure.models(models, target_dtype)
-  all_ids = measure.workload(tok, _texts(models, category), batch, prompts, prompt_len)
+  models = references.target_ref(target, models)
+  target, draft, tok, _ = measure.models(models, target_dtype, draft)
+  if references.prompt_spec(prompts)[0] in references.EMBEDDED:  # the category's set
+    prompts = references.prompt_spec(prompts)[1] or prompt_count
+  work = references.batched_workload(models, tok, _texts(models, category), prompts,
+                                     prompt_count, batch, prompt_len,
+                                     chat_template=chat_template)
+  all_ids = work.ids
   entries = _menu(menu)
   shapes = [e for e in entries if e is not None] or [trees.chain(1)]
   cache_len = calibration.default_cache_len(target, draft, all_ids, shapes + [FIT_TREE],
@@ -206,6 +230,7 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
   plain_run = timed["plain"].result
   plain_tok_s = rate("plain")
   out = {"plain_tok_s": plain_tok_s, "cache_len": cache_len, "prompts": len(all_ids),
+         **work.row_fields(),
          "t_step_ms": None if loop_costs is None else 1e3 * loop_costs.t_step}
   if policy == "plain":
     return {**out, "policy_tok_s": plain_tok_s, "speedup": 1.0, "predicted_speedup": 1.0,

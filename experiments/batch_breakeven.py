@@ -1,6 +1,9 @@
 """Batch break-even: measured speedup vs batch size beside the loop's calibrated prediction
 and the roofline's.
 
+`target` (or its older name `models`), `draft` and `prompts` by reference
+(experiments/references.py).
+
 One point = (batch, k). The same prompts are decoded with plain `generate` and with chain
 speculative decoding of k drafts, alternated within every repeat (`measure.compare`,
 decode phase only: each call is also timed with max_new_tokens = 1 and the prefill
@@ -58,7 +61,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from experiments import measure
+from experiments import measure, references
 from specjax import calibration, roofline, theory, timing
 
 MAX_BATCH = 4096
@@ -82,7 +85,9 @@ def validate(params: dict) -> None:
   measure.check_int(params, "repeats", 3, 1, MAX_REPEATS)
   measure.check_int(params, "seed", 0, 0, 2**31 - 1)
   measure.check_number(params, "temperature", 0.0, 0)
-  measure.check_choice(params, "models", "default", measure.MODELS)
+  references.check_target(params)
+  references.check_draft(params)
+  references.check_prompts(params)
   measure.check_choice(params, "draft_cost", "full", roofline.DRAFT_COSTS)
   measure.check_int(params, "calibration_repeats", 3, 1, MAX_REPEATS)
   measure.check_choice(params, "statistic", "median", timing.STATISTICS)
@@ -109,8 +114,9 @@ def memory(params: dict) -> int:
   k_max = max(calibration_ks(params.get("k", 4), params.get("calibration_k", ())))
   n = decoding.cache_len_for(params.get("prompt_len", 64), params.get("max_new_tokens", 64),
                              k_max + 1)
-  return 4 * sum(measure.cache_bytes(params.get("models", "default"), params.get("batch", 1),
-                                     n))
+  return 4 * sum(measure.cache_bytes(references.target_ref(params.get("target"),
+                                                          params.get("models")),
+                                     params.get("batch", 1), n, params.get("draft", "default")))
 
 
 # ----------------------------------------------------------------------------- one point
@@ -137,10 +143,11 @@ def calibrated_speedup(costs: calibration.LoopCosts, alpha: float, k: int, batch
 
 
 def point(batch: int = 1, k: int = 4, max_new_tokens: int = 64, prompt_len: int = 64,
-          temperature: float = 0.0, repeats: int = 3, models: str = "default",
+          temperature: float = 0.0, repeats: int = 3, models: str | None = None,
           draft_cost: str = "full", seed: int = 0, calibration_k: tuple = (),
           calibration_repeats: int = 3, statistic: str = "median",
-          recalibrate: bool = False) -> dict:
+          recalibrate: bool = False, target: str | None = None, draft: str = "default",
+          prompts: str = "code", chat_template: bool = True) -> dict:
   """Plain vs speculative (chain of k) tokens/s of the decode phase at one batch size, α, τ,
   and the calibrated, standalone and roofline predictions of the speedup (module doc)."""
   from specjax import trees
@@ -149,10 +156,14 @@ def point(batch: int = 1, k: int = 4, max_new_tokens: int = 64, prompt_len: int 
                 temperature=temperature, repeats=repeats, models=models,
                 draft_cost=draft_cost, seed=seed, calibration_k=calibration_k,
                 calibration_repeats=calibration_repeats, statistic=statistic,
-                recalibrate=recalibrate))
-  target, draft, tok, texts = measure.models(models)
+                recalibrate=recalibrate, target=target, draft=draft, prompts=prompts,
+                chat_template=chat_template))
+  models = references.target_ref(target, models)
+  target, draft, tok, texts = measure.models(models, "float32", draft)
   tree = trees.chain(k)
-  prompt_ids = measure.prompts(tok, texts, batch, prompt_len)
+  work = references.workload(models, tok, texts, prompts, batch, prompt_len,
+                             chat_template=chat_template)
+  prompt_ids = work.ids
   shapes = [trees.chain(j) for j in calibration_ks(k, calibration_k)]
   # One cache length for the calibration and the measured runs: what is calibrated is what
   # is measured (and the compiled loops are shared).
@@ -200,7 +211,7 @@ def point(batch: int = 1, k: int = 4, max_new_tokens: int = 64, prompt_len: int 
                       "cached": bool(costs.meta.get("cached")), "key": costs.meta.get("key")},
       "identical_to_plain": cmp.identical if temperature == 0 else None,
       "context_len": cmp.context, "cache_len": cmp.cache_len,
-      "hardware": hw.to_dict(), "workload": wl.to_dict(),
+      "hardware": hw.to_dict(), "workload": wl.to_dict(), **work.row_fields(),
   }
 
 

@@ -1,5 +1,10 @@
 """Every drafter side by side: which one pays on this target, by how much, and on what text?
 
+`target` (or its older name `models`), `draft` (the "model" drafter's) and `prompts` by
+reference (experiments/references.py). `category` picks the embedded set; with a prompt
+file the file's categories go into the rows. The heads this study trains (eagle, medusa)
+exist for the embedded target only.
+
 One point = (variant, category, temperature): variant "DRAFTER:SHAPE" names the drafter and
 the shape it drafts (`VARIANTS`), all on the same target (the embedded default,
 `specjax.training.defaults.load_default_pair()`), the same prompts and the same budgets:
@@ -63,7 +68,7 @@ import functools
 
 import numpy as np
 
-from experiments import measure
+from experiments import measure, references
 from specjax import calibration, theory, trees
 
 DRAFTERS = ("lookup", "layer_skip", "medusa", "eagle", "model", "oracle")
@@ -112,8 +117,17 @@ def validate(params: dict) -> None:
     measure.check_int(params, name, {"max_ngram": 3, "min_ngram": 1, "head_steps": 8}.get(
         name, lo), lo)
   measure.check_int(params, "seed", 0, 0)
-  measure.check_int(params, "prompts", 8, 1)
-  models = measure.check_choice(params, "models", "default", measure.MODELS)
+  models = references.check_target(params)
+  references.check_draft(params)
+  prompt_set, _ = references.check_prompts(params)
+  if prompt_set not in references.EMBEDDED and params.get("category", "code") != "code":
+    raise ValueError(f"category {params['category']!r} picks an embedded prompt set; with "
+                     f"prompts={prompt_set!r} the file's own categories go into the rows: "
+                     f"drop the category axis (--set category=code)")
+  if drafter in HEAD_KINDS:
+    references.check_embedded_only(params, f"the {drafter} head this study trains",
+                                   ref=models, instead="compare a trained head with "
+                                   f"`specjax bench --draft {drafter}:DIR`")
   measure.check_number(params, "temperature", 0.0, 0)
   measure.check_number(params, "oracle_alpha", 0.8, 0, 1)
   measure.check_choice(params, "recalibrate", False, (False, True))
@@ -124,7 +138,7 @@ def validate(params: dict) -> None:
   from specjax.drafters.layer_skip import check_layers
   from specjax.drafters.lookup import check_ngram
   check_ngram(params.get("max_ngram", 3), params.get("min_ngram", 1))
-  n_layers = measure.model_configs(models)[0].n_layers
+  n_layers = measure.model_configs(models, params.get("draft", "default"))[0].n_layers
   skip = params.get("skip_layers")
   if skip is not None:
     check_layers(skip, n_layers)
@@ -179,9 +193,12 @@ def _dynamic(widths, confidence: float = 1.0) -> trees.DynamicTree:
 
 @functools.lru_cache(maxsize=4)
 def category_texts(models: str, category: str):
-  """Prompt texts of a category: held-out documents (default models) or a fixed snippet."""
-  if models != "default":
+  """Prompt texts of a category: held-out documents, or for the random test target a fixed
+  snippet."""
+  if models == references.RANDOM:
     return None if category == "code" else [PROSE_FALLBACK]
+  if models != "default":
+    return references.embedded_texts(models, category, measure.target_model(models)[2])
   if category == "code":
     return measure.target_model(models)[2]
   from specjax.data.corpus import load_corpus
@@ -191,7 +208,7 @@ def category_texts(models: str, category: str):
 def drafter_and_tree(drafter: str, shape: str, temperature: float, *, models: str, k: int,
                      tree_widths, skip_layers, max_ngram: int, min_ngram: int,
                      oracle_alpha: float, head_steps: int, target_dtype: str = "float32",
-                     dynamic_confidence: float | None = None):
+                     dynamic_confidence: float | None = None, draft: str = "default"):
   """(Drafter, tree) of one variant (module doc: candidates and budgets). Drafters that run
   on the target (layer-skip, oracle, EAGLE's and Medusa's shared embedding and LM head) use
   it served in `target_dtype`; the heads were trained (and bound) on its float32 weights."""
@@ -214,7 +231,8 @@ def drafter_and_tree(drafter: str, shape: str, temperature: float, *, models: st
     m = default_skip(target.config.n_layers) if skip_layers is None else skip_layers
     return LayerSkipDrafter.of(target, m, deterministic=topk), tree
   if drafter == "model":
-    return ModelDrafter.of(measure.models(models, target_dtype)[1], deterministic=topk), tree
+    return (ModelDrafter.of(measure.models(models, target_dtype, draft)[1],
+                            deterministic=topk), tree)
   if drafter == "oracle":
     return OracleDrafter.of(target, oracle_alpha), tree
   if drafter == "eagle":
@@ -235,14 +253,16 @@ def memory(params: dict) -> int:
   from specjax import decoding
   from specjax.models import cache as kv
   drafter, _ = parse_variant(params.get("variant"))
-  models, batch = params.get("models", "default"), params.get("batch", 1)
+  models = references.target_ref(params.get("target"), params.get("models"))
+  batch = params.get("batch", 1)
   widths = params.get("tree_widths", (2, 1, 1, 1))
   slots = max(params.get("k", 4), _static(widths).size) + 1
   n = decoding.cache_len_for(params.get("prompt_len", 64), params.get("max_new_tokens", 64),
                              slots + 1)
-  target_cfg, draft_cfg = measure.model_configs(models)
+  target_cfg, draft_cfg = measure.model_configs(models, params.get("draft", "default"))
   own = {"lookup": None, "medusa": None, "model": draft_cfg, "oracle": target_cfg,
-         "eagle": measure.eagle_config(models), "layer_skip": None}[drafter]
+         "eagle": measure.eagle_config(models) if drafter == "eagle" else None,
+         "layer_skip": None}[drafter]
   target_bytes = kv.cache_bytes(target_cfg, batch, n)
   return 2 * target_bytes + (0 if own is None else kv.cache_bytes(own, batch, n))
 
@@ -268,16 +288,23 @@ def point(variant: str, category: str = "code", temperature: float = 0.0, batch:
           k: int = 4, tree_widths: tuple = (2, 1, 1, 1), skip_layers: int | None = None,
           max_ngram: int = 3, min_ngram: int = 1, oracle_alpha: float = 0.8,
           head_steps: int = 8, max_new_tokens: int = 64, prompt_len: int = 64,
-          repeats: int = 5, models: str = "default", seed: int = 0,
+          repeats: int = 5, models: str | None = None, seed: int = 0,
           calibration_k: tuple = (1,), calibration_repeats: int = 3,
-          recalibrate: bool = False, statistic: str = "median", prompts: int = 8,
-          target_dtype: str = "float32", dynamic_confidence: float | None = None) -> dict:
+          recalibrate: bool = False, statistic: str = "median", prompts="code",
+          target_dtype: str = "float32", dynamic_confidence: float | None = None,
+          target: str | None = None, draft: str = "default", prompt_count: int = 8,
+          chat_template: bool = True) -> dict:
   drafter_name, shape = parse_variant(variant)
+  models = references.target_ref(target, models)
   target, tok, _ = measure.target_model(models, target_dtype)
-  all_ids = measure.workload(tok, category_texts(models, category), batch, prompts,
-                             prompt_len)
+  if references.prompt_spec(prompts)[0] in references.EMBEDDED:  # the category's set
+    prompts = references.prompt_spec(prompts)[1] or prompt_count
+  work = references.batched_workload(models, tok, category_texts(models, category), prompts,
+                                     prompt_count, batch, prompt_len,
+                                     chat_template=chat_template)
+  all_ids = work.ids
   build = functools.partial(drafter_and_tree, drafter_name, temperature=temperature,
-                            models=models, k=k, tree_widths=tree_widths,
+                            models=models, k=k, tree_widths=tree_widths, draft=draft,
                             skip_layers=skip_layers, max_ngram=max_ngram, min_ngram=min_ngram,
                             oracle_alpha=oracle_alpha, head_steps=head_steps,
                             target_dtype=target_dtype, dynamic_confidence=dynamic_confidence)
@@ -315,7 +342,7 @@ def point(variant: str, category: str = "code", temperature: float = 0.0, batch:
   return {
       "verdict": line, "label": label, "drafter": drafter_name, "shape": shape,
       "temperature": float(temperature), "batch": batch, "category": category,
-      "prompts": len(all_ids), **row,
+      "prompts": len(all_ids), **row, **work.row_fields(),
       "tau_iid": (float(theory.expected_tokens(row["alpha_trial"], tree.size))
                   if shape == "chain" else None),
       "oracle_alpha": oracle_alpha if drafter_name == "oracle" else None,

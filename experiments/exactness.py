@@ -11,9 +11,11 @@ One point = a `case` and its sampler (temperature, top-p; top-k for the loop cas
   power of the same test against the planted bug "residual = p" (noncentral χ²). The points
   of one (vocab, kind, samples) group run as one vectorised program spread over all local
   devices (`specjax.sweeps.parallel`).
-- case "DRAFTER/SHAPE": the exactness tool (`specjax.exactness.check`) on `models` ("tiny":
-  a random target on `vocab` tokens and a noisy copy as draft; or the embedded "default"
-  trained pair, much slower per row) restricted by top-k: the real compiled loop
+- case "DRAFTER/SHAPE": the exactness tool (`specjax.exactness.check`) on `target` (or its
+  older name `models`; "tiny": a random target on `vocab` tokens and a noisy copy as draft;
+  or any target reference of experiments/references.py, e.g. the embedded "default"
+  trained pair or a Hugging Face directory, much slower per row, with its `draft`)
+  restricted by top-k: the real compiled loop
   on `samples` rows, the χ² test of the first `tokens` emitted tokens against the target's
   enumerated law, its power against any deviation of total variation >= `deviation`, and
   planted-bug controls; at temperature 0 greedy identity with plain decoding. DRAFTER: the
@@ -32,14 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import stats
 
-from experiments import measure
+from experiments import measure, references
 from specjax import acceptance, exactness, sampling, trees
 from specjax.sweeps import parallel, runner
 
 KINDS = ("stochastic", "deterministic")
 CASES = ("rule", "model/chain", "model-det/chain", "oracle/chain", "model/tree",
          "model-det/tree", "oracle/tree", "model/dynamic")
-MODELS = ("tiny", "default")
+TINY = "tiny"  # the study's own random pair on `vocab` tokens (`_models`)
 
 
 def validate(params: dict) -> None:
@@ -51,7 +53,10 @@ def validate(params: dict) -> None:
   measure.check_number(params, "top_p", 1.0, 0, 1, lo_open=True)
   measure.check_number(params, "false_alarm", 1e-3, 0, 1, lo_open=True, hi_open=True)
   if case != "rule":
-    measure.check_choice(params, "models", "tiny", MODELS)
+    which = references.target_ref(params.get("target"), params.get("models", TINY))
+    if which != TINY:
+      references.target_config(which)
+    references.check_draft(params)
     top_k = measure.check_int(params, "top_k", 4, 0)
     tokens = measure.check_int(params, "tokens", 3, 2, 8)
     measure.check_number(params, "deviation", 0.05, 0, 1, lo_open=True)
@@ -155,14 +160,15 @@ def group(params_list: list[dict]) -> list[dict]:
 
 
 @functools.lru_cache(maxsize=4)
-def _models(which: str, vocab: int):
-  """(target, draft): the embedded trained pair ("default"), or ("tiny") a random 2-layer
+def _models(which: str, vocab: int, draft: str = "default"):
+  """(target, draft): any target reference with its draft (`measure.models`: "default" is
+  the embedded trained pair; `draft` a draft model reference), or ("tiny") a random 2-layer
   Llama-style target on `vocab` tokens, its blocks' outputs scaled up so that the context
   matters, and as draft a copy with Gaussian noise on every weight (a related but imperfect
   draft: 0 < α < 1, so planted bugs show)."""
-  if which == "default":
-    target, draft, _, _ = measure.models("default")
-    return target, draft
+  if which != TINY:
+    target, draft_model, _, _ = measure.models(which, "float32", draft)
+    return target, draft_model
   from flax import nnx
 
   from specjax.models.transformer import ModelConfig, Transformer
@@ -197,7 +203,8 @@ def _shape(name: str) -> dict:
 def _loop_point(params: dict) -> dict:
   """One drafter and shape through `exactness.check` (module doc)."""
   drafter_name, shape = params["case"].split("/")
-  target, draft = _models(params["models"], params["vocab"])
+  target, draft = _models(references.target_ref(params["target"], params["models"]),
+                          params["vocab"], params["draft"])
   t = params["temperature"]
   sampler = sampling.make_sampler(t, params["top_k"], params["top_p"])
   controls = ["always_accept"] if drafter_name == "oracle" or t == 0 else None
@@ -223,11 +230,12 @@ def _loop_point(params: dict) -> dict:
 
 def point(vocab: int = 8, temperature: float = 1.0, top_p: float = 1.0,
           kind: str = "stochastic", samples: int = 100_000, false_alarm: float = 1e-3,
-          seed: int = 0, case: str = "rule", models: str = "tiny", top_k: int = 4,
-          tokens: int = 3, deviation: float = 0.05, alpha: float = 0.5) -> dict:
+          seed: int = 0, case: str = "rule", models: str = TINY, top_k: int = 4,
+          tokens: int = 3, deviation: float = 0.05, alpha: float = 0.5,
+          target: str | None = None, draft: str = "default") -> dict:
   params = dict(vocab=vocab, temperature=temperature, top_p=top_p, kind=kind, samples=samples,
                 false_alarm=false_alarm, seed=seed, case=case, models=models, top_k=top_k,
-                tokens=tokens, deviation=deviation, alpha=alpha)
+                tokens=tokens, deviation=deviation, alpha=alpha, target=target, draft=draft)
   if case != "rule":
     return _loop_point(params)
   return group([params])[0]

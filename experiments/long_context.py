@@ -1,5 +1,9 @@
 """Speedup vs context length at a fixed batch: the memory-bound regime returns with the cache.
 
+`target` (or its older name `models`), `draft` and `prompts` by reference
+(experiments/references.py); a prompt file's texts are joined and cut into windows of
+context_len ids (plain text, no chat template: the rows carry no question ids).
+
 Each point is one context length L (prompt tokens) at fixed batch B and chain length k: plain
 and speculative decoding of the same prompts, timed side by side. As L grows the bytes a step
 streams, W + B·L·kv, come to be dominated by the KV cache while its FLOPs grow only through
@@ -49,7 +53,7 @@ import math
 
 import jax
 
-from experiments import measure
+from experiments import measure, references
 from specjax import calibration, decoding, roofline, theory, trees
 
 MAX_CONTEXT = 1 << 16
@@ -67,8 +71,10 @@ def validate(params: dict) -> None:
   measure.check_number(params, "reference_alpha", 0.8, 0, 1, hi_open=True)
   measure.check_int(params, "calibration_repeats", 3, 1)
   measure.check_choice(params, "recalibrate", False, (False, True))
-  models = measure.check_choice(params, "models", "default", measure.MODELS)
-  for cfg in measure.model_configs(models):  # the engine refuses to decode past max_len
+  models = references.check_target(params)
+  references.check_draft(params)
+  references.check_prompts(params)
+  for cfg in measure.model_configs(models, params.get("draft", "default")):  # the engine refuses to decode past max_len
     need = context_len + new + k + 1
     if need > cfg.max_len:
       raise ValueError(f"context_len {context_len} + max_new_tokens {new} + k {k} + 1 = {need} "
@@ -81,7 +87,9 @@ def memory(params: dict) -> int:
   """KV bytes of the speculative run: target + draft caches of batch × cache_len slots."""
   s = decoding.cache_len_for(params["context_len"], params.get("max_new_tokens", 64),
                              params.get("k", 4) + 1)
-  return sum(measure.cache_bytes(params.get("models", "default"), params.get("batch", 1), s))
+  return sum(measure.cache_bytes(references.target_ref(params.get("target"),
+                                                      params.get("models")),
+                                 params.get("batch", 1), s, params.get("draft", "default")))
 
 
 def long_prompts(tok, texts, batch: int, context_len: int) -> list[list[int]]:
@@ -94,13 +102,25 @@ def long_prompts(tok, texts, batch: int, context_len: int) -> list[list[int]]:
   return prompts
 
 
+def source_texts(which: str, prompts: str, texts):
+  """The texts long prompts are cut from: the target's own for "code" (`measure.models`),
+  the held-out prose, or a prompt file's first turns as plain text (no chat template: a
+  window of context_len ids spans several prompts, so rows carry no question ids)."""
+  ref, _ = references.prompt_spec(prompts)
+  if ref in references.EMBEDDED:
+    return references.embedded_texts(which, ref, texts)
+  return [p.turns[0] for p in references.file_prompts(ref)]
+
+
 def point(context_len: int, batch: int = 4, k: int = 4, max_new_tokens: int = 64,
-          temperature: float = 0.0, repeats: int = 3, models: str = "default",
+          temperature: float = 0.0, repeats: int = 3, models: str | None = None,
           seed: int = 0, reference_alpha: float = 0.8, calibration_repeats: int = 3,
-          recalibrate: bool = False) -> dict:
-  target, draft, tok, texts = measure.models(models)
+          recalibrate: bool = False, target: str | None = None, draft: str = "default",
+          prompts: str = "code") -> dict:
+  models = references.target_ref(target, models)
+  target, draft, tok, texts = measure.models(models, "float32", draft)
   tree = trees.chain(k)
-  prompt_ids = long_prompts(tok, texts, batch, context_len)
+  prompt_ids = long_prompts(tok, source_texts(models, prompts, texts), batch, context_len)
   cache_len = calibration.default_cache_len(target, draft, prompt_ids, [tree], max_new_tokens)
   costs = calibration.calibrate(target, draft, prompt_ids, [tree],
                                 max_new_tokens=max_new_tokens, repeats=calibration_repeats,

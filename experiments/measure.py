@@ -3,11 +3,14 @@
 An experiment keeps only its point function, its validation, its memory estimate and its
 report; everything it measures goes through here:
 
-- models: `models(which)` ("default" = the embedded trained tiny pair, trained on first use
-  and cached, with held-out prompts from its corpus; "random" = random tiny Llama models on
-  the byte vocabulary, fast, for tests and smoke runs), `draft_model` (a random draft of a
-  preset size), `model_configs` / `cache_bytes` (their configs and KV bytes without loading
-  anything, for memory estimates), `prompts`;
+- models: `models(which, target_dtype, draft)` with `which` any target reference and `draft`
+  any draft model reference of `experiments/references.py` ("default" = the embedded
+  trained tiny pair, with held-out prompts from its corpus; "random" = random tiny Llama
+  models on the byte vocabulary, fast, for tests and smoke runs; a Hugging Face or specjax
+  model directory), `draft_model` (also a random draft of a preset size), `model_configs` /
+  `cache_bytes` (their configs and KV bytes without loading weights, for memory
+  estimates), `prompts` (the embedded sets' windows; a study's prompts by reference:
+  `references.workload`);
 - the cache length: `cycle_slots` + `decoding.cache_len_for`, the engine's own rule, so
   plain and speculative runs and the standalone timings of a point read caches of the same
   length (attention reads every slot, so a different length is a different cost);
@@ -37,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import statistics
 import sys
 import time
@@ -51,7 +55,7 @@ from specjax.drafters.base import LM, Drafter
 from specjax.drafters.model import ModelDrafter
 from specjax.models import cache as kv
 
-MODELS = ("default", "random")
+from experiments import references
 
 
 # ----------------------------------------------------------------------------- checks
@@ -110,10 +114,13 @@ def _held_out_texts() -> list[str]:
 
 @functools.lru_cache(maxsize=2)
 def target_model(which: str, target_dtype: str = "float32"):
-  """(target, tokenizer, prompt texts) of `models(which)` without its draft (for "default"
-  the default target alone, `load_default_target`: a first use does not train the draft);
-  the target's weights served in `target_dtype` (float32 as trained, or bfloat16:
-  `transformer.with_dtype`). One target object per (which, dtype) in a process."""
+  """(target, tokenizer, prompt texts) of the target reference `which`
+  (`references.target_ref`: "default", "random", "random:SPEC", a model directory) without
+  its draft (for "default" the default target alone, `load_default_target`: a first use does
+  not train the draft); the target's weights served in `target_dtype` (float32 as stored,
+  or bfloat16: `transformer.with_dtype`). One target object per (which, dtype) in a
+  process. The texts are what the embedded "code" prompts are cut from (None: the random
+  target's fixed snippet)."""
   from specjax.models.transformer import with_dtype
   if target_dtype != "float32":
     target, tok, texts = target_model(which)
@@ -122,42 +129,36 @@ def target_model(which: str, target_dtype: str = "float32"):
     from specjax.training.defaults import load_default_target
     default = load_default_target()  # training.presets.DEFAULT_PRESET
     return default.target_module(), default.tokenizer, _held_out_texts()
-  from flax import nnx
-
-  from specjax.data.tokenizer import ByteTokenizer
-  from specjax.models.presets import PRESETS
-  from specjax.models.transformer import Transformer
-  tok = ByteTokenizer()
-  cfg = PRESETS["tiny-llama"].replace(vocab_size=tok.vocab_size)
-  return Transformer(cfg, rngs=nnx.Rngs(0)), tok, None
+  target, tok, texts = references.load_target(which)
+  if target.config.dtype != "float32":  # a checkpoint stored in bf16: served as asked
+    target = with_dtype(target, "float32")
+  return target, tok, texts
 
 
-@functools.lru_cache(maxsize=2)
-def models(which: str, target_dtype: str = "float32"):
-  """(target, draft, tokenizer, prompt texts): `target_model(which, target_dtype)` and its
-  draft ("default": the distilled draft of the default pair, trained on its first use;
-  "random": a random 1-layer model of the target's shape)."""
+@functools.lru_cache(maxsize=4)
+def models(which: str, target_dtype: str = "float32", draft: str = "default"):
+  """(target, draft, tokenizer, prompt texts): `target_model(which, target_dtype)` and the
+  draft model `draft` names (`references.draft_for`: "default" is the distilled draft of
+  the default pair, or a random 1-layer model of the target's shape for any other target;
+  else a draft model reference)."""
   target, tok, texts = target_model(which, target_dtype)
-  if which == "default":
-    from specjax.training.defaults import load_default_pair
-    return target, load_default_pair().draft_module(), tok, texts
-  from flax import nnx
-
-  from specjax.models.transformer import Transformer
-  cfg = target_model(which)[0].config  # as trained (float32), whatever the target is served in
-  return target, Transformer(cfg.replace(n_layers=1), rngs=nnx.Rngs(1)), tok, texts
+  stored = target_model(which)[0]  # as trained (float32), whatever the target is served in
+  return target, references.draft_for(which, stored, tok, draft), tok, texts
 
 
 @functools.lru_cache(maxsize=8)
 def draft_model(name: str, which: str):
-  """The draft of `models(which)` ("default"), or a random model of preset `name` on the
-  target's vocabulary (its max_len at least the target's)."""
+  """The draft of `models(which)` ("default"), a random model of preset `name` on the
+  target's vocabulary (its max_len at least the target's), or any draft model reference
+  (`references.draft_for`)."""
+  from specjax.models.presets import PRESETS
+  if name != "default" and (name not in PRESETS or os.path.isdir(name)):
+    return models(which, draft=name)[1]
   target, draft, _, _ = models(which)
   if name == "default":
     return draft
   from flax import nnx
 
-  from specjax.models.presets import PRESETS
   from specjax.models.transformer import Transformer
   cfg = PRESETS[name].replace(vocab_size=target.config.vocab_size,
                               max_len=max(PRESETS[name].max_len, target.config.max_len))
@@ -192,6 +193,7 @@ def head(kind: str, which: str, steps: int = 8):
   use), or trained here for `steps` steps (random models: tests)."""
   if which == "default":
     return _default_head(kind)
+  references.check_embedded_only({}, f"the study's {kind} head", which)  # trained here: tests
   from flax import nnx
 
   from specjax.data.batches import TokenData
@@ -218,14 +220,24 @@ def eagle_drafter(target, which: str, deterministic: bool, steps: int = 8):
                          deterministic=deterministic)
 
 
-def model_configs(which: str):
-  """(target, draft) ModelConfigs of `models(which)`, without loading anything."""
-  if which == "default":
+def model_configs(which: str, draft: str = "default"):
+  """(target, draft) ModelConfigs of `models(which, draft=draft)`, without loading any
+  weights (a directory's config is read from its files)."""
+  if which == "default" and draft == "default":
     from specjax.training.presets import DEFAULT_PRESET, PRESETS
     return PRESETS[DEFAULT_PRESET].target, PRESETS[DEFAULT_PRESET].draft
-  from specjax.models.presets import PRESETS
-  cfg = PRESETS["tiny-llama"]
-  return cfg, cfg.replace(n_layers=1)
+  cfg = references.target_config(which)
+  if draft == "default":
+    if which == "default":
+      from specjax.training.presets import DEFAULT_PRESET, PRESETS
+      return cfg, PRESETS[DEFAULT_PRESET].draft
+    return cfg, cfg.replace(n_layers=1)
+  if draft == "self":
+    return cfg, cfg
+  if draft.startswith("random:"):
+    from specjax.resolve import config_from_ref
+    return cfg, config_from_ref("draft", draft.partition(":")[2], cfg.vocab_size)
+  return cfg, references.target_config(draft, name="draft")
 
 
 def eagle_config(which: str):
@@ -237,9 +249,11 @@ def eagle_config(which: str):
   return head_config(target_cfg, default_head_spec("eagle", target_cfg).get("width"))
 
 
-def cache_bytes(which: str, batch: int, cache_len: int) -> tuple[int, int]:
-  """(target, draft) KV-cache bytes of `models(which)` for batch × cache_len slots."""
-  target_cfg, draft_cfg = model_configs(which)
+def cache_bytes(which: str, batch: int, cache_len: int, draft: str = "default"
+                ) -> tuple[int, int]:
+  """(target, draft) KV-cache bytes of `models(which, draft=draft)` for batch × cache_len
+  slots."""
+  target_cfg, draft_cfg = model_configs(which, draft)
   return kv.cache_bytes(target_cfg, batch, cache_len), kv.cache_bytes(draft_cfg, batch,
                                                                        cache_len)
 

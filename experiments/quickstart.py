@@ -9,8 +9,13 @@ models, one trained here for `head_steps` steps), or "model", the separate draft
 the embedded target it accepts far more than the 1-layer draft model at about its cost
 per cycle (BUILD_NOTES.md, "Drafters experiment").
 
-The same `prompts` held-out code prompts of the embedded corpus (8 by default, at least
-`batch`), in consecutive batches of `batch` rows (so batch 1 decodes them one at a time and
+Models and prompts by reference (`experiments/references.py`): `target` (or its older
+name `models`: "default", "random", "random:SPEC", a Hugging Face or specjax model
+directory), `draft` (the "model" drafter's draft model; "default": the embedded pair's, or
+a random 1-layer model for another target; the EAGLE head exists for the embedded target
+only) and `prompts` ("code", "prose" or a JSONL prompt file; its question ids and
+categories go into the rows). The same `prompt_count` prompts (8 by default, at least
+`batch`; `prompts` = an int is the older spelling of that count of "code"), in consecutive batches of `batch` rows (so batch 1 decodes them one at a time and
 batch 8 all together: one workload, not a single prompt's luck), are decoded with plain
 `generate` and with speculative decoding, alternately, `repeats` times (`measure.compare`, decode
 phase only: each call is also timed with max_new_tokens = 1 and the prefill subtracted);
@@ -56,7 +61,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments import measure
+from experiments import measure, references
 from specjax import calibration, theory, trees
 from specjax.drafters.model import ModelDrafter
 
@@ -74,8 +79,14 @@ def validate(params: dict) -> None:
   for name, lo in (("batch", 1), ("k", 1), ("max_new_tokens", 2), ("repeats", 1),
                    ("prompt_len", 8), ("calibration_repeats", 1), ("head_steps", 1)):
     measure.check_int(params, name, lo, lo)
-  measure.check_int(params, "prompts", 8, 1)
-  measure.check_choice(params, "models", "default", measure.MODELS)
+  references.check_prompts(params)
+  references.check_target(params)
+  references.check_draft(params)
+  if params.get("drafter", "model") == "eagle":
+    references.check_embedded_only(params, "the quickstart's EAGLE head (drafter='eagle')",
+                                   instead="use drafter='model' with draft=DIR, or "
+                                   "`specjax bench --draft eagle:DIR` with a head trained "
+                                   "for it")
   measure.check_choice(params, "target_dtype", "float32", ("float32", "bfloat16"))
   measure.check_number(params, "temperature", 0.0, 0)
   measure.check_choice(params, "recalibrate", False, (False, True))
@@ -112,8 +123,9 @@ def memory(params: dict) -> int:
   slots = max(t.n_nodes for t in _shapes(k, widths, params.get("calibration_k", (1, 2))))
   n = decoding.cache_len_for(params.get("prompt_len", 64), params.get("max_new_tokens", 64),
                              slots + 1)
-  which, batch = params.get("models", "default"), params.get("batch", 1)
-  target_cfg, draft_cfg = measure.model_configs(which)
+  which = references.target_ref(params.get("target"), params.get("models"))
+  batch = params.get("batch", 1)
+  target_cfg, draft_cfg = measure.model_configs(which, params.get("draft", "default"))
   own = measure.eagle_config(which) if params.get("drafter") == "eagle" else draft_cfg
   return 2 * kv.cache_bytes(target_cfg, batch, n) + kv.cache_bytes(own, batch, n)
 
@@ -139,16 +151,21 @@ def verdict(label: str, batch: int, temperature: float, speedup: float,
 
 def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 1),
           max_new_tokens: int = 64, prompt_len: int = 64, temperature: float = 0.0,
-          repeats: int = 3, models: str = "default", seed: int = 0,
+          repeats: int = 3, models: str | None = None, seed: int = 0,
           calibration_k: tuple = (1, 2), calibration_repeats: int = 3,
           recalibrate: bool = False, statistic: str = "median",
-          target_dtype: str = "float32", prompts: int = 8, drafter: str = "model",
-          head_steps: int = 8, revalidate: float | None = 0.10) -> dict:
+          target_dtype: str = "float32", prompts="code", drafter: str = "model",
+          head_steps: int = 8, revalidate: float | None = 0.10, target: str | None = None,
+          draft: str = "default", prompt_count: int = 8,
+          chat_template: bool = True) -> dict:
+  models = references.target_ref(target, models)
   target, tok, texts = measure.target_model(models, target_dtype)
   # The draft model is loaded (and trained, on its first use) only when it drafts.
-  draft = measure.models(models, target_dtype)[1] if drafter == "model" else None
+  draft = measure.models(models, target_dtype, draft)[1] if drafter == "model" else None
   tree = _tree(mode, k, tree_widths)
-  all_ids = measure.workload(tok, texts, batch, prompts, prompt_len)
+  work = references.batched_workload(models, tok, texts, prompts, prompt_count, batch,
+                                     prompt_len, chat_template=chat_template)
+  all_ids = work.ids
   shapes = _shapes(k, tree_widths, calibration_k)
   # Chains draft sampled candidates. Trees draft distinct top-k ones at T = 0 (the
   # point-mass rule: i.i.d. siblings would all be the argmax and the tree would degenerate
@@ -204,6 +221,7 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
   decode = (lambda ids: tok.decode(ids)[:SAMPLE_CHARS]) if tok is not None else str
   return {
       "verdict": line, "label": label, "drafter": drafter, **row, "prompts": len(all_ids),
+      **work.row_fields(),
       "alpha_by_prompt": _alpha_by_row(cmp.spec.stats),
       "tau_predicted": tau_pred,
       "alpha_used_for_prediction": alpha,

@@ -1,5 +1,8 @@
 """Token-tree shapes at equal node budgets: chain vs branching vs optimised vs dynamic.
 
+`target` (or its older name `models`), `draft` and `prompts` by reference
+(experiments/references.py; `prompts` = an int is the older spelling of `prompt_count`).
+
 Each point is one (shape, budget N, temperature): the target verifies N drafted nodes per
 cycle (root excluded) whatever the shape,
 
@@ -54,7 +57,7 @@ import functools
 import jax
 import numpy as np
 
-from experiments import measure
+from experiments import measure, references
 from specjax import calibration as loop_calibration
 from specjax import decoding, sampling, timing, trees
 from specjax.drafters.model import ModelDrafter
@@ -71,11 +74,12 @@ def validate(params: dict) -> None:
                    ("seed", 0)):
     measure.check_int(params, name, lo, lo)
   measure.check_number(params, "temperature", 0.0, 0)
-  measure.check_choice(params, "models", "default", measure.MODELS)
+  references.check_target(params)
+  references.check_draft(params)
   measure.check_int(params, "calibration_repeats", 3, 1)
   measure.check_choice(params, "statistic", "median", timing.STATISTICS)
   measure.check_choice(params, "recalibrate", False, (False, True))
-  measure.check_int(params, "prompts", 8, 1)
+  references.check_prompts(params)
   measure.check_choice(params, "target_dtype", "float32", ("float32", "bfloat16"))
   if not isinstance(params.get("deterministic", True), bool):
     raise ValueError(f"deterministic must be True or False, got {params['deterministic']!r}")
@@ -114,17 +118,19 @@ def _cache_len(prompt_len: int, max_new_tokens: int, tree, draft) -> int:
 @functools.lru_cache(maxsize=None)
 def calibration(models: str, temperature: float, calib_widths: tuple, batch: int,
                 prompt_len: int, max_new_tokens: int, deterministic: bool,
-                seed: int, prompts: int = 8,
-                target_dtype: str = "float32") -> tuple[float, ...]:
+                seed: int, prompts="code", target_dtype: str = "float32",
+                draft: str = "default", prompt_count: int = 8,
+                chat_template: bool = True) -> tuple[float, ...]:
   """Sequoia's rank probabilities from one run of the wide tree `branching(calib_widths)`
   over the point's workload (all its prompts as one batch: only counts are read):
   p_r = a_r Π_{s<r} (1 − a_s) with a_r the measured acceptance of tried rank-r candidates
   (`metrics.rank_probs_from_counts`). Computed once per process for each setting."""
-  target, draft, tok, texts = measure.models(models, target_dtype)
+  target, draft, tok, texts = measure.models(models, target_dtype, draft)
   tree = trees.branching(calib_widths)
   gen = decoding.speculative_generate(
       target, ModelDrafter.of(draft, deterministic=deterministic),
-      measure.workload(tok, texts, batch, prompts, prompt_len), tree=tree,
+      references.batched_workload(models, tok, texts, prompts, prompt_count, batch, prompt_len,
+                                  chat_template=chat_template).ids, tree=tree,
       max_new_tokens=max_new_tokens,
       sampler=sampling.make_sampler(temperature), seed=seed,
       cache_len=_cache_len(prompt_len, max_new_tokens, tree, draft))
@@ -148,17 +154,23 @@ def make_tree(shape: str, budget: int, rank_probs=None, branch_width: int = 2,
 def point(shape: str, budget: int, temperature: float = 0.0, batch: int = 1,
           max_new_tokens: int = 64, prompt_len: int = 64, repeats: int = 3,
           calib_widths: tuple = (4, 2, 2), branch_width: int = 2, dynamic_depth: int = 5,
-          dynamic_width: int = 3, deterministic: bool = True, models: str = "default",
+          dynamic_width: int = 3, deterministic: bool = True, models: str | None = None,
           seed: int = 0, calibration_repeats: int = 3, statistic: str = "median",
-          recalibrate: bool = False, prompts: int = 8, target_dtype: str = "float32") -> dict:
-  target, draft, tok, texts = measure.models(models, target_dtype)
+          recalibrate: bool = False, prompts="code", target_dtype: str = "float32",
+          target: str | None = None, draft: str = "default", prompt_count: int = 8,
+          chat_template: bool = True) -> dict:
+  models = references.target_ref(target, models)
+  draft_ref = draft
+  target, draft, tok, texts = measure.models(models, target_dtype, draft_ref)
   rank_probs = None
   if shape == "optimal":
     rank_probs = calibration(models, float(temperature), tuple(calib_widths), batch,
                              prompt_len, max_new_tokens, deterministic, seed, prompts,
-                             target_dtype)
+                             target_dtype, draft_ref, prompt_count, chat_template)
   tree = make_tree(shape, budget, rank_probs, branch_width, dynamic_depth, dynamic_width)
-  prompt_ids = measure.workload(tok, texts, batch, prompts, prompt_len)
+  work = references.batched_workload(models, tok, texts, prompts, prompt_count, batch,
+                                     prompt_len, chat_template=chat_template)
+  prompt_ids = work.ids
   cache_len = _cache_len(prompt_len, max_new_tokens, tree, draft)
   costs = loop_calibration.calibrate(
       target, draft, prompt_ids, [tree], batch=batch, max_new_tokens=max_new_tokens,
@@ -200,7 +212,7 @@ def point(shape: str, budget: int, temperature: float = 0.0, batch: int = 1,
       "pretty": tree.pretty() if static else str(tree),
       "rank_probs": list(rank_probs) if rank_probs is not None else None,
       "cache_len": cmp.cache_len, "backend": jax.default_backend(),
-      "prompts": len(prompt_ids),
+      "prompts": len(prompt_ids), **work.row_fields(),
   }
 
 
@@ -215,8 +227,10 @@ def memory(params: dict) -> int:
                                     params.get("dynamic_width", 3)).region)
   cache_len = decoding.cache_len_for(params.get("prompt_len", 64),
                                      params.get("max_new_tokens", 64), slots)
-  return sum(measure.cache_bytes(params.get("models", "default"), params.get("batch", 1),
-                                 cache_len))
+  return sum(measure.cache_bytes(references.target_ref(params.get("target"),
+                                                      params.get("models")),
+                                 params.get("batch", 1), cache_len,
+                                 params.get("draft", "default")))
 
 
 def report(records: list[dict], run_dir) -> str:

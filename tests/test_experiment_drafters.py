@@ -143,7 +143,7 @@ def test_drafters_on_a_bf16_served_target(tmp_path, monkeypatch, virtual_clock):
     ({"variant": "eagle:dynamic", "tree_widths": (2, 2, 2)},
      "the dynamic tree of the same budget"),
     ({"calibration_k": [0]}, "calibration_k must be a list of ints >= 1"),
-    ({"models": "huge"}, "models must be one of"),
+    ({"models": "huge"}, r"target must be .* got 'huge' \(no such directory\)"),
     ({"dynamic_confidence": 0.0}, r"dynamic_confidence must be None or a finite number > 0 \(the "
                                   r"dynamic tree's scoring temperature"),
 ])
