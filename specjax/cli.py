@@ -143,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
   try:
-    return int(args.func(args) or 0)
+    from specjax.commands.models import mesh_context  # --mesh, for the commands that have it
+    with mesh_context(args):
+      return int(args.func(args) or 0)
   except EXPECTED as e:
     print(f"specjax: error: {error_message(e)}", file=sys.stderr)
     return 2

@@ -78,11 +78,31 @@ def make_mesh(data: int = 1, model: int = 1, devices: Sequence | None = None) ->
   return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
 
 
+_DEFAULT: list = [None]  # the process default of `default_mesh` (the CLI's --mesh)
+
+
+@contextlib.contextmanager
+def default_mesh(mesh: Mesh | tuple[int, int] | None):
+  """Within this context, host-API calls given no `mesh=` run on `mesh`, a Mesh or (data,
+  model) sizes built on first use (after a multi-host run has started `jax.distributed`).
+  The CLI's --mesh sets it around a command, so every study and `bench` decodes on it;
+  restored after."""
+  old = _DEFAULT[0]
+  _DEFAULT[0] = mesh if isinstance(mesh, tuple) else check_mesh(mesh)
+  try:
+    yield
+  finally:
+    _DEFAULT[0] = old
+
+
 def check_mesh(mesh) -> Mesh | None:
-  """The mesh a host-API call runs on (None: one device, today's behaviour). Refuses
-  anything but a `jax.sharding.Mesh` with exactly the axes ('data', 'model')."""
+  """The mesh a host-API call runs on: `mesh`, or when None the `default_mesh` (None unless
+  set: one device, today's behaviour). Refuses anything but a `jax.sharding.Mesh` with
+  exactly the axes ('data', 'model')."""
   if mesh is None:
-    return None
+    if isinstance(_DEFAULT[0], tuple):
+      _DEFAULT[0] = make_mesh(*_DEFAULT[0])
+    return _DEFAULT[0]
   if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != AXES:
     names = getattr(mesh, "axis_names", None)
     raise ValueError(f"mesh must be a jax.sharding.Mesh with axes {AXES} "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from specjax.commands.models import ints_arg
+from specjax.commands.models import add_mesh_flag, ints_arg
 
 
 def _k(text: str):
@@ -64,6 +64,7 @@ def add_parser(subparsers) -> None:
   p.add_argument("--out", default=None, help="run directory (default runs/specbench/TIME)")
   p.add_argument("--no-progress", action="store_true")
   p.add_argument("--json", action="store_true", help="print the run summary as JSON")
+  add_mesh_flag(p)
   p.set_defaults(func=run)
 
 

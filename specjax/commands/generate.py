@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from specjax.commands.models import (add_config_flags, default_models, draft_from_flags,
-                                     ints_arg, target_from_flags)
+from specjax.commands.models import (add_config_flags, add_mesh_flag, default_models,
+                                     draft_from_flags, ints_arg, target_from_flags)
 from specjax.resolve import HEAD_DRAFTS
 from specjax.resolve import draft_kind as resolve_kind
 
@@ -77,6 +77,7 @@ def add_parser(subparsers) -> None:
                  help="serve the target's weights in this dtype (default: bfloat16 for "
                  "--target default, as the studies serve it; else as stored)")
   p.add_argument("--json", action="store_true", help="print one JSON document")
+  add_mesh_flag(p)
   p.set_defaults(func=run)
 
 

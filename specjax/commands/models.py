@@ -63,6 +63,35 @@ def draft_from_flags(spec: str | None, args, target, pair=None, tokenizer=None):
                      flag="--draft", tokenizer=tokenizer)
 
 
+def add_mesh_flag(p) -> None:
+  """--mesh data=D,model=M: decode over a device mesh (`specjax.sharding`); `cli.main` runs
+  the command under it (`mesh_context`)."""
+  p.add_argument("--mesh", type=mesh_arg, default=None, metavar="data=D,model=M",
+                 help="decode over a mesh of D x M devices: weights tensor-parallel over "
+                 "model, prompts split over data (default: one device)")
+
+
+def mesh_arg(text: str) -> tuple[int, int]:
+  """The argparse type of --mesh: (data, model) (`sharding.parse_mesh`, one-line errors)."""
+  from specjax.sharding import parse_mesh
+  try:
+    return parse_mesh(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e).replace("--mesh must", "must")) from None
+
+
+def mesh_context(args):
+  """The context a command runs in: the default mesh of --mesh when the command has the flag
+  and it was given (built, and the devices counted, at the first decoding call), else
+  nothing."""
+  sizes = getattr(args, "mesh", None)
+  if sizes is None:
+    import contextlib
+    return contextlib.nullcontext()
+  from specjax import sharding
+  return sharding.default_mesh(tuple(sizes))
+
+
 def ints_arg(count: int):
   """An argparse type: ints >= 1 separated by commas, exactly `count` of them (1: one or
   more): tree widths, a dynamic tree's budget,depth,width."""

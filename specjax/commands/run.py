@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from specjax.commands.models import add_mesh_flag
 from specjax.sweeps import overrides
 
 
@@ -49,6 +50,7 @@ def add_parsers(subparsers) -> None:
   p.add_argument("--process-id", type=int, default=None)
   p.add_argument("--no-progress", action="store_true")
   p.add_argument("--json", action="store_true", help="print the run summary as JSON")
+  add_mesh_flag(p)
   p.set_defaults(func=_run)
 
   m = subparsers.add_parser("merge", help="join the results of sweep shards",
