@@ -42,6 +42,10 @@ def add_parser(subparsers) -> None:
   add_config_flags(p, "as --target-config; the word 'self' uses the target as its own draft")
   p.add_argument("--prompt", action="append", default=None,
                  help="prompt text (repeat for a ragged batch; default: a code snippet)")
+  p.add_argument("--chat", action="store_true",
+                 help="each --prompt is a user message, rendered with the target tokenizer's "
+                 "chat template (as transformers' apply_chat_template with the generation "
+                 "prompt; `specjax bench` renders its prompts the same way)")
   p.add_argument("--batch", type=int, default=1, help="copies of the prompt list (default 1)")
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--k", type=_k_arg, default=4,
@@ -148,24 +152,31 @@ def _tree(args):
   return None
 
 
+def _plan(args):
+  """The speculation plan --k, --tree or --dynamic-tree asks for (`plan.of`: the host API's
+  one check of a shape), built before any model; its error names the flag."""
+  from specjax import plan
+  tree = _tree(args)
+  try:
+    return plan.of(k=None if tree is not None else args.k, tree=tree)
+  except ValueError as e:
+    raise ValueError(f"--{e}" if str(e).startswith("k ") else f"--k {args.k}: {e}") from None
+
+
 def _k_max(args) -> int:
   """The most drafts one cycle may verify: --k, a tree's nodes, or the adaptive menu's
   largest chain."""
-  if args.tree is not None:
-    return _tree(args).size
-  if args.dynamic_tree is not None:
-    return args.dynamic_tree[0]
-  if args.k == "auto":
+  spec = _plan(args)
+  if spec.auto:
     from specjax import adaptive
     return max(adaptive.DEFAULT_CHAINS)
-  return args.k
+  return spec.k
 
 
 def _check_args(args) -> None:
   """The flags that need no model, checked before any model is loaded or built."""
   for flag, value, lo in (("--batch", args.batch, 1), ("--repeats", args.repeats, 1),
-                          ("--max-new-tokens", args.max_new_tokens, 1), ("--k", _k_max(args), 1),
-                          ("--seed", args.seed, 0)):
+                          ("--max-new-tokens", args.max_new_tokens, 1), ("--seed", args.seed, 0)):
     if value < lo:
       raise ValueError(f"{flag} must be an int >= {lo}, got {value}")
   if args.tree is not None and args.dynamic_tree is not None:
@@ -173,6 +184,7 @@ def _check_args(args) -> None:
   if (args.tree is not None or args.dynamic_tree is not None) and args.k == "auto":
     raise ValueError("--k auto chooses chains each cycle: leave it out with --tree or "
                      "--dynamic-tree")
+  _plan(args)  # --k / the tree, checked once by the library
   if args.draft_stop != 0.0:
     from specjax import adaptive
     if args.k != "auto":
@@ -209,15 +221,11 @@ def _check_context(args, configs, n_prompt_tokens: int, known: bool = True) -> N
   """The longest prompt + --max-new-tokens + --k + 1 against the models' max_len, before the
   chain of --k drafts is built or anything compiles: a clear message naming the flags.
   known=False: the prompt is not tokenized yet and n_prompt_tokens is a lower bound."""
-  if args.allow_beyond_max_len:
-    configs = [c for c in configs if c.positions == "learned"]
-  if not configs:
-    return
-  max_len = min(c.max_len for c in configs)
+  from specjax.batching import context_limits  # the library's context rule
+  max_len, limited, lift = context_limits(configs, args.allow_beyond_max_len)
   need = n_prompt_tokens + args.max_new_tokens + _k_max(args) + 1
-  if need > max_len:
-    hard = [c.max_len for c in configs if c.positions == "learned"]
-    opt_in = "" if args.allow_beyond_max_len or (hard and min(hard) < need) else (
+  if limited and need > max_len:
+    opt_in = "" if not lift else (
         ", or pass --allow-beyond-max-len to let a RoPE model run past the length it was "
         "trained for")
     raise ValueError(
@@ -227,6 +235,28 @@ def _check_context(args, configs, n_prompt_tokens: int, known: bool = True) -> N
 
 
 DEFAULT_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+
+
+def _encode(args, tok, text: str) -> list[int]:
+  """One prompt's ids: with --chat, the user message rendered by the tokenizer's chat
+  template (`chat.encode_messages`; refused in one line without a template); else the text
+  after a BOS."""
+  if not args.chat:
+    return tok.encode(text, bos=True)
+  from specjax import chat
+  if chat.template_of(tok) is None:
+    raise ValueError(f"--chat: the target's tokenizer has no chat template (chat_template in "
+                     f"tokenizer_config.json, or chat_template.jinja), --target {args.target}; "
+                     f"leave out --chat to encode the prompt as plain text")
+  return chat.encode_messages(tok, [{"role": "user", "content": text}])
+
+
+def _stop_ids(tok):
+  """Every EOS id the target's files list (`chat.stop_ids`: generation_config.json's
+  eos_token_id, an int or a list, else config.json's, and the tokenizer's eos); None
+  without any."""
+  from specjax import chat
+  return list(chat.stop_ids(tok)) or None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -242,14 +272,14 @@ def run(args: argparse.Namespace) -> int:
   draft = target if draft is stored else draft  # "self" drafts with the served weights
   target_cfg = target.config
   texts = (args.prompt or [DEFAULT_PROMPT]) * args.batch
-  prompts = [tok.encode(t, bos=True) for t in texts]
+  prompts = [_encode(args, tok, t) for t in texts]
   drafter, shape = _drafter(args, stored, draft, serving=target)
   if args.draft_stop > 0:  # --k auto (checked): the default policy with draft stopping
     shape = {"policy": decoding.default_policy(target, drafter, threshold=args.draft_stop)}
   draft_configs = [] if drafter.config is None else [drafter.config]
   _check_context(args, [target.config] + draft_configs, max(len(p) for p in prompts))
   common = dict(max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed,
-                eos_id=tok.eos_id, allow_beyond_max_len=args.allow_beyond_max_len,
+                eos_id=_stop_ids(tok), allow_beyond_max_len=args.allow_beyond_max_len,
                 precision=args.precision)
 
   def timed(fn):
@@ -277,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
                 "tokens_per_s": plain.emitted / plain_s},
       "speculative": {"tokens": spec.emitted, "seconds": spec_s,
                       "tokens_per_s": spec.emitted / spec_s, **summary.to_dict()},
-      "target_dtype": target.config.dtype,
+      "target_dtype": target.config.dtype, "chat": args.chat, "eos_ids": common["eos_id"],
       "speedup": (spec.emitted / spec_s) / (plain.emitted / plain_s),
       "decode_phase": timing.decode_phase(decoded, spec.emitted - len(spec.tokens),
                                     plain_s - plain_1, spec_s - spec_1),
