@@ -37,7 +37,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from specjax.drafters.base import LM
+from specjax.models.transformer import ModelConfig
 
 AXES = ("data", "model")
 
@@ -126,6 +126,13 @@ def check_heads(config, mesh: Mesh, what: str = "target") -> None:
                      f"pick a model axis that divides {config.n_heads}")
 
 
+def _is_lm(x) -> bool:
+  """A model handle (`drafters.base.LM`: a config and its params), by shape: this file sits
+  beside the models so that checkpoints and training can place weights too."""
+  return isinstance(getattr(x, "config", None), ModelConfig) and hasattr(x, "params") and \
+      hasattr(x, "graphdef")
+
+
 def _names(path) -> list[str]:
   """The names along a pytree path ('blocks', '0', 'attn', 'q', 'kernel', ...)."""
   return [n for n in re.findall(r"[A-Za-z_][A-Za-z0-9_]*|\d+", jax.tree_util.keystr(path))
@@ -182,11 +189,11 @@ class _Placer:
   def tree(self, tree):
     """`tree` (an LM, a drafter) with every array placed; an LM's heads decide its q/k/v/o."""
     outer = self.heads
-    if isinstance(tree, LM):
+    if _is_lm(tree):
       self.heads = (tree.config.n_heads, tree.config.n_kv_heads)
 
     def leaf(path, x):
-      if isinstance(x, LM):
+      if _is_lm(x):
         return self.tree(x)
       if not isinstance(x, (jax.Array, np.ndarray)):
         return x
@@ -194,9 +201,27 @@ class _Placer:
 
     try:
       return jax.tree_util.tree_map_with_path(
-          leaf, tree, is_leaf=lambda x: isinstance(x, LM) and x is not tree)
+          leaf, tree, is_leaf=lambda x: _is_lm(x) and x is not tree)
     finally:
       self.heads = outer
+
+
+def named(mesh: Mesh, config: ModelConfig, names: Sequence[str], shape) -> NamedSharding:
+  """The sharding of one parameter of a model with `config` (`param_spec` by its names, e.g.
+  'blocks.0.attn.q.kernel'.split('.'))."""
+  spec = param_spec(list(names), tuple(shape), mesh.shape["model"], config.n_heads,
+                    config.n_kv_heads)
+  return NamedSharding(mesh, spec)
+
+
+def abstract_params(mesh: Mesh, config: ModelConfig, params):
+  """A model's parameter state (arrays or shape structs, e.g. `transformer.abstract_model`'s)
+  as `jax.ShapeDtypeStruct`s carrying their shardings: a restore target that reads every
+  array straight into its shards (`checkpoints.orbax_io`)."""
+  def leaf(path, x):
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                sharding=named(mesh, config, _names(path), np.shape(x)))
+  return jax.tree_util.tree_map_with_path(leaf, params)
 
 
 def place(mesh: Mesh | None, target, drafter=None):

@@ -275,3 +275,44 @@ def test_bytes_per_device(llama):
   for n in per_device.values():
     assert n <= (total - replicated) / 4 * 1.01 + replicated
     assert n >= (total - replicated) / 4 * 0.99
+
+
+# ----------------------------------------------------------------------------- restored into place
+
+
+def _check_in_place(loaded, reference, mesh):
+  """Every weight sits in its shards (each device ≈ 1/M of the matrices) and equals the
+  reference model's."""
+  lm = LM.of(loaded)
+  m = mesh.shape["model"]
+  leaves = jax.tree.leaves(lm.params)
+  total = sum(x.nbytes for x in leaves)
+  replicated = sum(x.nbytes for x in leaves if x.ndim == 1 or not x.sharding.spec)
+  per_device = sharding.bytes_per_device(lm.params)
+  assert len(per_device) == mesh.size
+  assert replicated < 0.05 * total
+  for n in per_device.values():
+    assert (total - replicated) / m * 0.99 <= n <= (total - replicated) / m * 1.01 + replicated
+  for x in leaves:
+    assert isinstance(x.sharding, jax.sharding.NamedSharding)
+  for a, b in zip(leaves, jax.tree.leaves(LM.of(reference).params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@needs_8
+@pytest.mark.parametrize("kind", ["orbax", "hf"])
+def test_load_into_place(tmp_path, kind):
+  """orbax restore and a Hugging Face import read each weight straight into its shards."""
+  from specjax import checkpoints
+  from specjax.checkpoints import hf
+  reference = model(LLAMA.replace(tie_embeddings=False), seed=4)
+  where = tmp_path / kind
+  if kind == "orbax":
+    checkpoints.save_model(where, reference)
+  else:
+    hf.export_hf(reference, where)
+  mesh = sharding.make_mesh(2, 4)
+  loaded, _ = checkpoints.load_model(where, mesh=mesh)
+  _check_in_place(loaded, reference, mesh)
+  run = decoding.generate(loaded, PROMPTS, max_new_tokens=4, mesh=mesh)
+  assert run.tokens == decoding.generate(reference, PROMPTS, max_new_tokens=4).tokens

@@ -71,12 +71,17 @@ def save_model(directory: str | os.PathLike, model, *, metadata: dict | None = N
   return out
 
 
-def load_checkpoint(directory: str | os.PathLike, *, config=None, step: int | None = None):
+def load_checkpoint(directory: str | os.PathLike, *, config=None, step: int | None = None,
+                    mesh=None):
   """Restore a save_model / trainer checkpoint: (Transformer, metadata).
 
   config: the expected ModelConfig; a checkpoint saved with another one raises ValueError
   listing each differing field (orbax_io.restore).
+  mesh: a ('data', 'model') mesh (default: `sharding.default_mesh`, else one device): every
+  array is read straight into its shards (`sharding.abstract_params`), no whole copy on one
+  device first.
   """
+  from specjax import sharding
   from specjax.checkpoints import orbax_io
   from specjax.models.transformer import abstract_model, from_params
   directory = pathlib.Path(directory)
@@ -84,36 +89,42 @@ def load_checkpoint(directory: str | os.PathLike, *, config=None, step: int | No
     raise ValueError(f"no specjax checkpoint found in {str(directory)!r}")
   meta = orbax_io.read_meta(directory, step)
   kind = meta["metadata"].get("kind")
+  mesh = sharding.check_mesh(mesh)
   if kind == TRAINED_KIND:
-    trained = load_trained(directory, step=step, config=config)
+    trained = load_trained(directory, step=step, config=config, mesh=mesh)
     return trained.module(), {**trained.metadata, "step": trained.step}
   stored = stored_config(directory, meta)
   _, target = abstract_model(stored)
+  if mesh is not None:
+    target = sharding.abstract_params(mesh, stored, target)
   restored = orbax_io.restore(directory, params_target=target, config=config or stored,
                               step=step)
   return from_params(stored, restored.params), {**restored.metadata, "step": restored.step}
 
 
 def load_model(path: str | os.PathLike, *, dtype: str | None = None, config=None,
-               step: int | None = None) -> tuple[Any, Any]:
+               step: int | None = None, mesh=None) -> tuple[Any, Any]:
   """(Transformer, tokenizer) from a Hugging Face directory or a specjax orbax checkpoint.
 
   dtype: None keeps the stored precision; 'float32' / 'bfloat16' converts.
   config: (orbax checkpoints) the expected ModelConfig; a mismatch raises listing fields.
+  mesh: load every weight straight into its shards on this ('data', 'model') mesh (default:
+  `sharding.default_mesh`, the CLI's --mesh; else one device).
   """
+  from specjax import sharding
   from specjax.checkpoints import hf
+  mesh = sharding.check_mesh(mesh)
   path = pathlib.Path(path)
   if not path.is_dir():
     raise ValueError(f"model path {str(path)!r} is not a directory")
   if is_hf_dir(path) or (path / "config.json").is_file() and not is_orbax_dir(path):
     imported = hf.import_hf(path, dtype=dtype)  # names what is missing or broken
-    return imported.model(), hf.load_tokenizer_for(path, imported.hf_config)
+    return imported.model(mesh=mesh), hf.load_tokenizer_for(path, imported.hf_config)
   if is_orbax_dir(path):
-    model, meta = load_checkpoint(path, config=config, step=step)
+    model, meta = load_checkpoint(path, config=config, step=step, mesh=mesh)
     if dtype is not None and dtype != model.config.dtype:
-      model = hf.build_model(model.config.replace(dtype=dtype),
-                             {k: v.astype(_np_dtype(dtype))
-                              for k, v in hf.model_params(model).items()})
+      from specjax.models.transformer import with_dtype
+      model = with_dtype(model, dtype)  # each shard cast where it lies
     if meta.get("kind") == TRAINED_KIND:
       from specjax.data.tokenizer import tokenizer_from_spec
       return model, tokenizer_from_spec(meta["tokenizer"], path)

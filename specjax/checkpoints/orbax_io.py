@@ -115,15 +115,21 @@ def _to_saveable(tree: Any) -> Any:
 
 
 def _abstract(tree: Any) -> Any:
-  """Shape/dtype structs placed on this process's default device.
+  """Shape/dtype structs placed on this process's default device, or where a leaf's
+  `NamedSharding` says (a target from `sharding.abstract_params`: restored into place).
 
   The placement is explicit so a checkpoint restores whatever devices saved it: without it
   orbax rebuilds the sharding stored in the checkpoint, which fails ("Topology mismatch") when
   it was written on another platform (a GPU) or with more devices than this process has.
   """
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=device),
-                      tree)
+
+  def placed(x):  # a target leaf that carries a mesh sharding is read into its shards
+    sharding = getattr(x, "sharding", None)
+    keep = isinstance(sharding, jax.sharding.NamedSharding)
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding if keep else device)
+
+  return jax.tree.map(placed, tree)
 
 
 def _shapes(tree: Any) -> dict[str, tuple]:

@@ -49,10 +49,12 @@ def read_model_config(directory: str | pathlib.Path, step: int | None = None) ->
 
 
 def load_trained(directory: str | pathlib.Path, *, step: int | None = None,
-                 config: ModelConfig | None = None) -> TrainedModel:
+                 config: ModelConfig | None = None, mesh=None) -> TrainedModel:
   """Restore a trainer checkpoint (latest step by default).
 
   config: if given, the stored config must equal it (the error lists differing fields).
+  mesh: read every array straight into its shards on this ('data', 'model') mesh
+  (`sharding.abstract_params`); None: one device.
   """
   directory = pathlib.Path(directory)
   if orbax_io.latest_step(directory) is None:
@@ -62,6 +64,9 @@ def load_trained(directory: str | pathlib.Path, *, step: int | None = None,
     raise ValueError(f"{str(directory)!r} is not a specjax training checkpoint")
   stored = stored_config(directory, meta)
   _, target = abstract_model(stored.replace(dtype="float32"))  # stored in float32
+  if mesh is not None:
+    from specjax import sharding
+    target = sharding.abstract_params(mesh, stored, target)
   restored = orbax_io.restore(directory, params_target=target, config=config or stored,
                               step=step)
   params = restored.params

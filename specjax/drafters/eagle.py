@@ -86,6 +86,20 @@ def head_config(target: ModelConfig, width: int | None = None) -> ModelConfig:
                         d_ff=max(1, target.d_ff * int(width) // target.d_model))
 
 
+# The head's structures: "specjax" (the head above, today's default) and "eagle" (the
+# published EAGLE-1/2 head, SafeAILab/EAGLE: combine = `fc` over [e(x_{t+1}); f_t] with a
+# bias, f the target's final-norm output alone (no fuse), no feature/embedding norms, the
+# decoder layer without its input norm, and no final norm: lm_head reads h itself).
+STRUCTURES = ("specjax", "eagle")
+
+
+class Identity(nnx.Module):
+  """A norm the structure leaves out (float32, like the norms it stands for)."""
+
+  def __call__(self, x: Array) -> Array:
+    return x.astype(jnp.float32)
+
+
 def default_layers(n_layers: int) -> tuple[int, ...]:
   """A low, a middle and a high target layer: the first block's output, the middle block's,
   and the final norm's output (index n_layers, what the target's LM head reads); duplicates
@@ -105,13 +119,30 @@ def check_layers(target: ModelConfig, layers) -> tuple[int, ...]:
 
 class EagleHead(nnx.Module):
   """fuse (C·D -> W), two input norms, combine (W + D -> W), one decoder `Block` of width W,
-  its own final norm, and out (W -> D) when W < D (W = `width`, default D)."""
+  its own final norm, and out (W -> D) when W < D (W = `width`, default D).
+
+  structure "eagle" (`STRUCTURES`): the published EAGLE-1/2 head instead, one feature at
+  the target's width: combine over [embedding; feature] (with a bias when `bias`), the
+  block's input norm and the final norm absent, no fuse, no input norms."""
 
   def __init__(self, target: ModelConfig, n_features: int, *, width: int | None = None,
-               rngs: nnx.Rngs):
+               structure: str = "specjax", bias: bool = False, rngs: nnx.Rngs):
     c = head_config(target, width)
     self.config = c
     d, w, dt = target.d_model, c.d_model, c.jnp_dtype
+    if structure not in STRUCTURES:
+      raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
+    self.structure = structure
+    if structure == "eagle":
+      if n_features != 1 or w != d:
+        raise ValueError(f"the EAGLE-1/2 structure reads one target feature at the target's "
+                         f"width {d}, got {n_features} features at width {w}")
+      self.fuse = self.feature_norm = self.embed_norm = self.out = None
+      self.combine = Dense(d + w, w, bias=bool(bias), dtype=dt, rngs=rngs)
+      self.block = Block(c, rngs=rngs)
+      self.block.attn_norm = Identity()
+      self.norm = Identity()
+      return
     self.fuse = Dense(n_features * d, w, bias=False, dtype=dt, rngs=rngs)
     self.combine = Dense(w + d, w, bias=False, dtype=dt, rngs=rngs)
     norm = dict(kind=c.norm, bias=c.norm == "layernorm" and c.use_bias, eps=c.norm_eps,
@@ -125,6 +156,8 @@ class EagleHead(nnx.Module):
   def fused(self, features_BTCD: Array) -> Array:
     """u = fuse(concat of the C captured layers): [B, T, C, D] -> [B, T, W] float32."""
     b, t, c, d = features_BTCD.shape
+    if self.fuse is None:  # structure "eagle": the one feature itself
+      return features_BTCD[:, :, 0].astype(jnp.float32)
     return self.fuse(features_BTCD.reshape(b, t, c * d))
 
   def __call__(self, u_BTD, emb_BTD, positions_BT, cache=None, block_mask=None):
@@ -134,7 +167,10 @@ class EagleHead(nnx.Module):
 
   def _input(self, u_BTD, emb_BTD):
     """combine([feature_norm(u), embed_norm(e)]): both normalised first (as EAGLE-3 does),
-    so a fused target feature and the head's own h enter at the same scale."""
+    so a fused target feature and the head's own h enter at the same scale. Structure
+    "eagle": fc([e; u]) with neither normalised, as the published head."""
+    if self.structure == "eagle":
+      return self.combine(jnp.concatenate([emb_BTD, u_BTD], axis=-1))
     return self.combine(jnp.concatenate([self.feature_norm(u_BTD), self.embed_norm(emb_BTD)],
                                         axis=-1))
 
@@ -177,19 +213,28 @@ class EagleHead(nnx.Module):
 
 
 def init_head(target: ModelConfig, layers: tuple[int, ...], seed: int = 0,
-              width: int | None = None) -> EagleHead:
-  return EagleHead(target, len(layers), width=width, rngs=nnx.Rngs(seed))
+              width: int | None = None, structure: str = "specjax",
+              bias: bool = False) -> EagleHead:
+  return EagleHead(target, len(layers), width=width, structure=structure, bias=bias,
+                   rngs=nnx.Rngs(seed))
 
 
 @functools.lru_cache(maxsize=16)
-def _head_graphdef(target: ModelConfig, n_features: int, width: int):
+def _head_graphdef(target: ModelConfig, n_features: int, width: int,
+                   structure: str = "specjax", bias: bool = False):
   return nnx.split(nnx.eval_shape(
-      lambda: EagleHead(target, n_features, width=width, rngs=nnx.Rngs(0))))[0]
+      lambda: EagleHead(target, n_features, width=width, structure=structure, bias=bias,
+                        rngs=nnx.Rngs(0))))[0]
 
 
 def head_from_params(target: ModelConfig, params) -> EagleHead:
   """The head module holding `params` (an nnx.State of an `EagleHead` for this target; its
-  width and feature count read from the fuse kernel's shape)."""
+  width and feature count read from the fuse kernel's shape; without a fuse, the "eagle"
+  structure, its bias read from combine's)."""
+  if "fuse" not in params:  # structure "eagle": one feature, the target's width
+    graph = _head_graphdef(target.replace(dtype="float32"), 1, target.d_model, "eagle",
+                           "bias" in params["combine"])
+    return nnx.merge(graph, params)
   n_in, width = jnp.shape(params["fuse"]["kernel"])
   n_features = n_in // target.d_model
   return nnx.merge(_head_graphdef(target.replace(dtype="float32"), int(n_features),
@@ -323,7 +368,8 @@ class EagleDrafter(LevelDrafter):
                   f"target's {d}")
     if diff:
       raise ValueError("the EAGLE head does not fit this target: " + "; ".join(diff))
-    fuse_in = head.module().fuse.kernel[...].shape[0]
+    fuse = head.module().fuse
+    fuse_in = d if fuse is None else fuse.kernel[...].shape[0]
     if fuse_in != len(layers) * d:
       raise ValueError(f"the head fuses {fuse_in // d} target layers but layers "
                        f"has {len(layers)}: {layers!r}")

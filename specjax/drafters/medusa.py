@@ -9,6 +9,12 @@ where LMHead is the target's own (tied embedding or lm_head; shared, not copied)
 of a cycle is x_L, the target's own token sampled from h at L - 1; head j guesses token
 L + 1 + j. W_j, b_j start at zero, so an untrained head is the target's LM head itself.
 
+The published Medusa-1 head (FasterDecoding/Medusa, `checkpoints.published.medusa`) may
+stack R residual blocks per head (w [K, R, D, D], b [K, R, D]: h <- h + SiLU(W_r h + b_r),
+r = 0..R-1) and carries its own LM projection per head (lm [K, D, V], initialised from the
+target's and trained): `params` then holds those, and `head_logits` reads `lm` instead of
+the target's LM head. Without them (our trained heads) nothing changes.
+
 Training: the `MedusaHeads` kind (`specjax.training.medusa`) fits head j to the target's own
 distribution for token t + 2 + j.
 
@@ -41,16 +47,29 @@ Array = jax.Array
 
 
 def head_states(params: dict, hidden_XD: Array) -> Array:
-  """[..., K, D] residual head states h + SiLU(W_j h + b_j) for every head j."""
+  """[..., K, D] residual head states h + SiLU(W_j h + b_j) for every head j (R blocks in
+  turn when w is [K, R, D, D])."""
   h = hidden_XD.astype(jnp.float32)
+  if params["w"].ndim == 4:  # R residual blocks per head (the published format)
+    x = jnp.broadcast_to(jnp.expand_dims(h, -2), h.shape[:-1] + params["w"].shape[:1]
+                         + h.shape[-1:])
+    for r in range(params["w"].shape[1]):
+      z = jnp.einsum("...kd,kde->...ke", x, params["w"][:, r])
+      x = x + jax.nn.silu(z + params["b"][:, r].reshape((1,) * (z.ndim - 2)
+                                                        + params["b"].shape[:1] + z.shape[-1:]))
+    return x
   z = jnp.einsum("...d,kde->...ke", h, params["w"])
   b = params["b"].reshape((1,) * (z.ndim - 2) + params["b"].shape)  # [..., K, D]
   return jnp.expand_dims(h, -2) + jax.nn.silu(z + b)
 
 
 def head_logits(params: dict, target: LM, hidden_XD: Array) -> Array:
-  """[..., K, V] float32 logits of every head through the target's own LM head."""
+  """[..., K, V] float32 logits of every head through the target's own LM head (or each
+  head's own projection, params["lm"] [K, D, V], where the heads carry one)."""
   states = head_states(params, hidden_XD)
+  if "lm" in params:
+    return jnp.einsum("...kd,kdv->...kv", states, params["lm"],
+                      preferred_element_type=jnp.float32)
   lead = states.shape[:-1]
   flat = states.reshape((1, -1, states.shape[-1]))
   return target.module().logits(flat).astype(jnp.float32).reshape(lead + (-1,))
@@ -74,7 +93,8 @@ class MedusaState:
 @struct.dataclass
 class MedusaDrafter(Drafter):
   """Drafts static trees from Medusa heads (module doc). `target`: the target's LM (its LM
-  head is used, shared); `params`: {"w": [K, D, D], "b": [K, D]}."""
+  head is used, shared); `params`: {"w": [K, D, D], "b": [K, D]}, or the published
+  structure's {"w": [K, R, D, D], "b": [K, R, D]} and optionally "lm": [K, D, V]."""
 
   target: LM
   params: dict
@@ -84,13 +104,21 @@ class MedusaDrafter(Drafter):
     """A drafter for `target` (Transformer or LM) from trained head params (validated)."""
     lm = LM.of(target)
     d = lm.config.d_model
-    w, b = params.get("w"), params.get("b")
-    if w is None or b is None or np.ndim(w) != 3 or tuple(np.shape(w))[1:] != (d, d) or \
-        tuple(np.shape(b)) != (np.shape(w)[0], d):
+    w, b, own = params.get("w"), params.get("b"), params.get("lm")
+    mid = tuple(np.shape(w))[1:-2] if w is not None else ()
+    if w is None or b is None or np.ndim(w) not in (3, 4) or tuple(np.shape(w))[-2:] != (d, d) \
+        or tuple(np.shape(b)) != tuple(np.shape(w))[:1] + mid + (d,):
       raise ValueError(f"params must be Medusa heads for d_model {d}: w [K, {d}, {d}] and "
-                       f"b [K, {d}], got shapes {np.shape(w)} and {np.shape(b)}")
-    return cls(target=lm, params={"w": jnp.asarray(w, jnp.float32),
-                                  "b": jnp.asarray(b, jnp.float32)})
+                       f"b [K, {d}] (or w [K, R, {d}, {d}] and b [K, R, {d}]), got shapes "
+                       f"{np.shape(w)} and {np.shape(b)}")
+    v = lm.config.vocab_size
+    if own is not None and tuple(np.shape(own)) != (np.shape(w)[0], d, v):
+      raise ValueError(f"params['lm'] must be the heads' own LM projections [K, {d}, {v}], got "
+                       f"shape {np.shape(own)}")
+    out = {"w": jnp.asarray(w, jnp.float32), "b": jnp.asarray(b, jnp.float32)}
+    if own is not None:
+      out["lm"] = jnp.asarray(own, jnp.float32)
+    return cls(target=lm, params=out)
 
   @property
   def heads(self) -> int:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.drafters.eagle import (EagleHead, check_layers, default_layers, embed,
+from specjax.drafters.eagle import (STRUCTURES, EagleHead, check_layers, default_layers, embed,
                                     head_from_params, head_logits)
 from specjax.models.transformer import ModelConfig
 
@@ -34,13 +34,18 @@ class EagleHeads:
   only the features are the head's own. KL to the target, like the Medusa kind, because
   verification compares with the target. layers: the captured target layers (None: a low,
   a middle and a high one, `default_layers`). width: the head's decoder-layer width (None:
-  the target's d_model; else a multiple of its head_dim, `head_config`).
+  the target's d_model; else a multiple of its head_dim, `head_config`). structure: the
+  head's (`drafters.eagle.STRUCTURES`; "eagle", the published EAGLE-1/2 head, reads the
+  final norm's output alone, with a bias on its fc when `bias`: what imported heads are,
+  `checkpoints.published.eagle`).
   """
 
   steps: int = 3
   decay: float = 0.8
   layers: tuple[int, ...] | None = None
   width: int | None = None
+  structure: str = "specjax"
+  bias: bool = False
   name = "eagle"
 
   def __post_init__(self):
@@ -55,6 +60,8 @@ class EagleHeads:
         raise ValueError(f"layers must be a non-empty sequence of layer indices >= 0, got "
                          f"{self.layers!r}")
       object.__setattr__(self, "layers", tuple(self.layers))
+    if self.structure not in STRUCTURES:
+      raise ValueError(f"structure must be one of {STRUCTURES}, got {self.structure!r}")
     if self.width is not None and (isinstance(self.width, bool)
                                    or not isinstance(self.width, int) or self.width < 1):
       raise ValueError(f"width must be None (the target's d_model) or an int >= 1, got "
@@ -69,6 +76,8 @@ class EagleHeads:
             "layers": None if self.layers is None else list(self.layers)}
     if self.width is not None:  # absent = full width (heads saved before widths existed)
       spec["width"] = self.width
+    if self.structure != "specjax":  # absent = today's structure
+      spec["structure"], spec["bias"] = self.structure, bool(self.bias)
     return spec
 
   @classmethod
@@ -76,16 +85,19 @@ class EagleHeads:
     layers, width = spec.get("layers"), spec.get("width")
     return cls(steps=int(spec["steps"]), decay=float(spec["decay"]),
                layers=None if layers is None else tuple(int(i) for i in layers),
-               width=None if width is None else int(width))
+               width=None if width is None else int(width),
+               structure=str(spec.get("structure", "specjax")), bias=bool(spec.get("bias")))
 
   def feature_layers(self, target: ModelConfig) -> tuple[int, ...]:
+    if self.layers is None and self.structure == "eagle":  # the final norm's output
+      return (target.n_layers,)
     return check_layers(target, default_layers(target.n_layers) if self.layers is None
                         else self.layers)
 
   def init(self, target: ModelConfig, key: Array):
     layers = self.feature_layers(target)
     head = EagleHead(target.replace(dtype="float32"), len(layers), width=self.width,
-                     rngs=nnx.Rngs(key))
+                     structure=self.structure, bias=self.bias, rngs=nnx.Rngs(key))
     return nnx.state(head, nnx.Param)
 
   def _step_logits(self, params, tp) -> list[Array]:

@@ -524,4 +524,38 @@ def load_head(directory: str | pathlib.Path, *, target=None, kind: str | None = 
   return TrainedHead(head_kind, restored.params, TargetBinding(target_cfg,
                                                                meta["target"]["fingerprint"]),
                      None if acc is None else HeadAcceptance.from_dict(acc),
-                     tokenizer_from_spec(meta["tokenizer"], directory), meta, restored.step)
+                     _head_tokenizer(meta.get("tokenizer"), directory), meta, restored.step)
+
+
+def _head_tokenizer(spec: dict | None, directory: pathlib.Path):
+  """The tokenizer a head directory records (None where it records none; a Hugging Face
+  tokenizer is read back from the tokenizer.json `save_head` wrote beside it)."""
+  if spec is None:
+    return None
+  if spec.get("kind") == "hf":
+    from specjax.checkpoints.hf import load_tokenizer_for
+    return load_tokenizer_for(directory)
+  return tokenizer_from_spec(spec, directory)
+
+
+def save_head(directory: str | pathlib.Path, kind: HeadKind, params, target, tokenizer=None,
+              *, metadata: dict | None = None, overwrite: bool = False) -> pathlib.Path:
+  """Write `params` of a `kind` head as a head directory `load_head` reads (step 0, bound
+  to `target`: (config, params), an LM or a Transformer), all or nothing; for heads made
+  elsewhere (`checkpoints.published`: imported heads). metadata: extra fields (where the
+  head came from). A non-empty `directory` is refused unless `overwrite`."""
+  from specjax.checkpoints.dirs import assembling, prepare_output_dir
+  out = prepare_output_dir(directory, overwrite)
+  binding = _as_binding(target)
+  meta = {**(metadata or {}), "kind": HEAD_KIND,
+          "head": {"kind": kind.name, "spec": kind.spec()}, "target": binding.to_dict(),
+          "tokenizer": None if tokenizer is None else tokenizer.to_spec()}
+  with assembling(out) as tmp:
+    orbax_io.save(tmp, 0, params=params, config=binding.config, metadata=meta)
+    if tokenizer is not None:
+      text = tokenizer.to_json() if hasattr(tokenizer, "to_json") else None
+      if text is not None:
+        (tmp / "tokenizer.json").write_text(text)
+      else:
+        tokenizer.save(tmp)
+  return out

@@ -31,10 +31,14 @@ Array = jax.Array
 @dataclasses.dataclass(frozen=True)
 class MedusaHeads:
   """The Medusa head kind for `specjax.training.heads` (module doc): K heads, loss weights
-  decay^j."""
+  decay^j. blocks (R) and own_lm describe the published Medusa-1 structure
+  (`drafters.medusa`): R residual blocks per head, each head's own LM projection (own_lm
+  starts at zeros here: imported heads carry theirs); the defaults are our heads."""
 
   heads: int = 4
   decay: float = 0.8
+  blocks: int = 1
+  own_lm: bool = False
   name = "medusa"
 
   def __post_init__(self):
@@ -42,17 +46,24 @@ class MedusaHeads:
       raise ValueError(f"heads must be an int >= 1, got {self.heads!r}")
     if not (isinstance(self.decay, (int, float)) and 0.0 < self.decay <= 1.0):
       raise ValueError(f"decay must be in (0, 1], got {self.decay!r}")
+    if not isinstance(self.blocks, int) or isinstance(self.blocks, bool) or self.blocks < 1:
+      raise ValueError(f"blocks must be an int >= 1 (residual blocks per head), got "
+                       f"{self.blocks!r}")
 
   @property
   def positions(self) -> int:
     return self.heads
 
   def spec(self) -> dict:
-    return {"heads": self.heads, "decay": float(self.decay)}
+    spec = {"heads": self.heads, "decay": float(self.decay)}
+    if self.blocks != 1 or self.own_lm:  # absent: our structure
+      spec.update(blocks=self.blocks, own_lm=bool(self.own_lm))
+    return spec
 
   @classmethod
   def from_spec(cls, spec: dict) -> "MedusaHeads":
-    return cls(heads=int(spec["heads"]), decay=float(spec["decay"]))
+    return cls(heads=int(spec["heads"]), decay=float(spec["decay"]),
+               blocks=int(spec.get("blocks", 1)), own_lm=bool(spec.get("own_lm", False)))
 
   def feature_layers(self, target: ModelConfig) -> tuple[int, ...]:
     return (target.n_layers,)
@@ -61,8 +72,14 @@ class MedusaHeads:
     """W_j = 0, b_j = 0: every head starts as the target's LM head."""
     del key
     d = target.d_model
-    return {"w": jnp.zeros((self.heads, d, d), jnp.float32),
-            "b": jnp.zeros((self.heads, d), jnp.float32)}
+    if self.blocks == 1 and not self.own_lm:
+      return {"w": jnp.zeros((self.heads, d, d), jnp.float32),
+              "b": jnp.zeros((self.heads, d), jnp.float32)}
+    params = {"w": jnp.zeros((self.heads, self.blocks, d, d), jnp.float32),
+              "b": jnp.zeros((self.heads, self.blocks, d), jnp.float32)}
+    if self.own_lm:
+      params["lm"] = jnp.zeros((self.heads, d, target.vocab_size), jnp.float32)
+    return params
 
   def loss(self, params: dict, tp) -> tuple[Array, dict]:
     """Σ_j decay^j · KL(target at t+1+j ‖ head j at t), averaged over positions; metrics:

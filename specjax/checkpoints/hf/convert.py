@@ -59,14 +59,23 @@ def nest(flat: Mapping[str, Any]) -> dict:
   return tree
 
 
-def build_model(config: ModelConfig, params: Mapping[str, Any]):
-  """A specjax Transformer holding `params` ({specjax name: array} or a nested pure dict)."""
+def build_model(config: ModelConfig, params: Mapping[str, Any], mesh=None):
+  """A specjax Transformer holding `params` ({specjax name: array} or a nested pure dict).
+  mesh: a ('data', 'model') mesh: each tensor goes straight to its shards
+  (`sharding.named`: every device receives its slice), never whole onto one device."""
+  import jax
   import jax.numpy as jnp
   from flax import nnx
   _, state = abstract_model(config)
   flat = params if all(isinstance(k, str) and not isinstance(v, Mapping)
                        for k, v in params.items()) else flatten(params)
-  nnx.replace_by_pure_dict(state, nest({k: jnp.asarray(v) for k, v in flat.items()}))
+  if mesh is None:
+    put = lambda name, v: jnp.asarray(v)
+  else:
+    from specjax import sharding
+    put = lambda name, v: jax.device_put(v, sharding.named(mesh, config, name.split("."),
+                                                           np.shape(v)))
+  nnx.replace_by_pure_dict(state, nest({k: put(k, v) for k, v in flat.items()}))
   return from_params(config, state)
 
 
@@ -150,8 +159,9 @@ class HFImport:
   layout: str
   hf_config: dict
 
-  def model(self):
-    return build_model(self.config, self.params)
+  def model(self, mesh=None):
+    """The Transformer; with a mesh, each weight placed straight into its shards."""
+    return build_model(self.config, self.params, mesh)
 
 
 def import_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> HFImport:
