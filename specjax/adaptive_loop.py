@@ -156,13 +156,10 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
   depth = max(policy.max_depth, 1)
   width = depth + 1  # emitted tokens, padded
   ranks = policy.width
-  key, first_key = jax.random.split(key)
   capture = tuple(drafter.feature_layers)
   extra = (lambda f: {"features": f}) if capture else (lambda f: {})
-  tokens, cache, first, prompt_features = _start(target, prompt_BP, prompt_len_B, sampler,
-                                                 first_key, cache_len, capture)
-  length = prompt_len_B.astype(jnp.int32)
-  done = _finished(jnp.ones_like(length), budget_B, is_eos(first, eos))
+  init, prompt_features = _start(target, prompt_BP, prompt_len_B, budget_B, eos, sampler, key,
+                                 cache_len, capture)
   rows = jnp.arange(b)
   one = trees.chain(1)
   # the drafter's state is sized for every entry: their nodes, the deepest one's depth
@@ -309,15 +306,14 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
 
   acc0, tried0 = policy.init_state(b)
   zb = jnp.zeros((b,), jnp.int32)
-  init = LoopState(tokens=tokens, length=length, done=done, cache=cache, key=key,
-                   draft=drafter.init(prompt_BP, prompt_len_B, cache_len, largest,
-                                      **extra(prompt_features)),
-                   stats=Stats.zeros(b, depth, cache_len, ranks),
-                   adapt=AdaptState(acc=acc0, tried=tried0, cycle=jnp.zeros((), jnp.int32),
-                                    choices=jnp.full((cache_len,), -1, jnp.int32),
-                                    plain_steps=zb, stopped=zb, skipped=zb, behind=zb,
-                                    behind_p=jnp.ones((b, slots), jnp.float32),
-                                    catch_ups=jnp.zeros((), jnp.int32)))
+  init = init.replace(draft=drafter.init(prompt_BP, prompt_len_B, cache_len, largest,
+                                          **extra(prompt_features)),
+                      stats=Stats.zeros(b, depth, cache_len, ranks),
+                      adapt=AdaptState(acc=acc0, tried=tried0, cycle=jnp.zeros((), jnp.int32),
+                                       choices=jnp.full((cache_len,), -1, jnp.int32),
+                                       plain_steps=zb, stopped=zb, skipped=zb, behind=zb,
+                                       behind_p=jnp.ones((b, slots), jnp.float32),
+                                       catch_ups=jnp.zeros((), jnp.int32)))
   return jax.lax.while_loop(_not_finished, body, init)
 
 

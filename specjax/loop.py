@@ -146,16 +146,23 @@ def _not_finished(state: LoopState) -> Array:
   return ~jnp.all(state.done)
 
 
-def _start(target: LM, prompt_BP, prompt_len_B, sampler, key, cache_len: int, capture=()):
-  """Prefill the target, sample the first token, lay out the token buffer. With `capture`
-  also returns the prompt's captured features (`Transformer.__call__`), else None."""
+def _start(target: LM, prompt_BP, prompt_len_B, budget_B, eos, sampler, key, cache_len: int,
+           capture=()):
+  """Every loop's prologue: prefill the target, sample the first token (with the first half
+  of a split of `key`), lay out the token buffer; a row whose first token ends it (budget 1
+  or an EOS id) starts done. Returns (LoopState without drafter state or counters, the
+  prompt's captured features (`Transformer.__call__`) with `capture`, else None)."""
   b, p = prompt_BP.shape
+  key, first_key = jax.random.split(key)
   cache = kv.init(target.config, b, cache_len)
   hidden_BD, cache, *features = target.prefill(cache, prompt_BP, prompt_len_B, capture)
-  first = sampling.sample(key, sampling.warp(target.head(hidden_BD), sampler))
+  first = sampling.sample(first_key, sampling.warp(target.head(hidden_BD), sampler))
   tokens = jnp.zeros((b, cache_len), jnp.int32).at[:, :p].set(prompt_BP)
   tokens = tokens.at[jnp.arange(b), prompt_len_B].set(first)
-  return tokens, cache, first, (features[0] if capture else None)
+  length = prompt_len_B.astype(jnp.int32)
+  done = _finished(jnp.ones_like(length), budget_B, is_eos(first, eos))
+  state = LoopState(tokens=tokens, length=length, done=done, cache=cache, key=key)
+  return state, (features[0] if capture else None)
 
 
 def _finished(emitted_B, budget_B, hit_eos_B):
@@ -202,12 +209,8 @@ def generate_loop(target: LM, prompt_BP, prompt_len_B, budget_B, eos, sampler, k
                   cache_len: int) -> LoopState:
   """Plain autoregressive decoding (pure, jittable, vmappable). Returns the final LoopState."""
   TRACE_COUNTS["generate"] += 1
-  key, first_key = jax.random.split(key)
-  tokens, cache, first, _ = _start(target, prompt_BP, prompt_len_B, sampler, first_key,
-                                   cache_len)
-  length = prompt_len_B.astype(jnp.int32)
-  done = _finished(jnp.ones_like(length), budget_B, is_eos(first, eos))
-  rows = jnp.arange(length.shape[0])
+  init, _ = _start(target, prompt_BP, prompt_len_B, budget_B, eos, sampler, key, cache_len)
+  rows = jnp.arange(prompt_BP.shape[0])
 
   def body(s: LoopState) -> LoopState:
     key, step_key = jax.random.split(s.key)
@@ -223,7 +226,6 @@ def generate_loop(target: LM, prompt_BP, prompt_len_B, budget_B, eos, sampler, k
                      cache=kv.set_lengths(cache, length),
                      nonfinite=s.nonfinite + _nonfinite(active, logits))
 
-  init = LoopState(tokens=tokens, length=length, done=done, cache=cache, key=key)
   return jax.lax.while_loop(_not_finished, body, init)
 
 
@@ -330,13 +332,10 @@ def speculative_loop(target: LM, drafter, prompt_BP, prompt_len_B, budget_B, eos
   TRACE_COUNTS["speculative"] += 1
   b = prompt_BP.shape[0]
   nodes, depth = tree.size, tree.max_depth
-  key, first_key = jax.random.split(key)
   capture = tuple(drafter.feature_layers)  # static: target features the drafter reads
   extra = (lambda f: {"features": f}) if capture else (lambda f: {})
-  tokens, cache, first, prompt_features = _start(target, prompt_BP, prompt_len_B, sampler,
-                                                 first_key, cache_len, capture)
-  length = prompt_len_B.astype(jnp.int32)
-  done = _finished(jnp.ones_like(length), budget_B, is_eos(first, eos))
+  init, prompt_features = _start(target, prompt_BP, prompt_len_B, budget_B, eos, sampler, key,
+                                 cache_len, capture)
 
   def body(s: LoopState) -> LoopState:
     key, draft_key, accept_key = jax.random.split(s.key, 3)
@@ -345,10 +344,9 @@ def speculative_loop(target: LM, drafter, prompt_BP, prompt_len_B, budget_B, eos
                                                capture)
     return new.replace(key=key, stats=s.stats.record(active, result, nodes, drafted))
 
-  init = LoopState(tokens=tokens, length=length, done=done, cache=cache, key=key,
-                   draft=drafter.init(prompt_BP, prompt_len_B, cache_len, tree,
-                                      **extra(prompt_features)),
-                   stats=Stats.zeros(b, depth, cache_len, tree.max_width))
+  init = init.replace(draft=drafter.init(prompt_BP, prompt_len_B, cache_len, tree,
+                                          **extra(prompt_features)),
+                      stats=Stats.zeros(b, depth, cache_len, tree.max_width))
   return jax.lax.while_loop(_not_finished, body, init)
 
 
