@@ -5,12 +5,13 @@ which `specjax bench` fills in). Models and drafters by reference (`specjax.reso
 target, any drafter kind), prompts by reference (`specjax.prompts`: a Spec-Bench / MT-Bench
 question file, a plain JSONL file, or the embedded `code` / `prose` sets), rendered with the
 target tokenizer's chat template when it has one (`chat_template=False` opts out). The first
-turn of each question is decoded (Spec-Bench's single-turn setting).
+turn of each question is decoded (Spec-Bench's single-turn setting). Decoding stops on every
+EOS id the target's files list (`eos_ids` in the rows).
 
 Each question is decoded `batch` rows at a time (copies of it; batch 1 is Spec-Bench's
 setting) with plain `generate` and with `speculative_generate` of the shape (`k`, a chain;
 `tree_widths`, a static tree), alternated `repeats` times after a warm-up call, both stopping
-at the tokenizer's EOS id. Two speeds, labelled:
+at every EOS id of the target. Two speeds, labelled:
 
     speedup       end to end: plain ÷ speculative wall time of the same call, prefill
                   included (Spec-Bench's measure)
@@ -133,16 +134,17 @@ def point(question, target: str = "default", draft: str = "eagle:default",
       "accept_by_position": [float(a / t) if t else None for a, t in zip(accepted, tried)],
       "loop_fraction": metrics.loop_fraction(s_run.tokens),
       "identical_to_plain": same if temperature == 0 else None,
-      "eos_id": eos, **extra,
+      "eos_ids": eos, **extra,
   }
 
 
 def _eos_ids(tokenizer):
-  """The EOS id decoding stops on: the first the model's files list (`chat.stop_ids`). The
-  loop takes one id (BUILD_NOTES.md, known limits: several EOS ids)."""
+  """The EOS ids decoding stops on: every id the model's files list (`chat.stop_ids`:
+  generation_config.json's eos_token_id, an int or a list, else config.json's, and the
+  tokenizer's eos), None without any."""
   from specjax import chat
   ids = chat.stop_ids(tokenizer)
-  return ids[0] if ids else None
+  return list(ids) if ids else None
 
 
 def table(records: list[dict]) -> list[dict]:

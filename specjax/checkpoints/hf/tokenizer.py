@@ -85,8 +85,9 @@ class HFTokenizer:
   bos/eos/pad ids come from tokenizer_config.json (token strings), else from the model's
   config.json / generation_config.json ids; any of them may be None (no such token).
   `eos_ids` are the ids to stop on: every id of generation_config.json's `eos_token_id` (an
-  int or a list), then `eos_id`, each once. `chat_template` is the directory's template
-  (`specjax.chat.load_chat_template`, read on first use), None without one.
+  int or a list; without one, config.json's), then `eos_id`, each once. `chat_template` is
+  the directory's template (`specjax.chat.load_chat_template`, read on first use), None
+  without one.
   """
 
   kind = "hf"
@@ -136,8 +137,11 @@ class HFTokenizer:
           return value
       return None
 
+    # transformers' rule: generation_config.json's eos_token_id, else config.json's
+    eos_ids = (generation_eos_ids(gc, d / "generation_config.json")
+               or generation_eos_ids(mc, d / "config.json"))
     return cls(backend, bos_id=token_id("bos"), eos_id=token_id("eos"), pad_id=token_id("pad"),
-               eos_ids=generation_eos_ids(gc, d / "generation_config.json"), directory=d)
+               eos_ids=eos_ids, directory=d)
 
   @functools.cached_property
   def chat_template(self):
