@@ -33,6 +33,7 @@ COMMANDS = {
     "import-hf, export-hf, inspect": "specjax.commands.checkpoints",
     "run, merge": "specjax.commands.run",
     "bench": "specjax.commands.bench",
+    "import-head, export-head": "specjax.commands.heads",
 }
 
 

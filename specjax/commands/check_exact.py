@@ -31,10 +31,12 @@ def add_parser(subparsers) -> None:
                  help="'default' (the embedded trained target; trained on first use), a "
                  "Hugging Face model directory or a specjax checkpoint directory (default: a "
                  "random model from --target-config)")
-  p.add_argument("--draft", default=None, metavar="default|self|oracle|DIR",
+  p.add_argument("--draft", default=None, metavar="default|self|oracle|lookup|KIND:ARG|DIR",
                  help="'default' (the embedded distilled draft), 'self' (the target drafts "
-                 "for itself), 'oracle' (the controlled-α drafter, --alpha), or a checkpoint "
-                 "directory (default: a random model from --draft-config)")
+                 "for itself), 'oracle' (the controlled-α drafter, --alpha), 'lookup' (prompt "
+                 "lookup), 'layer-skip:M', draft heads 'eagle:DIR' / 'medusa:DIR' (trained "
+                 "or imported for --target), or a checkpoint directory (default: a random "
+                 "model from --draft-config)")
   add_config_flags(p, "as --target-config (default: %(default)s)")
   p.add_argument("--alpha", type=float, default=0.5,
                  help="acceptance rate of --draft oracle (default %(default)s)")
@@ -136,6 +138,12 @@ def _models(args):
   target, tok = target_from_flags(args, pair)
   if args.draft == "oracle":
     return target, OracleDrafter.of(target, args.alpha), tok
+  from specjax import resolve
+  if args.draft is not None and resolve.draft_kind(args.draft, "--draft")[0] not in (
+      "model", "self", "default", "random"):  # lookup, layer-skip:M, draft heads
+    drafter, _ = resolve.make_drafter(args.draft, target, k=args.k or 2,
+                                      deterministic=args.deterministic_draft, flag="--draft")
+    return target, drafter, tok
   draft = draft_from_flags(args.draft, args, target, pair, tokenizer=tok)
   return target, ModelDrafter.of(draft, deterministic=args.deterministic_draft), tok
 
