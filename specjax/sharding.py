@@ -262,6 +262,25 @@ def place_batch(mesh: Mesh | None, *arrays_B):
                for x in arrays_B)
 
 
+def replicate(mesh: Mesh, tree):
+  """Every array of `tree` replicated on every device of `mesh` (data-parallel training)."""
+  every = NamedSharding(mesh, P())
+  return jax.tree.map(lambda x: jax.device_put(x, every) if isinstance(x, jax.Array) else x,
+                      tree)
+
+
+def split_rows(mesh: Mesh, x, axis: int = 0):
+  """`x` split over `data` along `axis` (its rows), replicated over `model`; ValueError
+  when the rows do not divide."""
+  d, rows = mesh.shape["data"], np.shape(x)[axis]
+  if rows % d:
+    raise ValueError(f"mesh data={d} must divide the {rows} rows of a batch: pick a data "
+                     f"axis that divides {rows}")
+  spec = [None] * np.ndim(x)
+  spec[axis] = "data"
+  return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+
 def bytes_per_device(tree) -> dict:
   """{device: bytes} of the array leaves' shards each device holds (`addressable_shards`)."""
   out: dict = {}

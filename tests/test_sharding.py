@@ -32,6 +32,7 @@ from specjax.drafters.model import ModelDrafter
 from specjax.drafters.oracle import OracleDrafter
 from specjax.models import transformer
 from specjax.models.transformer import ModelConfig
+from specjax_testing import byte_target, data  # noqa: F401 (shared fixtures)
 from specjax_testing import model, perturbed
 
 EIGHT = len(jax.devices()) >= 8
@@ -316,3 +317,34 @@ def test_load_into_place(tmp_path, kind):
   _check_in_place(loaded, reference, mesh)
   run = decoding.generate(loaded, PROMPTS, max_new_tokens=4, mesh=mesh)
   assert run.tokens == decoding.generate(reference, PROMPTS, max_new_tokens=4).tokens
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@needs_8
+@pytest.mark.slow
+def test_training_data_parallel(data, byte_target, tmp_path):  # noqa: F811 (fixtures)
+  """A language model and a Medusa head trained data-parallel over 4 devices (rows split,
+  weights replicated) follow the one-device run to rounding (the gradient's sums are
+  reduced in another order)."""
+  from specjax.training.heads import HeadTrainer
+  from specjax.training.medusa import MedusaHeads
+  from specjax.training.trainer import Trainer
+  from specjax_testing import TC, TCFG, TOK
+  tc = TC.replace(steps=3)
+  mesh = sharding.make_mesh(4, 2)
+  one = Trainer(TCFG, tc, data, TOK, progress=False).run()
+  dp = Trainer(TCFG, tc, data, TOK, progress=False, mesh=mesh, out_dir=tmp_path / "lm").run()
+  np.testing.assert_allclose(dp.val["nll"], one.val["nll"], rtol=1e-4)
+  for a, b in zip(jax.tree.leaves(dp.params), jax.tree.leaves(one.params)):
+    assert a.sharding.spec == P() and len(a.sharding.device_set) == 8
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-5)
+  with pytest.raises(ValueError, match="mesh data=8 must divide the micro-batch"):
+    Trainer(TCFG, tc.replace(batch_size=4), data, TOK, progress=False,
+            mesh=sharding.make_mesh(8, 1))
+  kind = MedusaHeads(heads=2)
+  heads = [HeadTrainer(kind, TCFG, byte_target[1], tc, data, TOK, progress=False, **kw).run()
+           for kw in ({}, {"mesh": mesh})]
+  for a, b in zip(jax.tree.leaves(heads[1].params), jax.tree.leaves(heads[0].params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-5)

@@ -155,10 +155,35 @@ class CheckpointedRun:
       self._save(ckpt)
       raise
 
+  # A ('data', 'model') mesh to train on, data-parallel (`_data_parallel`); None: one device.
+  mesh = None
+
+  def _data_parallel(self, mesh, *frozen):
+    """Trains data-parallel over `mesh` (None: one device): params, optimizer state and the
+    `frozen` trees (returned) replicated on every device, each step's rows split over
+    `data` (the micro-batch must divide), gradients reduced by XLA. The `model` axis holds
+    copies. A step computes the same sums in another order, so losses agree to rounding."""
+    from specjax import sharding
+    if mesh is None:  # explicit only: the CLI's default mesh is for decoding
+      return frozen
+    self.mesh = sharding.check_mesh(mesh)
+    d = self.mesh.shape["data"]
+    if self.tc.micro_batch % d:
+      raise ValueError(f"mesh data={d} must divide the micro-batch ({self.tc.micro_batch} = "
+                       f"batch_size / grad_accum): pick a data axis that divides it")
+    self.params, self.opt_state, frozen = sharding.replicate(
+        self.mesh, (self.params, self.opt_state, frozen))
+    return frozen
+
   def _batch(self) -> np.ndarray:
-    """The batch of this step: a pure function of (seed, step), int32 [A, B, T + 1]."""
+    """The batch of this step: a pure function of (seed, step), int32 [A, B, T + 1] (rows
+    split over the mesh's `data` axis when training data-parallel)."""
     tc = self.tc
-    return self.data.train_batch(tc.seed, self.step, tc.batch_size, tc.seq_len, tc.grad_accum)
+    batch = self.data.train_batch(tc.seed, self.step, tc.batch_size, tc.seq_len, tc.grad_accum)
+    if self.mesh is None:
+      return batch
+    from specjax import sharding
+    return sharding.split_rows(self.mesh, batch, axis=1)
 
   def _eval_due(self) -> bool:
     """A periodic evaluation is due (every eval_every steps, not at the last one)."""

@@ -353,12 +353,13 @@ class HeadTrainer(CheckpointedRun):
   out_dir: checkpoint directory (None: no checkpoints, no resume); one holding checkpoints of
   the same run is resumed, one of a different run (kind, target, schedule, corpus,
   tokenizer) is refused naming the differences.
+  mesh: a ('data', 'model') mesh to train on data-parallel (`CheckpointedRun._data_parallel`).
   """
 
   def __init__(self, kind: HeadKind, target_config: ModelConfig, target_params,
                train_config: TrainConfig, data: TokenData, tokenizer: Tokenizer, *,
                out_dir: str | pathlib.Path | None = None, progress: bool = True,
-               log: Callable[[str], None] = _log, eval_ranks: int = 4) -> None:
+               log: Callable[[str], None] = _log, eval_ranks: int = 4, mesh=None) -> None:
     tc = train_config
     if target_config.vocab_size != tokenizer.vocab_size:
       raise ValueError(f"target vocab_size {target_config.vocab_size} != tokenizer vocab_size "
@@ -378,6 +379,7 @@ class HeadTrainer(CheckpointedRun):
     self.params = jax.jit(kind.init, static_argnums=0)(self.target.config,
                                                        jax.random.key(tc.seed))
     self.opt_state = jax.jit(self.tx.init)(self.params)
+    self.target, = self._data_parallel(mesh, self.target)
     self.train_step = _train_step_for(kind, tc.compile_key())
     self.val_windows = data.validation_windows(tc.seq_len, tc.eval_windows)
     self.step, self.history, self.resumed_from = 0, [], None

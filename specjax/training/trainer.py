@@ -346,12 +346,14 @@ class Trainer(CheckpointedRun):
 
   out_dir: checkpoint directory (None: no checkpoints, no resume). A directory that already
   holds checkpoints of the same run is resumed; one of a different run is refused.
+  mesh: a ('data', 'model') mesh to train on data-parallel (`CheckpointedRun._data_parallel`).
   """
 
   def __init__(self, model_config: ModelConfig, train_config: TrainConfig, data: TokenData,
                tokenizer: Tokenizer, *, out_dir: str | pathlib.Path | None = None,
                teacher: Teacher | None = None, role: str = "model", progress: bool = True,
-               log: Callable[[str], None] = _log, check_memory_fit: bool = True) -> None:
+               log: Callable[[str], None] = _log, check_memory_fit: bool = True,
+               mesh=None) -> None:
     tc = train_config
     if model_config.vocab_size != tokenizer.vocab_size:
       raise ValueError(f"model vocab_size {model_config.vocab_size} != tokenizer vocab_size "
@@ -377,6 +379,8 @@ class Trainer(CheckpointedRun):
     self.tx = make_optimizer(tc)
     self.graphdef, params = init_params(model_config, tc.seed)
     self.params, self.opt_state = params, jax.jit(self.tx.init)(params)
+    self.teacher_params = None if teacher is None else teacher.params
+    self.teacher_params, = self._data_parallel(mesh, self.teacher_params)
     self.train_step, self.eval_step = compiled_steps(
         model_config.replace(dtype="float32"), tc,
         None if teacher is None else teacher.config.replace(dtype="float32"))
@@ -413,7 +417,7 @@ class Trainer(CheckpointedRun):
   # -- loop
 
   def evaluate(self) -> dict:
-    teacher_params = None if self.teacher is None else self.teacher.params
+    teacher_params = self.teacher_params
     return evaluate(self.eval_step, self.params, self.val_windows, self.tc.micro_batch,
                     self.byte_len_V, teacher_params)
 
@@ -424,7 +428,7 @@ class Trainer(CheckpointedRun):
     tc, start = self.tc, time.perf_counter()
     with self._checkpointing() as ckpt:
       first, last = self.step, self._last_step(stop_after)
-      teacher_params = None if self.teacher is None else self.teacher.params
+      teacher_params = self.teacher_params
       tokens_per_step = tc.batch_size * tc.seq_len
       losses_window: list[float] = []
       bar = self._progress_bar()
