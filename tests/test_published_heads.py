@@ -8,6 +8,7 @@ the weights: the target's hidden states come from transformers, the head's forwa
 written below (RMSNorm, half-split rotary embedding, grouped-query attention over the
 head's own growing cache, SwiGLU)."""
 
+import functools
 import json
 import math
 
@@ -20,7 +21,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import save_file  # noqa: E402
 
-from specjax import cli, resolve, sampling, trees  # noqa: E402
+import specjax  # noqa: E402
+from specjax import cli, decoding, loop, planted_bugs, resolve, sampling, trees  # noqa: E402
 from specjax.checkpoints import hf, published  # noqa: E402
 from specjax.checkpoints.published import eagle as eagle_format  # noqa: E402
 from specjax.drafters import medusa as medusa_drafter  # noqa: E402
@@ -217,9 +219,11 @@ def test_a_transposed_fc_fails_parity(target, eagle_src, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_eagle_speculative_equals_plain_at_t0(target, eagle_head):
-  drafter, _ = resolve.make_drafter(f"eagle:{eagle_head}", target[2], k=3)
-  assert_greedy_identity(target[2], drafter, trees.chain(3), 12, mixed_alpha=False)
+@pytest.mark.parametrize("tree", [trees.chain(3), trees.branching((2, 1)),
+                                  trees.DynamicTree(6, 3, 2)], ids=["chain", "tree", "dynamic"])
+def test_eagle_speculative_equals_plain_at_t0(target, eagle_head, tree):
+  drafter, _ = resolve.make_drafter(f"eagle:{eagle_head}", target[2], tree=tree)
+  assert_greedy_identity(target[2], drafter, tree, 12, mixed_alpha=False)
 
 
 def test_shapes_that_do_not_fit_are_refused_naming_the_tensor(target, tmp_path):
@@ -385,30 +389,52 @@ def test_our_medusa_heads_round_trip_bit_identically(target, tmp_path):
 # ----------------------------------------------------------------------------- exactness
 
 
+@functools.partial(jax.jit, static_argnames=("tree", "cache_len"))
+def always_accept_loop(*args, **kwargs):
+  """The speculative loop with a planted 'always accept' rule (the χ² tests' control)."""
+  with planted_bugs.planted("always_accept"):
+    return loop.speculative_loop(*args, **kwargs)
+
+
 @pytest.mark.slow
-def test_joint_law_with_an_imported_eagle_head(tmp_path):
-  """χ² over the first three tokens at T > 0 (top-k active) with an imported EAGLE head
-  drafting sampled chains (its q in the stochastic rule)."""
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_joint_law_with_an_imported_head(kind, tmp_path):
+  """χ² over the first three tokens at T > 0 (top-k active) with an imported head drafting
+  chains of 2: EAGLE's sampled candidates (its q in the stochastic rule), Medusa's top
+  candidates (point masses). Negative control: a planted 'always accept' rule fails it."""
   t = joint_target()
   c = t.config
-  w = eagle_tensors(6, d=c.d_model, h=c.n_heads, kv=c.n_kv_heads, f=c.d_ff, vocab=c.vocab_size)
-  src = write_head(tmp_path / "src", w, {}, "model.safetensors")
-  published.import_head(src, t, tmp_path / "head")
-  drafter, _ = resolve.make_drafter(f"eagle:{tmp_path / 'head'}", t, k=2)
+  if kind == "eagle":
+    w = eagle_tensors(6, d=c.d_model, h=c.n_heads, kv=c.n_kv_heads, f=c.d_ff,
+                      vocab=c.vocab_size)
+  else:
+    w = medusa_tensors(6, heads=2, d=c.d_model, vocab=c.vocab_size)
+  published.import_head(write_head(tmp_path / "src", w, {}, "model.safetensors"), t,
+                        tmp_path / "head", kind=kind)
+  drafter, _ = resolve.make_drafter(f"{kind}:{tmp_path / 'head'}", t, k=2, tree=trees.chain(2))
   sampler = sampling.make_sampler(0.9, top_k=6)
-  tokens = first_three(t, drafter, trees.chain(2), sampler, seed=13)
-  assert joint_pvalue(tokens, exact_joint(t, PROMPT, sampler)) > FALSE_ALARM
+  exact = exact_joint(t, PROMPT, sampler)
+  assert joint_pvalue(first_three(t, drafter, trees.chain(2), sampler, seed=13), exact) \
+      > FALSE_ALARM
+  bad = first_three(t, drafter, trees.chain(2), sampler, seed=13, run=always_accept_loop)
+  assert joint_pvalue(bad, exact) < FALSE_ALARM
 
 
 # ----------------------------------------------------------------------------- commands
 
 
+@pytest.mark.slow
 def test_cli_import_and_export(target, eagle_src, medusa_src, tmp_path, monkeypatch, capsys):
   monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))
   tdir = str(target[0])
   out = tmp_path / "eagle"
   assert cli.main(["import-head", str(eagle_src[0]), "--target", tdir, "--out", str(out)]) == 0
-  assert "eagle" in capsys.readouterr().out
+  assert f"--draft eagle:{out}" in capsys.readouterr().out
+  run = specjax.load(target=tdir, draft=f"eagle:{out}", k=3)  # the Python face
+  plain = decoding.generate(run.target, [PROMPT_IDS], max_new_tokens=6)
+  spec = decoding.speculative_generate(run.target, run.drafter, [PROMPT_IDS], max_new_tokens=6,
+                                       **run.shape)
+  assert spec.tokens == plain.tokens
   assert cli.main(["export-head", str(out), "--format", "eagle", "--target", tdir, "--out",
                    str(tmp_path / "hf")]) == 0
   assert (tmp_path / "hf" / "model.safetensors").is_file()
