@@ -68,7 +68,7 @@ from typing import Sequence
 
 import numpy as np
 
-from experiments import measure, references
+from specjax.experiments import measure, references
 from specjax import adaptive, calibration, decoding, sampling, trees
 from specjax.drafters.base import LM
 
@@ -411,7 +411,7 @@ def break_even_check(records: Sequence[dict]) -> list[dict]:
   """Per (temperature, category): the measured break-even batch (best fixed shape's speedup
   falling below 1, `batch_breakeven.break_even`), the first batch where adaptive mostly
   chose k = 0, and whether they agree within 25% (the issue's goal)."""
-  from experiments import batch_breakeven as bb
+  from specjax.experiments import batch_breakeven as bb
 
   off = first_plain_batch(records)
   rows = []

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import measure, references
+from specjax.experiments import measure, references
 from specjax import calibration, decoding, loop, metrics, plan, sampling, theory, trees
 from specjax.drafters.base import LM
 from specjax.drafters.model import ModelDrafter

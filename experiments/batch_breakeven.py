@@ -61,7 +61,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from experiments import measure, references
+from specjax.experiments import measure, references
 from specjax import calibration, roofline, theory, timing
 
 MAX_BATCH = 4096

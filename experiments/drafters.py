@@ -68,7 +68,7 @@ import functools
 
 import numpy as np
 
-from experiments import measure, references
+from specjax.experiments import measure, references
 from specjax import calibration, theory, trees
 
 DRAFTERS = ("lookup", "layer_skip", "medusa", "eagle", "model", "oracle")

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import stats
 
-from experiments import measure, references
+from specjax.experiments import measure, references
 from specjax import acceptance, exactness, sampling, trees
 from specjax.sweeps import parallel, runner
 

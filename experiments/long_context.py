@@ -53,7 +53,7 @@ import math
 
 import jax
 
-from experiments import measure, references
+from specjax.experiments import measure, references
 from specjax import calibration, decoding, roofline, theory, trees
 
 MAX_CONTEXT = 1 << 16

@@ -55,7 +55,7 @@ from specjax.drafters.base import LM, Drafter
 from specjax.drafters.model import ModelDrafter
 from specjax.models import cache as kv
 
-from experiments import references
+from specjax.experiments import references
 
 
 # ----------------------------------------------------------------------------- checks

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments import measure, references
+from specjax.experiments import measure, references
 from specjax import calibration, theory, trees
 from specjax.drafters.model import ModelDrafter
 

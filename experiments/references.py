@@ -235,7 +235,7 @@ def workload(ref: str, tok, texts, prompts: str, count: int, prompt_len: int, *,
   `prompt_len` ids (`measure.prompts`, the studies' rule), or a file's first `count`
   prompts encoded for the target (its chat template unless `chat_template` is False),
   the file read again from its start when it holds fewer."""
-  from experiments import measure
+  from specjax.experiments import measure
   if prompts in EMBEDDED:
     return Workload(measure.prompts(tok, embedded_texts(ref, prompts, texts), count,
                                     prompt_len))

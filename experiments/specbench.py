@@ -33,7 +33,7 @@ import statistics
 
 import numpy as np
 
-from experiments import measure
+from specjax.experiments import measure
 from specjax import decoding, metrics, resolve, sampling, timing, trees
 from specjax.prompts import encode_prompt, load_prompts
 

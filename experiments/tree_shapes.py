@@ -57,7 +57,7 @@ import functools
 import jax
 import numpy as np
 
-from experiments import measure, references
+from specjax.experiments import measure, references
 from specjax import calibration as loop_calibration
 from specjax import decoding, sampling, timing, trees
 from specjax.drafters.model import ModelDrafter

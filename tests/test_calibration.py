@@ -174,7 +174,7 @@ def fake_engine(monkeypatch):
 
 @pytest.fixture(scope="module")
 def random_pair():
-  from experiments import measure
+  from specjax.experiments import measure
   target, draft, _, _ = measure.models("random")
   return target, draft
 

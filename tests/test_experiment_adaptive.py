@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from experiments import adaptive as ex
+from specjax.experiments import adaptive as ex
 from specjax.sweeps import launch, runner
 
 CONFIG = "configs/adaptive.gin"

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from experiments import batch_breakeven as bb
-from experiments import measure
+from specjax.experiments import batch_breakeven as bb
+from specjax.experiments import measure
 from specjax import calibration, decoding, roofline, trees
 from specjax.sweeps import launch, runner
 from specjax.models import cache as kv

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from experiments import drafters
+from specjax.experiments import drafters
 from specjax import timing
 from specjax.sweeps import launch, runner
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments import alpha_k_sweep, quickstart
+from specjax.experiments import alpha_k_sweep, quickstart
 from specjax.sweeps import launch, runner
 from specjax.training import defaults
 

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from experiments import long_context, measure, tree_shapes
+from specjax.experiments import long_context, measure, tree_shapes
 from specjax.sweeps import launch, runner
 
 

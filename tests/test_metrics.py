@@ -237,7 +237,7 @@ def test_loop_flags_fraction_and_tail():
 def test_divergences_name_the_first_differing_position_and_its_logit_gap():
   import jax.numpy as jnp
   from flax import nnx
-  from experiments import measure
+  from specjax.experiments import measure
   from specjax import decoding
   from specjax.models.presets import PRESETS
   from specjax.models.transformer import Transformer

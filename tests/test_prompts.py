@@ -284,7 +284,7 @@ def test_embedded_sets(name):
 
 def test_embedded_code_matches_the_studies():
   """`code` is experiments/measure.py's held-out prompts, cut by its `prompts` rule."""
-  measure = pytest.importorskip("experiments.measure")
+  measure = pytest.importorskip("specjax.experiments.measure")
   tok = ByteTokenizer()
   texts = measure._held_out_texts()
   assert tuple(texts) == P.held_out_texts("code")

@@ -235,7 +235,7 @@ SMALL_EXACTNESS = ['sweeps.Sweep.axes = {"vocab": [8], "kind": ["stochastic"], '
 
 
 def test_a_point_gives_the_same_numbers_alone_in_a_group_resumed_and_sharded(tmp_path):
-  from experiments import exactness
+  from specjax.experiments import exactness
   full = launch.run("exactness", SMALL_EXACTNESS, out=str(tmp_path / "full"), progress=False)
   assert full.ok == 3
   grouped = {pid: r for pid, r in runner.read_results(full.run_dir / runner.RESULTS).items()}
@@ -405,7 +405,7 @@ def test_out_pointing_at_a_file_is_a_one_line_error_for_run_and_merge(config, tm
 @pytest.mark.slow
 def test_alpha_k_point_alone_equals_the_point_in_its_vectorised_group(tmp_path):
   """The issue's case: α = 0.8, k = 3 gave another alpha_trial when resumed alone."""
-  from experiments import alpha_k_sweep
+  from specjax.experiments import alpha_k_sweep
   s = launch.run("alpha_k_sweep", out=str(tmp_path / "ak"), progress=False, bindings=[
       'sweeps.Sweep.axes = {"alpha": [0.5, 0.8], "k": [3]}',
       'sweeps.Sweep.fixed = {"models": "random", "max_new_tokens": 32, "batch": 1, '

@@ -11,7 +11,7 @@ import pathlib
 
 import pytest
 
-from experiments import (adaptive, alpha_k_sweep, batch_breakeven, drafters, exactness,
+from specjax.experiments import (adaptive, alpha_k_sweep, batch_breakeven, drafters, exactness,
                          long_context, quickstart, references, tree_shapes)
 
 torch = pytest.importorskip("torch")

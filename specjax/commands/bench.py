@@ -70,7 +70,7 @@ def add_parser(subparsers) -> None:
 
 def bindings(args) -> list[str]:
   """The gin bindings of the flags: the question axis and every fixed value."""
-  from experiments import specbench
+  from specjax.experiments import specbench
   if args.limit is not None and args.limit < 1:
     raise ValueError(f"--limit must be an int >= 1, got {args.limit}")
   ids = specbench.question_ids(args.prompts)  # reads and validates the file (line numbers)

@@ -25,7 +25,10 @@ def add_parsers(subparsers) -> None:
       "sweeps.Sweep.axes = {...} replaces the axes and drops their keys from the fixed "
       "values. Values are Python literals (0.05, None, (2, 1), 'text') or else plain "
       "strings (eagle:default); see docs/run_directories.md.")
-  p.add_argument("config", help="a .gin file, or the name of one in configs/")
+  p.add_argument("config", nargs="?", default=None,
+                 help="a .gin file, or the name of a shipped config (--list shows them)")
+  p.add_argument("--list", action="store_true", dest="list_configs",
+                 help="list the shipped configs (name and first comment line) and exit")
   p.add_argument("--gin_param", "--gin-param", action="append", default=[], dest="gin_param",
                  metavar="BINDING",
                  help="extra gin binding, e.g. 'sweeps.Sweep.seed = 3' (every point's seed); "
@@ -112,7 +115,22 @@ def _compilation_cache() -> None:
     pass
 
 
+def _list_configs() -> int:
+  """`specjax run --list`: each shipped config's name and the first line of its comment."""
+  from specjax.sweeps import launch
+  for name in launch.available_configs():
+    lines = (launch.CONFIG_DIR / f"{name}.gin").read_text(encoding="utf-8").splitlines()
+    first = next((ln.lstrip("# ").strip() for ln in lines if ln.startswith("#")), "")
+    print(f"{name:16s} {first}")
+  return 0
+
+
 def _run(args: argparse.Namespace) -> int:
+  if args.list_configs:
+    return _list_configs()
+  if args.config is None:
+    raise ValueError("specjax run needs a CONFIG: a .gin file or a shipped config's name "
+                     "(specjax run --list shows them)")
   from specjax.sweeps import launch
   _distributed(args)
   _compilation_cache()

@@ -8,12 +8,13 @@
 - `parallel.py` `device_map`: one vectorised group spread over the local devices;
 - `report.py`  markdown tables and matplotlib plots for run reports.
 
-The studies themselves (point functions and their reports) live outside the library, in the
-top-level `experiments` package; gin configs bind them with
+The studies themselves (point functions and their reports) live outside the library, in
+`experiments/` at the repository's top level (installed as `specjax.experiments`); gin
+configs bind them with
 
     from __gin__ import dynamic_registration
     import specjax.sweeps as sweeps
-    import experiments.quickstart as quickstart
+    import specjax.experiments.quickstart as quickstart
 
     sweeps.Sweep:
       name = "quickstart"

@@ -8,8 +8,8 @@ binding names a real configurable and parameter (with the closest valid names su
 every point's parameters have valid types and ranges, each point fits in memory, and the
 output directory is writable and not another run's.
 
-Configs named on the command line without a path are looked up in the repository's
-`configs/` directory.
+Configs named on the command line without a path are looked up among the shipped configs
+(`CONFIG_DIR`: the checkout's `configs/`, installed as `specjax/configs/`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,15 @@ import gin
 from specjax.sweeps import overrides, report, run_directory, runner
 from specjax.sweeps.sweep import Sweep
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
+def _config_dir() -> pathlib.Path:
+  """The shipped configs: specjax/configs/ in an installed wheel (setup.py's package data),
+  else the checkout's top-level configs/ (an editable install, or a run from the checkout)."""
+  package = pathlib.Path(__file__).resolve().parents[1]
+  packaged = package / "configs"
+  return packaged if packaged.is_dir() else package.parent / "configs"
+
+
+CONFIG_DIR = _config_dir()
 
 
 def available_configs() -> list[str]:

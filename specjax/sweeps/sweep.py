@@ -5,7 +5,7 @@ experiment modules need gin decorators (gin itself is imported by `launch.py` on
 
     from __gin__ import dynamic_registration
     import specjax.sweeps as sweeps
-    import experiments.exactness as exactness
+    import specjax.experiments.exactness as exactness
 
     sweeps.Sweep:
       name = "exactness"
