@@ -120,7 +120,7 @@ class RefEagle:
   def __call__(self, feature, emb, pos):  # [T, D], [T, D], [T] -> [T, D]
     w = self.w
     x = torch.cat([emb, feature], -1) @ w["fc.weight"].T + w.get("fc.bias", 0.0)
-    lin = lambda n, a: a @ w[f"layers.0.{n}.weight"].T  # noqa: E731
+    lin = lambda n, a: a @ w[f"layers.0.{n}.weight"].T + w.get(f"layers.0.{n}.bias", 0.0)  # noqa: E731,E501
     t = x.shape[0]
     q = _rotary(lin("self_attn.q_proj", x).view(t, H, HD), pos)
     k = _rotary(lin("self_attn.k_proj", x).view(t, KV, HD), pos)
@@ -224,6 +224,40 @@ def test_a_transposed_fc_fails_parity(target, eagle_src, tmp_path, monkeypatch):
 def test_eagle_speculative_equals_plain_at_t0(target, eagle_head, tree):
   drafter, _ = resolve.make_drafter(f"eagle:{eagle_head}", target[2], tree=tree)
   assert_greedy_identity(target[2], drafter, tree, 12, mixed_alpha=False)
+
+
+@pytest.mark.slow
+def test_a_qwen2_head_carries_its_qkv_biases(tmp_path):
+  """A Qwen2 target's EAGLE head has q/k/v biases, as its layers: mapped by the family's own
+  key map (parity with the reference, which adds them); without them it is refused."""
+  torch.manual_seed(1)
+  cfg = transformers.Qwen2Config(vocab_size=V, hidden_size=D, intermediate_size=F,
+                                 num_hidden_layers=2, num_attention_heads=H,
+                                 num_key_value_heads=KV, max_position_embeddings=128,
+                                 rope_theta=THETA, rms_norm_eps=EPS, tie_word_embeddings=False,
+                                 initializer_range=0.2, bos_token_id=None, eos_token_id=None,
+                                 pad_token_id=None)
+  model = transformers.Qwen2ForCausalLM(cfg).eval()
+  model.save_pretrained(tmp_path / "qwen2")
+  qwen = (tmp_path / "qwen2", model, hf.import_hf(tmp_path / "qwen2", dtype="float32").model())
+  w = eagle_tensors(7)
+  g = torch.Generator().manual_seed(8)
+  for n, width in (("q", H * HD), ("k", KV * HD), ("v", KV * HD)):
+    w[f"layers.0.self_attn.{n}_proj.bias"] = _randn(g, width)
+  published.import_head(write_head(tmp_path / "src", w, eagle_config(), "model.safetensors"),
+                        qwen[2], tmp_path / "head")
+  assert eagle_error(qwen, tmp_path / "head", w) < 1e-4
+  del w["layers.0.self_attn.k_proj.bias"]
+  with pytest.raises(ValueError, match=r"missing tensor 'layers\.0\.self_attn\.k_proj\.bias'"):
+    published.import_head(write_head(tmp_path / "src2", w, eagle_config(), "model.safetensors"),
+                          qwen[2], tmp_path / "head2")
+
+
+def test_an_eagle_head_for_gpt2_is_refused(tmp_path):
+  from specjax_testing import TINY, model
+  src = write_head(tmp_path / "src", eagle_tensors(2), eagle_config(), "model.safetensors")
+  with pytest.raises(ValueError, match="RoPE-family model .* not gpt2"):
+    published.import_head(src, model(TINY["gpt2"]), tmp_path / "out", kind="eagle")
 
 
 def test_shapes_that_do_not_fit_are_refused_naming_the_tensor(target, tmp_path):
