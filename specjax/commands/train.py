@@ -8,6 +8,8 @@
                          (draft heads on a frozen target; `specjax generate --draft medusa:DIR`)
   specjax train eagle    --target CKPT|default --ttt-steps 3 --width 128 --steps 120 --out DIR
                          (an EAGLE head; `specjax generate --draft eagle:DIR`)
+  specjax train eagle3   --target CKPT|default --draft-vocab 1024 --steps 120 --out DIR
+                         (an EAGLE-3-structured head; `--draft eagle3:DIR`, `export-head`)
 
 A run that is interrupted (Ctrl-C, SIGTERM) saves a checkpoint; rerunning the same command
 resumes from the newest checkpoint in --out with the same data order.
@@ -167,9 +169,39 @@ def _eagle_kind(args):
                     width=args.width)
 
 
+def _eagle3_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--ttt-steps", type=int, default=3,
+                 help="drafting steps unrolled in training (training-time test), default 3")
+  p.add_argument("--decay", type=float, default=0.8,
+                 help="loss weight of unrolled step j is decay^j (default 0.8)")
+  p.add_argument("--layers", default=None, metavar="I,J,K",
+                 help="target layers the head reads (capture indices; default: the EAGLE-3 "
+                      "format's, the residual streams entering layers 2, N//2 and N-3)")
+  p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                 help="draft vocabulary: the N most frequent tokens of the training split "
+                      "(default: the whole vocabulary)")
+
+
+def _eagle3_kind(args):
+  from specjax.training.eagle3 import Eagle3Heads
+  layers = None
+  if args.layers is not None:
+    try:
+      layers = tuple(int(x) for x in args.layers.split(","))
+    except ValueError:
+      raise ValueError(f"--layers must be comma-separated layer indices, got "
+                       f"{args.layers!r}") from None
+  if args.draft_vocab is not None and args.draft_vocab < 1:
+    raise ValueError(f"--draft-vocab must be an int >= 1, got {args.draft_vocab}")
+  return Eagle3Heads(steps=args.ttt_steps, decay=args.decay, layers=layers)
+
+
 HEAD_KINDS = {
     "medusa": ("train Medusa heads on a frozen target", _medusa_args, _medusa_kind),
     "eagle": ("train an EAGLE head on a frozen target", _eagle_args, _eagle_kind),
+    "eagle3": ("train an EAGLE-3-structured head (three-layer fusion, reduced draft "
+               "vocabulary, training-time test) on a frozen target", _eagle3_args,
+               _eagle3_kind),
 }
 
 
@@ -371,8 +403,10 @@ def run_head(args, kind: str) -> int:
   head_kind = HEAD_KINDS[kind][2](args)  # validates the kind's own flags first
   out = _out_dir(args.out)
   config, params, tokenizer = _head_target(args)
-  tc = _train_config(DEFAULT_HEADS[kind][1], args, "lm")
+  tc = _train_config(DEFAULT_HEADS.get(kind, DEFAULT_HEADS["eagle"])[1], args, "lm")
   _, data = _load_data(args, tokenizer)
+  if getattr(args, "draft_vocab", None) is not None:  # eagle3: the frequent tokens
+    head_kind = head_kind.with_frequent_vocab(data.train, args.draft_vocab, config.vocab_size)
   trainer = HeadTrainer(head_kind, config, params, tc, data, tokenizer, out_dir=out,
                         progress=not args.no_progress)
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.drafters.eagle import check_layers, embed
+from specjax.drafters.eagle import check_layers, embed, frequent_vocab
 from specjax.drafters.eagle3 import (HEAD_FIELDS, Eagle3Head, build_head, check_draft_ids,
                                      eagle3_layers)
 from specjax.models.transformer import ModelConfig
@@ -95,6 +95,15 @@ class Eagle3Heads:
   def feature_layers(self, target: ModelConfig) -> tuple[int, ...]:
     return check_layers(target, eagle3_layers(target.n_layers) if self.layers is None
                         else self.layers)
+
+  def with_frequent_vocab(self, tokens, size: int, vocab_size: int) -> "Eagle3Heads":
+    """This kind with the draft vocabulary of the `size` most frequent ids of `tokens`
+    (`drafters.eagle.frequent_vocab`, FR-Spec's choice and EAGLE-3's)."""
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= vocab_size:
+      raise ValueError(f"draft vocabulary size must be an int in [1, {vocab_size}], got "
+                       f"{size!r}")
+    ids = frequent_vocab(tokens, size)
+    return dataclasses.replace(self, draft_ids=tuple(int(i) for i in ids))
 
   def ids(self, target: ModelConfig) -> np.ndarray:
     """The draft vocabulary as target ids (checked against the target's vocabulary)."""

@@ -17,10 +17,11 @@ from __future__ import annotations
 import os
 import pathlib
 
-from specjax.checkpoints.published import eagle, files, medusa
+from specjax.checkpoints.published import eagle, eagle3, files, medusa
 
 FORMATS = {
     "eagle": eagle,
+    "eagle3": eagle3,
     "medusa": medusa,
 }
 
