@@ -333,7 +333,9 @@ class HeadResult:
   resumed_from: int | None
 
   def summary(self) -> str:
-    lines = [f"{self.kind.name} head {self.kind.spec()}: {param_total(self.params) / 1e6:.3f}M "
+    spec = {k: f"<{len(v)} ids>" if isinstance(v, list) and len(v) > 8 else v  # draft_ids
+            for k, v in self.kind.spec().items()}
+    lines = [f"{self.kind.name} head {spec}: {param_total(self.params) / 1e6:.3f}M "
              f"params, {self.step} steps" + ("" if self.completed else " (stopped early)")
              + (f", resumed from step {self.resumed_from}" if self.resumed_from else ""),
              f"time: {self.seconds:.1f} s (compilation and evaluation included)"]
