@@ -245,7 +245,7 @@ def generate(target, prompts, *, max_new_tokens, sampler=None, seed=0, eos_id=No
                                     key_of(seed)), models=1)
   with sharding.on(mesh):
     state = loop.generate_jit(*args, cache_len=batch.cache_len, **_precision_kw(precision))
-  state = jax.block_until_ready(state)
+  state = sharding.fetched(jax.block_until_ready(state))  # gathered from every process
   return _collect(state, batch, time.perf_counter() - start, 0)
 
 
@@ -285,6 +285,6 @@ def speculative_generate(target, draft, prompts, *, k: int | str | None = None,
   args = sharding.place_args(mesh, run.loop_args(), models=3 if spec.adaptive else 2)
   with sharding.on(mesh):
     state = compiled(*args, **run.loop_kwargs(), **_precision_kw(precision))
-  state = jax.block_until_ready(state)
+  state = sharding.fetched(jax.block_until_ready(state))  # gathered from every process
   return _collect(state, run.batch, time.perf_counter() - start, spec.k, spec.tree,
                   spec.policy)

@@ -281,6 +281,24 @@ def split_rows(mesh: Mesh, x, axis: int = 0):
   return jax.device_put(x, NamedSharding(mesh, P(*spec)))
 
 
+def fetched(state):
+  """A loop's final state readable on this host: with several processes (`jax.distributed`)
+  every array the host reads is gathered from all of them (`process_allgather`, a
+  collective every process makes); the caches and the key, which it does not read, are
+  dropped. Unchanged in one process."""
+  if jax.process_count() == 1:
+    return state
+  from jax.experimental import multihost_utils
+  state = state.replace(cache=None, draft=None, key=None)
+
+  def gather(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return multihost_utils.process_allgather(x, tiled=True)
+    return x
+
+  return jax.tree.map(gather, state)
+
+
 def bytes_per_device(tree) -> dict:
   """{device: bytes} of the array leaves' shards each device holds (`addressable_shards`)."""
   out: dict = {}

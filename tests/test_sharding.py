@@ -11,6 +11,7 @@ driver skips.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -348,3 +349,44 @@ def test_training_data_parallel(data, byte_target, tmp_path):  # noqa: F811 (fix
            for kw in ({}, {"mesh": mesh})]
   for a, b in zip(jax.tree.leaves(heads[1].params), jax.tree.leaves(heads[0].params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- two processes
+
+
+def two_process_case(mesh=None) -> list:
+  """The tokens of the two-process test's run (chain of 3, model drafter, ragged batch)."""
+  target = LM.of(model(LLAMA, seed=0, logit_scale=3.0))
+  drafter = ModelDrafter.of(perturbed(model(LLAMA, seed=0, logit_scale=3.0), 1, 0.15))
+  run = decoding.speculative_generate(target, drafter, PROMPTS, k=3, max_new_tokens=[8, 5, 8, 6],
+                                      mesh=mesh)
+  return run.tokens
+
+
+@pytest.mark.slow
+def test_two_processes_match_one():
+  """Two local processes (`jax.distributed`, coordinator on localhost, 4 CPU devices each)
+  decode over one (2, 4) mesh spanning both: each gets the one-process tokens."""
+  if os.environ.get(CHILD):
+    pytest.skip("run by the parent process")
+  import socket
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = str(s.getsockname()[1])
+  script = os.path.join(os.path.dirname(__file__), "multihost_decode.py")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  procs = [subprocess.Popen([sys.executable, script, str(i), port], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in (0, 1)]
+  outs = []
+  for p in procs:
+    try:
+      outs.append(p.communicate(timeout=900)[0])
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      raise
+  want = two_process_case()
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-4000:]
+    line = [x for x in out.splitlines() if x.startswith("TOKENS ")]
+    assert line and json.loads(line[-1][len("TOKENS "):]) == want, out[-2000:]
