@@ -69,6 +69,9 @@ def draft_kind(spec: str | None, flag: str = "draft") -> tuple[str, Any]:
   if sep and kind in HEAD_DRAFTS:
     if not where:
       raise ValueError(f"{flag} {spec!r}: write {kind}:DIR or {kind}:default")
+    if kind == "eagle3" and where == "default":
+      raise ValueError(f"{flag} {spec!r}: no default eagle3 head ships; write eagle3:DIR (a "
+                       f"head from `specjax import-head` or `specjax train eagle3`)")
     return kind, where
   if spec in ("self", "default"):
     return spec, None
