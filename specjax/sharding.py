@@ -84,7 +84,8 @@ _DEFAULT: list = [None]  # the process default of `default_mesh` (the CLI's --me
 @contextlib.contextmanager
 def default_mesh(mesh: Mesh | tuple[int, int] | None):
   """Within this context, host-API calls given no `mesh=` run on `mesh`, a Mesh or (data,
-  model) sizes built on first use (after a multi-host run has started `jax.distributed`).
+  model) sizes, built on first use over this process's devices (after a multi-host run has
+  started `jax.distributed`; its processes decode different points).
   The CLI's --mesh sets it around a command, so every study and `bench` decodes on it;
   restored after."""
   old = _DEFAULT[0]
@@ -100,8 +101,8 @@ def check_mesh(mesh) -> Mesh | None:
   set: one device, today's behaviour). Refuses anything but a `jax.sharding.Mesh` with
   exactly the axes ('data', 'model')."""
   if mesh is None:
-    if isinstance(_DEFAULT[0], tuple):
-      _DEFAULT[0] = make_mesh(*_DEFAULT[0])
+    if isinstance(_DEFAULT[0], tuple):  # this process's devices: `specjax run`'s processes
+      _DEFAULT[0] = make_mesh(*_DEFAULT[0], devices=jax.local_devices())  # run other points
     return _DEFAULT[0]
   if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != AXES:
     names = getattr(mesh, "axis_names", None)
