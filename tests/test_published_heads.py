@@ -29,8 +29,9 @@ from specjax.drafters import medusa as medusa_drafter  # noqa: E402
 from specjax.drafters.base import LM, Context  # noqa: E402
 from specjax.training.heads import load_head, save_head  # noqa: E402
 from specjax.training.medusa import MedusaHeads  # noqa: E402
-from specjax_testing import (FALSE_ALARM, PROMPT, assert_greedy_identity, exact_joint,  # noqa: E402
-                             first_three, joint_pvalue, joint_target)
+from specjax_testing import (FALSE_ALARM, PROMPT, TC, TOK, assert_greedy_identity,  # noqa: E402
+                             byte_target, data, exact_joint, first_three, joint_pvalue,
+                             joint_target)
 
 V, D, H, KV, F, N_LAYERS, THETA, EPS = 96, 32, 4, 2, 64, 3, 1000.0, 1e-5
 HD = D // H
@@ -155,26 +156,25 @@ def ref_eagle_logprobs(model, w, ids, root, drafted) -> np.ndarray:
     return torch.log_softmax(torch.stack(rows), -1).numpy()
 
 
+@jax.jit  # jitted once: op-by-op dispatch of the head is slower than compiling it
+def _draft_chain(lm, drafter, prompt_1P, buf_1S, key):
+  """The proposal of a sampled chain of STEPS at temperature 1 after the prompt."""
+  tree, n = trees.chain(STEPS), prompt_1P.shape[1]
+  features = lm(prompt_1P, jnp.arange(n, dtype=jnp.int32)[None],
+                capture=drafter.feature_layers)[3]
+  state = drafter.init(prompt_1P, jnp.asarray([n]), 64, tree, features)
+  ctx = Context(tokens=buf_1S, length=jnp.asarray([n]))
+  return drafter.propose(state, ctx, tree, sampling.make_sampler(1.0), key)[0]
+
+
 def ours_eagle(target_module, head_dir, ids, root, key=0):
   """(drafted tokens [STEPS - 1], log q [STEPS, V]) of a sampled chain of STEPS from the
   imported head (`eagle:DIR` through the resolver), at temperature 1: q's rows are the laws
   of the root's child and of drafted nodes 1..STEPS - 1's (the last node's is not drafted)."""
   drafter, _ = resolve.make_drafter(f"eagle:{head_dir}", target_module, k=STEPS)
-  lm = LM.of(target_module)
-  tree = trees.chain(STEPS)
   prompt = jnp.asarray([ids], jnp.int32)
-  pos = jnp.arange(len(ids), dtype=jnp.int32)[None]
-  sampler = sampling.make_sampler(1.0)
   buf = jnp.zeros((1, 64), jnp.int32).at[0, :len(ids) + 1].set(jnp.asarray(ids + [root]))
-
-  @jax.jit  # jitted: op-by-op dispatch of the head is slower than compiling it
-  def draft(lm, drafter, prompt, buf, key):
-    features = lm(prompt, pos, capture=drafter.feature_layers)[3]
-    state = drafter.init(prompt, jnp.asarray([len(ids)]), 64, tree, features)
-    ctx = Context(tokens=buf, length=jnp.asarray([len(ids)]))
-    return drafter.propose(state, ctx, tree, sampler, key)[0]
-
-  prop = draft(lm, drafter, prompt, buf, jax.random.key(key))
+  prop = _draft_chain(LM.of(target_module), drafter, prompt, buf, jax.random.key(key))
   return [int(t) for t in prop.tokens[0, :STEPS - 1]], np.log(np.asarray(prop.q[0, :STEPS]))
 
 
@@ -282,6 +282,40 @@ def test_eagle_round_trip_is_bit_identical(target, eagle_head, tmp_path):
   a = ours_eagle(target[2], eagle_head, PROMPT_IDS, 7)
   b = ours_eagle(target[2], tmp_path / "again", PROMPT_IDS, 7)
   assert a[0] == b[0] and np.array_equal(a[1], b[1])
+
+
+@pytest.mark.slow
+def test_a_head_we_train_in_the_eagle_structure_round_trips(tmp_path, data, byte_target):
+  """Our trainer with the published structure (EagleHeads(structure="eagle")): its head
+  exports to the format and comes back with the same parameters and draft law, bit for bit."""
+  import dataclasses
+
+  from flax import nnx
+
+  from specjax.training.eagle import EagleHeads
+  from specjax.training.heads import train_head
+  target_module, params = byte_target
+  kind = EagleHeads(steps=2, structure="eagle", bias=True)
+  train_head(kind, target_module.config, params, dataclasses.replace(TC, steps=4), data, TOK,
+             out_dir=tmp_path / "trained", progress=False)
+  published.export_head(tmp_path / "trained", target_module, tmp_path / "hf", format="eagle")
+  published.import_head(tmp_path / "hf", target_module, tmp_path / "again")
+  a, b = load_head(tmp_path / "trained"), load_head(tmp_path / "again")
+  assert b.kind.structure == "eagle" and b.kind.bias
+  for x, y in zip(jax.tree.leaves(nnx.to_pure_dict(a.params)),
+                  jax.tree.leaves(nnx.to_pure_dict(b.params))):
+    assert np.array_equal(np.asarray(x), np.asarray(y))
+  first = ours_eagle(target_module, tmp_path / "trained", PROMPT_IDS, 7)
+  again = ours_eagle(target_module, tmp_path / "again", PROMPT_IDS, 7)
+  assert first[0] == again[0] and np.array_equal(first[1], again[1])
+
+
+def test_specjax_train_eagle_takes_the_structure():
+  from specjax.commands import train
+  from specjax.training.eagle import EagleHeads
+  args = cli.build_parser().parse_args(["train", "eagle", "--target", "default", "--structure",
+                                        "eagle", "--out", "x"])
+  assert train._eagle_kind(args) == EagleHeads(structure="eagle", bias=True)
 
 
 def test_our_structure_is_refused_by_the_eagle_format(target, tmp_path):

@@ -154,6 +154,10 @@ def _eagle_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--width", type=int, default=None,
                  help="the head's decoder-layer width, a multiple of the target's head_dim "
                       "(default: the target's d_model)")
+  p.add_argument("--structure", choices=("specjax", "eagle"), default="specjax",
+                 help="the head's structure: 'specjax' (default: fused layers, own norms) or "
+                      "'eagle', the published EAGLE-1/2 head (reads the final norm's output; "
+                      "exports with `specjax export-head --format eagle`)")
 
 
 def _eagle_kind(args):
@@ -166,7 +170,8 @@ def _eagle_kind(args):
       raise ValueError(f"--layers must be comma-separated layer indices, got "
                        f"{args.layers!r}") from None
   return EagleHeads(steps=args.ttt_steps, decay=args.decay, layers=layers,
-                    width=args.width)
+                    width=args.width, structure=args.structure,
+                    bias=args.structure == "eagle")  # EAGLE's fc has a bias
 
 
 def _eagle3_args(p: argparse.ArgumentParser) -> None:

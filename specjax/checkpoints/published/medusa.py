@@ -81,7 +81,8 @@ def head_params(hf: dict, tensors: dict, module):
     name, x = next(iter(byname.values()))
     raise ValueError(f"unexpected tensor {name!r} (shape {tuple(x.shape)}): config.json says "
                      f"{k} heads of {r} blocks")
-  shared = bool(np.all([np.array_equal(lm[i], files.lm_head_DV(module)) for i in range(k)]))
+  target_lm = files.lm_head_DV(module)
+  shared = all(np.array_equal(lm[i], target_lm) for i in range(k))
   kind = MedusaHeads(heads=k, blocks=r, own_lm=not shared)
   if r == 1 and shared:  # our structure
     return kind, {"w": w[:, 0], "b": b[:, 0]}
