@@ -5,7 +5,11 @@ which `specjax bench` fills in). Models and drafters by reference (`specjax.reso
 target, any drafter kind), prompts by reference (`specjax.prompts`: a Spec-Bench / MT-Bench
 question file, a plain JSONL file, or the embedded `code` / `prose` sets), rendered with the
 target tokenizer's chat template when it has one (`chat_template=False` opts out). The first
-turn of each question is decoded (Spec-Bench's single-turn setting). Decoding stops on every
+turn of each question is decoded (Spec-Bench's single-turn setting); with `multi_turn`
+(`specjax bench --multi-turn`) every turn is, in order, each turn's conversation holding the
+earlier turns and the model's own answers to them (the plain run's output, the target's law)
+as the assistant turns: one row per question, counts and seconds summed and τ, α pooled over
+its turns (`turns`, `turn_prompt_tokens`). Decoding stops on every
 EOS id the target's files list (`eos_ids` in the rows).
 
 Each question is decoded `batch` rows at a time (copies of it; batch 1 is Spec-Bench's
@@ -52,6 +56,8 @@ def validate(params: dict) -> None:
     raise ValueError(f"k must be an int >= 1 or 'auto', got {k!r}")
   sampling.make_sampler(params.get("temperature", 0.0), params.get("top_k", 0),
                         params.get("top_p", 1.0))  # the sampler's own checks
+  if not isinstance(params.get("multi_turn", False), bool):
+    raise ValueError(f"multi_turn must be True or False, got {params['multi_turn']!r}")
 
 
 def memory(params: dict) -> int:
@@ -68,11 +74,13 @@ def loaded(target: str, draft: str, k, tree_widths, temperature: float, target_d
 
 
 @functools.lru_cache(maxsize=4)
-def prompt_set(ref: str, target: str, draft: str, k, tree_widths, temperature, target_dtype):
-  """{question_id: Prompt} of `ref` (the embedded sets cut with the target's tokenizer)."""
+def prompt_set(ref: str, target: str, draft: str, k, tree_widths, temperature, target_dtype,
+               multi_turn: bool = False):
+  """{question_id: Prompt} of `ref` (the embedded sets cut with the target's tokenizer;
+  a file's questions with every turn when `multi_turn`)."""
   tok = loaded(target, draft, k, tree_widths, temperature, target_dtype).tokenizer
   prompts = load_prompts(ref, tokenizer=tok, count=EMBEDDED_COUNT, prompt_len=EMBEDDED_LEN) \
-      if ref in ("code", "prose") else load_prompts(ref)
+      if ref in ("code", "prose") else load_prompts(ref, multi_turn=multi_turn)
   return {p.question_id: p for p in prompts}
 
 
@@ -87,20 +95,32 @@ def point(question, target: str = "default", draft: str = "eagle:default",
           prompts: str = "code", k=4, tree_widths=None, temperature: float = 0.0,
           top_k: int = 0, top_p: float = 1.0, max_new_tokens: int = 128, batch: int = 1,
           repeats: int = 3, seed: int = 0, chat_template: bool = True,
-          target_dtype: str | None = None) -> dict:
+          target_dtype: str | None = None, multi_turn: bool = False) -> dict:
   key = (target, draft, k, None if tree_widths is None else tuple(tree_widths), temperature,
          target_dtype)
   run = loaded(*key)
-  questions = prompt_set(prompts, *key)
+  questions = prompt_set(prompts, *key, multi_turn)
   if question not in questions:
     raise ValueError(f"question {question!r} is not in {prompts}")
   prompt = questions[question]
-  ids = encode_prompt(prompt, run.tokenizer, use_chat_template=chat_template)
-  rows = [ids] * batch
   eos = _eos_ids(run.tokenizer)
   common = dict(sampler=sampling.make_sampler(temperature, top_k, top_p), seed=seed,
                 eos_id=eos)
+  turns, answers = [], []
+  for turn in range(prompt.n_turns):  # one unless multi_turn read every turn
+    ids = encode_prompt(prompt, run.tokenizer, turn=turn, answers=answers,
+                        use_chat_template=chat_template)
+    turns.append(_decode_turn(run, [ids] * batch, common, max_new_tokens, repeats,
+                              temperature))
+    # the model's own answer (the plain run's: the target's law) becomes the assistant turn
+    answers.append(run.tokenizer.decode(turns[-1]["plain"].tokens[0]))
+  return {**prompt.row(), **_row(turns, temperature), "eos_ids": eos,
+          **({"turns": len(turns)} if multi_turn else {})}
 
+
+def _decode_turn(run, rows, common, max_new_tokens: int, repeats: int, temperature) -> dict:
+  """One turn decoded plainly and speculatively, alternated (module doc): both Generations,
+  the median seconds of each call, and at T = 0 where they differ."""
   def plain(n):
     return lambda: decoding.generate(run.target, rows, max_new_tokens=n, **common)
 
@@ -110,32 +130,56 @@ def point(question, target: str = "default", draft: str = "eagle:default",
 
   timed = measure.alternate({"plain": plain(max_new_tokens), "spec": spec(max_new_tokens),
                              "plain_prefill": plain(1), "spec_prefill": spec(1)}, repeats)
-  s = {name: t.median for name, t in timed.items()}
-  p_run, s_run = timed["plain"].result, timed["spec"].result
-  summary = s_run.summary()
-  decode = timing.decode_phase(p_run.emitted - len(p_run.tokens),
-                               s_run.emitted - len(s_run.tokens),
-                               s["plain"] - s["plain_prefill"], s["spec"] - s["spec_prefill"])
-  st = s_run.stats
-  same = p_run.tokens == s_run.tokens
-  extra = {}
-  if temperature == 0 and not same:  # a numerical tie broken the other way, or a real bug?
-    div = measure.divergences(run.target, rows, p_run.tokens, s_run.tokens)
-    extra = {"divergences": div,
-             "only_ties": all(d["ulps"] is not None and d["ulps"] <= 2 for d in div)}
-  tried, accepted = st["depth_tried"].sum(axis=0), st["depth_accepted"].sum(axis=0)
-  return {
-      **prompt.row(), "prompt_tokens": len(ids),
-      "new_tokens": int(np.mean([len(t) for t in s_run.tokens])),
-      "tau": summary.tau, "alpha": summary.alpha,
-      "plain_tok_s": p_run.emitted / s["plain"], "spec_tok_s": s_run.emitted / s["spec"],
-      "speedup": s["plain"] / s["spec"], "speedup_decode": decode["speedup"] if decode else float("nan"),
-      "plain_s": s["plain"], "spec_s": s["spec"],
+  out = {"seconds": {name: t.median for name, t in timed.items()}, "rows": rows,
+         "plain": timed["plain"].result, "spec": timed["spec"].result}
+  out["same"] = out["plain"].tokens == out["spec"].tokens
+  if temperature == 0 and not out["same"]:  # a numerical tie broken the other way, or a bug?
+    out["divergences"] = measure.divergences(run.target, rows, out["plain"].tokens,
+                                             out["spec"].tokens)
+  return out
+
+
+def _row(turns: list[dict], temperature) -> dict:
+  """The result fields of a question over its decoded turns (one unless multi-turn):
+  counts, seconds, acceptance and accepted tokens pooled over the turns."""
+  total = {name: sum(t["seconds"][name] for t in turns) for name in turns[0]["seconds"]}
+  plain = [t["plain"] for t in turns]
+  spec = [t["spec"] for t in turns]
+  summaries = [g.summary() for g in spec]
+  cycles = sum(m.cycles for m in summaries)
+  drafted = sum(m.drafted for m in summaries)
+  decode = timing.decode_phase(sum(g.emitted - len(g.tokens) for g in plain),
+                               sum(g.emitted - len(g.tokens) for g in spec),
+                               total["plain"] - total["plain_prefill"],
+                               total["spec"] - total["spec_prefill"])
+  depth = max(g.stats["depth_tried"].shape[1] for g in spec)
+  tried, accepted = np.zeros(depth), np.zeros(depth)
+  for g in spec:
+    d = g.stats["depth_tried"].shape[1]
+    tried[:d] += g.stats["depth_tried"].sum(axis=0)
+    accepted[:d] += g.stats["depth_accepted"].sum(axis=0)
+  same = all(t["same"] for t in turns)
+  div = [{**d, "turn": i} for i, t in enumerate(turns) for d in t.get("divergences", [])]
+  extra = {} if not div else {
+      "divergences": div, "only_ties": all(d["ulps"] is not None and d["ulps"] <= 2
+                                           for d in div)}
+  out = {
+      "prompt_tokens": len(turns[0]["rows"][0]),
+      "new_tokens": int(sum(np.mean([len(r) for r in g.tokens]) for g in spec)),
+      "tau": sum(m.emitted for m in summaries) / cycles if cycles else None,
+      "alpha": sum(m.accepted for m in summaries) / drafted if drafted else None,
+      "plain_tok_s": sum(g.emitted for g in plain) / total["plain"],
+      "spec_tok_s": sum(g.emitted for g in spec) / total["spec"],
+      "speedup": total["plain"] / total["spec"],
+      "speedup_decode": decode["speedup"] if decode else float("nan"),
+      "plain_s": total["plain"], "spec_s": total["spec"],
       "accept_by_position": [float(a / t) if t else None for a, t in zip(accepted, tried)],
-      "loop_fraction": metrics.loop_fraction(s_run.tokens),
-      "identical_to_plain": same if temperature == 0 else None,
-      "eos_ids": eos, **extra,
+      "loop_fraction": metrics.loop_fraction([r for g in spec for r in g.tokens]),
+      "identical_to_plain": same if temperature == 0 else None, **extra,
   }
+  if len(turns) > 1:
+    out["turn_prompt_tokens"] = [len(t["rows"][0]) for t in turns]
+  return out
 
 
 def _eos_ids(tokenizer):

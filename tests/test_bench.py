@@ -83,3 +83,35 @@ def test_bad_flags_are_one_line(tmp_path, capsys, argv, message):
   assert code == 2
   err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
   assert len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.slow
+def test_multi_turn_feeds_each_answer_back(tmp_path, monkeypatch):
+  """`--multi-turn`: turn 2's conversation holds turn 1 and the model's own answer to it (the
+  plain run's output) as the assistant turn; one row per question over both turns."""
+  from specjax.experiments import specbench
+  qs = _write(tmp_path / "q.jsonl", QUESTIONS[:2])
+  calls = []
+  real = specbench.encode_prompt
+
+  def recording(prompt, tok, *, turn=0, answers=(), use_chat_template=True):
+    calls.append((prompt.question_id, turn, list(answers)))
+    return real(prompt, tok, turn=turn, answers=answers, use_chat_template=use_chat_template)
+
+  monkeypatch.setattr(specbench, "encode_prompt", recording)
+  common = dict(target="random:tiny-llama", draft="self", prompts=str(qs), k=2,
+                max_new_tokens=6, repeats=1)
+  m = specbench.point(81, multi_turn=True, **common)
+  assert [c[:2] for c in calls] == [(81, 0), (81, 1)] and calls[1][2] != [""]
+  run = specbench.loaded("random:tiny-llama", "self", 2, None, 0.0, None)
+  prompt = specbench.prompt_set(str(qs), "random:tiny-llama", "self", 2, None, 0.0, None,
+                                True)[81]
+  assert m["turns"] == 2 and m["turn_prompt_tokens"] == [
+      len(real(prompt, run.tokenizer)), len(real(prompt, run.tokenizer, turn=1,
+                                                 answers=calls[1][2]))]
+  assert m["identical_to_plain"] is True and m["new_tokens"] == 12  # 6 per turn
+  calls.clear()
+  single = specbench.point(81, **common)  # the default: the first turn alone
+  assert [c[:2] for c in calls] == [(81, 0)] and "turns" not in single
+  assert single["prompt_tokens"] == m["prompt_tokens"] and single["new_tokens"] == 6
+  assert specbench.point(82, multi_turn=True, **common)["turns"] == 1  # a one-turn question

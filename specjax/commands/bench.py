@@ -61,6 +61,9 @@ def add_parser(subparsers) -> None:
                  "shipped target: bfloat16)")
   p.add_argument("--no-chat-template", action="store_true",
                  help="encode the prompts as plain text even if the tokenizer has a template")
+  p.add_argument("--multi-turn", action="store_true",
+                 help="decode every turn of a question in order, each model answer fed back "
+                 "as the assistant turn (default: the first turn only)")
   p.add_argument("--out", default=None, help="run directory (default runs/specbench/TIME)")
   p.add_argument("--no-progress", action="store_true")
   p.add_argument("--json", action="store_true", help="print the run summary as JSON")
@@ -80,7 +83,8 @@ def bindings(args) -> list[str]:
            "k": args.k, "tree_widths": args.tree, "temperature": args.temperature,
            "top_k": args.top_k, "top_p": args.top_p, "max_new_tokens": args.max_new_tokens,
            "batch": args.batch, "repeats": args.repeats, "seed": args.seed,
-           "chat_template": not args.no_chat_template, "target_dtype": dtype}
+           "chat_template": not args.no_chat_template, "target_dtype": dtype,
+           "multi_turn": args.multi_turn}
   specbench.validate(fixed)
   return [f"sweeps.Sweep.axes = {{'question': {ids!r}}}",
           f"sweeps.Sweep.fixed = {fixed!r}"]
