@@ -390,3 +390,31 @@ def test_two_processes_match_one():
     assert p.returncode == 0, out[-4000:]
     line = [x for x in out.splitlines() if x.startswith("TOKENS ")]
     assert line and json.loads(line[-1][len("TOKENS "):]) == want, out[-2000:]
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def test_cli_mesh_refusals(capsys):
+  from specjax import cli
+  assert cli.main(["generate", "--max-new-tokens", "2", "--mesh", "data=64,model=64"]) == 2
+  assert "mesh data=64, model=64 needs 4096 devices" in capsys.readouterr().err
+  assert sharding.check_mesh(None) is None  # the command's default mesh is gone after it
+
+
+@needs_8
+@pytest.mark.slow
+def test_cli_generate_on_a_mesh(monkeypatch, capsys):
+  """`specjax generate --mesh` decodes on the mesh (every loop call placed on it) and its
+  speculative tokens equal its plain ones."""
+  from specjax import cli
+  meshes = []
+  place = sharding.place_args
+  monkeypatch.setattr(sharding, "place_args",
+                      lambda mesh, *a, **k: meshes.append(mesh) or place(mesh, *a, **k))
+  assert cli.main(["generate", "--target-config", "tiny-llama", "--max-new-tokens", "6",
+                   "--repeats", "1", "--mesh", "data=1,model=2", "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["identical_to_plain"]
+  assert meshes and all(m is not None and dict(m.shape) == {"data": 1, "model": 2}
+                        for m in meshes)
