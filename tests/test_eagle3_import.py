@@ -28,8 +28,9 @@ from specjax.checkpoints.published import eagle3 as pub  # noqa: E402
 from specjax.drafters.base import LM  # noqa: E402
 from specjax.drafters.eagle import EagleDrafter  # noqa: E402
 from specjax.drafters.eagle3 import DraftIds, Eagle3Head  # noqa: E402
-from specjax_testing import (FALSE_ALARM, PROMPT, RAGGED, VOCAB, assert_greedy_identity,  # noqa: E402
-                             exact_joint, first_three, joint_pvalue, joint_target)
+from specjax_testing import (FALSE_ALARM, PROMPT, RAGGED, VOCAB,  # noqa: E402
+                             assert_greedy_identity, exact_joint, first_three, joint_pvalue,
+                             joint_target)
 
 V, D, N_LAYERS, HEADS, KV, FF = 64, 64, 8, 4, 2, 128
 HD = D // HEADS

@@ -68,11 +68,6 @@ def eagle3_config(target: ModelConfig, head: dict | None = None) -> ModelConfig:
                         window_first_layer=0, tie_embeddings=False, dtype="float32", **head)
 
 
-def head_fields(config: ModelConfig) -> dict:
-  """The `HEAD_FIELDS` of a head config (what a checkpoint stores to rebuild it)."""
-  return {k: getattr(config, k) for k in HEAD_FIELDS}
-
-
 class Eagle3Head(nnx.Module):
   """fc (C·D -> D), input_layernorm and hidden_norm, one attention whose q/k/v read 2D, the
   post-attention norm and SwiGLU MLP, the final norm and the own lm_head (D -> Vd), and
@@ -117,13 +112,6 @@ class Eagle3Head(nnx.Module):
     step's h); h is pre-`norm`, the state the next drafting step reads."""
     a, cache = self.attn(self._attn_input(u_BTD, emb_BTD), positions_BT, cache, 0, block_mask)
     return self._after_attention(u_BTD, a), cache
-
-  def logits(self, h_BTD: Array, vocab_size: int) -> Array:
-    """Logits over the target vocabulary [B, T, V]: lm_head(norm(h)) at draft_ids, -inf
-    elsewhere (the reference form; the drafter computes the same with its folded matrix)."""
-    sub = self.lm_head(self.norm(h_BTD))
-    full = jnp.full(sub.shape[:-1] + (vocab_size,), -jnp.inf, jnp.float32)
-    return full.at[..., self.draft_ids[...]].set(sub)
 
   def unroll(self, features_BTCD, emb_next_BTD, positions_BT, steps: int) -> list[Array]:
     """Training-time test, cache-free: h at drafting steps 1..steps for every start position

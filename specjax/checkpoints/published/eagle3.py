@@ -42,8 +42,9 @@ from specjax.drafters.eagle3 import Eagle3Head, check_draft_ids, eagle3_layers
 FORMAT = "eagle3"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
-# published name -> (specjax parameter path, transposed)
-_LINEAR = {"fc": "fc", "midlayer.self_attn.q_proj": "attn.q", "midlayer.self_attn.k_proj": "attn.k",
+# published name -> specjax module path: linear layers (weight transposed into a kernel), norms
+_LINEAR = {"fc": "fc", "midlayer.self_attn.q_proj": "attn.q",
+           "midlayer.self_attn.k_proj": "attn.k",
            "midlayer.self_attn.v_proj": "attn.v", "midlayer.self_attn.o_proj": "attn.o",
            "midlayer.mlp.gate_proj": "mlp.gate", "midlayer.mlp.up_proj": "mlp.up",
            "midlayer.mlp.down_proj": "mlp.down", "lm_head": "lm_head"}
@@ -57,7 +58,8 @@ _NORMS = {"midlayer.input_layernorm": "input_layernorm", "midlayer.hidden_norm":
 def _layers(config: Mapping, n_layers: int) -> tuple[int, ...]:
   """specjax capture indices of the three layers the head reads (module doc)."""
   eagle = config.get("eagle_config") or {}
-  hf = config.get("eagle_aux_hidden_state_layer_ids", eagle.get("eagle_aux_hidden_state_layer_ids"))
+  key = "eagle_aux_hidden_state_layer_ids"
+  hf = config.get(key, eagle.get(key))
   if hf is None:
     return eagle3_layers(n_layers)
   if (not isinstance(hf, list) or not hf or not all(isinstance(i, int) for i in hf)
@@ -88,7 +90,8 @@ def _head_fields(config: Mapping, d_model: int) -> dict:
   from specjax.checkpoints.hf.config import rope_fields_of
   act = config.get("hidden_act", "silu")
   if act != "silu":
-    raise ValueError(f"config.json: hidden_act={act!r} is not supported (EAGLE-3 heads use silu)")
+    raise ValueError(f"config.json: hidden_act={act!r} is not supported (EAGLE-3 heads use "
+                     "silu)")
   for flag in ("attention_bias", "mlp_bias"):
     if config.get(flag):
       raise ValueError(f"config.json: {flag}=true is not supported (EAGLE-3 heads have none)")
@@ -183,7 +186,7 @@ def _check_embedding(tensors, target) -> None:
                      "bfloat16 rounding (specjax drafts with the target's own)")
 
 
-# ----------------------------------------------------------------------------- the head directory
+# ----------------------------------------------------------------------------- head directories
 
 
 def import_head(src_dir, target, out_dir, *, tokenizer=None, overwrite: bool = False,
@@ -202,7 +205,8 @@ def import_head(src_dir, target, out_dir, *, tokenizer=None, overwrite: bool = F
                      f"; architectures {arch})")
   layers, fields, ids, params = head_params(config, tensors, model)
   full = np.array_equal(ids, np.arange(model.config.vocab_size))
-  kind = Eagle3Heads(steps=steps, decay=decay, layers=layers, head=tuple(sorted(fields.items())),
+  kind = Eagle3Heads(steps=steps, decay=decay, layers=layers,
+                     head=tuple(sorted(fields.items())),
                      draft_ids=None if full else tuple(int(i) for i in ids))
   return files.save_bound_head(out_dir, kind, params, model, tokenizer,
                                {"source": {"format": FORMAT, "dir": pathlib.Path(src_dir).name,
