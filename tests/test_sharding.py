@@ -4,9 +4,10 @@ the partition rules, the compiled loop's collectives (HLO) and the bytes each de
 The mesh tests need 8 devices, and XLA's device count is fixed when JAX starts. The suite
 runs with one CPU device (`device_map` sweeps split work over every local device, so eight
 would change what other tests measure), so without 8 devices `test_mesh_cases_in_8_devices`
-re-runs this file in a subprocess with `--xla_force_host_platform_device_count=8` (the same
-`-m` selection) and the 8-device tests skip here; in that subprocess they run and the
-driver skips.
+(slow) re-runs this file in a subprocess with `--xla_force_host_platform_device_count=8`
+and the 8-device tests skip here; in that subprocess they all run and the driver skips.
+Run them directly with `SPECJAX_TEST_MESH_CHILD=1
+XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest tests/test_sharding.py`.
 """
 
 from __future__ import annotations
@@ -98,16 +99,17 @@ def test_check_mesh_refuses():
     sharding.make_mesh(3, 3, devices=jax.devices()[:1] * 8)
 
 
-def test_mesh_cases_in_8_devices(request):
-  """Runs this file's 8-device tests in a subprocess with 8 CPU devices."""
+@pytest.mark.slow
+def test_mesh_cases_in_8_devices():
+  """Runs this file's 8-device tests (all of them, slow or not: compiling for 8 devices
+  takes this driver past the fast tier's budget) in a subprocess with 8 CPU devices."""
   if EIGHT or os.environ.get(CHILD):
     pytest.skip("8 devices here: the tests run directly")
   env = dict(os.environ, **{CHILD: "1"})
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                       " --xla_force_host_platform_device_count=8").strip()
-  marks = request.config.getoption("-m")
   cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-         "-k", "not test_mesh_cases_in_8_devices"] + (["-m", marks] if marks else [])
+         "-k", "not test_mesh_cases_in_8_devices and not test_two_processes_match_one"]
   done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800,
                         cwd=os.path.dirname(os.path.dirname(__file__)))
   assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
@@ -418,3 +420,19 @@ def test_cli_generate_on_a_mesh(monkeypatch, capsys):
   assert out["identical_to_plain"]
   assert meshes and all(m is not None and dict(m.shape) == {"data": 1, "model": 2}
                         for m in meshes)
+
+
+@needs_8
+def test_forward_agrees_to_rounding(llama):
+  """The target's logits on a (2, 4) mesh equal one device's to float32 rounding, not bit for
+  bit: o and down are summed per device, then across devices (another order)."""
+  tokens = jnp.asarray(np.arange(32).reshape(4, 8) % LLAMA.vocab_size, jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (4, 8))
+  forward = jax.jit(lambda lm, t, p: lm(t, p)[0])
+  one = np.asarray(forward(llama, tokens, positions))
+  mesh = sharding.make_mesh(2, 4)
+  placed, _ = sharding.place(mesh, llama)
+  with sharding.on(mesh):
+    split = np.asarray(forward(placed, *sharding.place_batch(mesh, tokens, positions)))
+  np.testing.assert_allclose(split, one, rtol=1e-5, atol=1e-5)
+  assert np.array_equal(split.argmax(-1), one.argmax(-1))
