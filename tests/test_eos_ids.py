@@ -105,5 +105,6 @@ def test_bad_eos_ids_are_refused_naming_the_argument(pair, eos_id, match):
 def test_eos_ids_are_padded_to_a_fixed_width():
   assert batching.eos_ids(None, 10).tolist() == [-1] * batching.EOS_SLOTS
   assert batching.eos_ids([4, 2], 10).tolist()[:3] == [4, 2, -1]
-  many = batching.eos_ids(list(range(batching.EOS_SLOTS + 1)), 100)
-  assert many.shape == (2 * batching.EOS_SLOTS,) and int(many[batching.EOS_SLOTS]) == batching.EOS_SLOTS
+  n = batching.EOS_SLOTS
+  many = batching.eos_ids(list(range(n + 1)), 100)  # one more: the next power of two
+  assert many.shape == (2 * n,) and many.tolist()[n:n + 2] == [n, -1]

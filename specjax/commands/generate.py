@@ -263,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
   import jax
   import numpy as np
 
-  from specjax import decoding, sampling, timing
+  from specjax import decoding, plan, sampling, timing
 
   _check_args(args)
   sampler = sampling.make_sampler(args.temperature, args.top_k, args.top_p)
@@ -276,6 +276,7 @@ def run(args: argparse.Namespace) -> int:
   drafter, shape = _drafter(args, stored, draft, serving=target)
   if args.draft_stop > 0:  # --k auto (checked): the default policy with draft stopping
     shape = {"policy": decoding.default_policy(target, drafter, threshold=args.draft_stop)}
+  shape = {"plan": plan.of(**shape)}  # the drafter's shape (Medusa: its best tree), built once
   draft_configs = [] if drafter.config is None else [drafter.config]
   _check_context(args, [target.config] + draft_configs, max(len(p) for p in prompts))
   common = dict(max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed,
