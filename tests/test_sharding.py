@@ -162,9 +162,11 @@ def test_plain_tokens_match_one_device(llama, mesh_shape, temperature):
 
 @needs_8
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["chain-T1", "static-tree", "static-tree-T1", "dynamic-tree",
-                                  "adaptive", "adaptive-T1"])
-def test_modes_match_one_device(llama, draft, case):
+@pytest.mark.parametrize("case, mesh_shape", [
+    ("chain-T1", (2, 4)), ("static-tree", (2, 4)), ("static-tree-T1", (2, 4)),
+    ("dynamic-tree", (2, 4)), ("adaptive", (2, 4)), ("adaptive-T1", (2, 4)),
+    ("dynamic-tree", (1, 8)), ("adaptive-T1", (1, 8))])
+def test_modes_match_one_device(llama, draft, case, mesh_shape):
   temperature = 1.0 if case.endswith("T1") else 0.0
   top_k = ModelDrafter.of(draft, deterministic=True)
   plan = {"chain-T1": (ModelDrafter.of(draft), dict(k=4)),
@@ -173,7 +175,7 @@ def test_modes_match_one_device(llama, draft, case):
           "dynamic-tree": (top_k, dict(tree=trees.DynamicTree(budget=8, depth=3, width=2))),
           "adaptive": (ModelDrafter.of(draft), dict(k="auto")),
           "adaptive-T1": (ModelDrafter.of(draft), dict(k="auto"))}[case]
-  _same(llama, plan[0], (2, 4), temperature, **plan[1])
+  _same(llama, plan[0], mesh_shape, temperature, **plan[1])
 
 
 def _medusa_params(cfg, heads=2):
@@ -253,9 +255,10 @@ def test_loop_gathers_no_whole_weight(llama, draft, monkeypatch):
   mesh = sharding.make_mesh(2, 4)
   drafter = ModelDrafter.of(draft)
   weights = _weight_shapes(llama, draft)
-  hlo = _loop_hlo(llama, drafter, mesh, trees.chain(3))
-  assert "all-reduce" in hlo  # the row-split products' reductions: the model is split
-  assert not [s for s in _gathers(hlo) if s in weights]
+  for tree in (trees.chain(3), trees.branching((2, 2))):  # a tree also compacts its cache
+    hlo = _loop_hlo(llama, drafter, mesh, tree)
+    assert "all-reduce" in hlo  # the row-split products' reductions: the model is split
+    assert not [s for s in _gathers(hlo) if s in weights]
 
   def replicated(self, x):  # the planted bug: every kernel gathered whole before its product
     w = jax.lax.with_sharding_constraint(self.kernel[...], P())
