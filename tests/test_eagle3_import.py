@@ -8,7 +8,8 @@ reduced draft vocabulary, d2t, t2d). The reference (`RefHead`) runs the target i
 transformers and the head in plain torch with its own KV cache, one drafting step at a time:
 step 1 reads fc(concat of hidden_states[2], [4], [5]) and the embedding of the next token;
 later steps read the previous step's output h (before `norm`). Controls: a dropped
-hidden_norm, an off-by-one in d2t and the wrong three layers each break parity.
+hidden_norm, an off-by-one in d2t and the wrong three layers each break parity; a drafter
+that reports mass off the draft vocabulary fails the χ² joint-law test.
 """
 
 import json
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import struct
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -289,6 +291,36 @@ def test_joint_law_with_the_reduced_vocabulary(tmp_path, tree, sampler_args):
   sampler = sampling.make_sampler(**sampler_args)
   tokens = first_three(target, drafter, tree, sampler, seed=7)
   assert joint_pvalue(tokens, exact_joint(target, PROMPT, sampler)) > FALSE_ALARM
+
+
+@struct.dataclass
+class _ReportsMassOffTheMap(EagleDrafter):
+  """Planted bug: the q reported to the acceptance rule leaks 30% of its mass onto the target
+  ids outside the draft vocabulary (which are never sampled). The extra static field keeps
+  its compiled program apart from its parent's."""
+
+  planted: bool = struct.field(pytree_node=False, default=True)
+
+  def propose(self, state, ctx, tree, sampler, key):
+    proposal, state = super().propose(state, ctx, tree, sampler, key)
+    off = jnp.ones(proposal.q.shape[-1], bool).at[self.vocab].set(False)
+    leak = (off / off.sum())[None, None]
+    return proposal.replace(q=0.7 * proposal.q + 0.3 * leak), state
+
+
+@pytest.mark.slow
+def test_the_joint_law_test_catches_mass_reported_off_the_map(tmp_path):
+  """Negative control of the test above: the same χ² rejects the planted leak."""
+  target = joint_target()
+  _published(tmp_path / "pub", vocab=VOCAB, d_model=target.config.d_model,
+             draft_ids=[0, 2, 3, 5, 6], seed=5, aux=(1, 2, 2), heads=2, kv=1, ff=32)
+  pub.import_head(tmp_path / "pub", target, tmp_path / "head")
+  good = _drafter(target, tmp_path / "head")
+  bad = _ReportsMassOffTheMap(head=good.head, target=good.target, layers=good.layers,
+                              vocab=good.vocab, lm=good.lm)
+  sampler = sampling.make_sampler(1.0)
+  tokens = first_three(target, bad, trees.chain(2), sampler, seed=7)
+  assert joint_pvalue(tokens, exact_joint(target, PROMPT, sampler)) < FALSE_ALARM
 
 
 @pytest.mark.slow
