@@ -326,6 +326,22 @@ def test_load_into_place(tmp_path, kind):
   assert run.tokens == decoding.generate(reference, PROMPTS, max_new_tokens=4).tokens
 
 
+@needs_8
+def test_too_big_for_one_device_loads_onto_the_mesh(tmp_path, monkeypatch):
+  """A model larger than one accelerator's memory is refused on one device and loads onto a
+  mesh whose model axis splits it small enough (the memory check counts the mesh)."""
+  from specjax import checkpoints
+  reference = model(LLAMA, seed=4)
+  checkpoints.save_model(tmp_path / "m", reference)
+  need = transformer.param_bytes(LLAMA)
+  monkeypatch.setattr(transformer, "machine_memory", lambda: (need // 3, "fake HBM memory"))
+  with pytest.raises(ValueError, match="more than this machine's"):
+    checkpoints.load_model(tmp_path / "m")
+  mesh = sharding.make_mesh(2, 4)
+  loaded, _ = checkpoints.load_model(tmp_path / "m", mesh=mesh)
+  _check_in_place(loaded, reference, mesh)
+
+
 # ----------------------------------------------------------------------------- training
 
 

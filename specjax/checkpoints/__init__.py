@@ -112,9 +112,13 @@ def load_model(path: str | os.PathLike, *, dtype: str | None = None, config=None
   `sharding.default_mesh`, the CLI's --mesh; else one device).
   """
   from specjax import sharding
-  from specjax.checkpoints import hf
   mesh = sharding.check_mesh(mesh)
-  path = pathlib.Path(path)
+  with sharding.on(mesh):  # parameters sized against the mesh's devices (check_params_fit)
+    return _load_model(pathlib.Path(path), dtype, config, step, mesh)
+
+
+def _load_model(path: pathlib.Path, dtype, config, step, mesh) -> tuple[Any, Any]:
+  from specjax.checkpoints import hf
   if not path.is_dir():
     raise ValueError(f"model path {str(path)!r} is not a directory")
   if is_hf_dir(path) or (path / "config.json").is_file() and not is_orbax_dir(path):

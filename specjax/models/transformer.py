@@ -300,13 +300,20 @@ def machine_memory() -> tuple[int, str] | None:
     return None
 
 
+def _model_axis() -> int:
+  """The size of the active mesh's `model` axis (1 without a mesh; `specjax.sharding`)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh.empty else dict(mesh.shape).get("model", 1)
+
+
 def check_params_fit(config: ModelConfig, *, what: str = "model",
                      limit: int | None = None) -> int:
   """The one check of "parameter bytes of a ModelConfig vs memory", made before a model is
   built from a config (`Transformer.__init__`, `abstract_model`, so every restore target,
   Hugging Face import, trainer and CLI model goes through it): refuses (ValueError) a config
   whose parameters alone exceed `limit` bytes (default: `machine_memory()`, the device's
-  limit or the host's physical memory), naming the config's sizes, the bytes and the limit.
+  limit or the host's physical memory; an accelerator's limit times the `model` axis when
+  loading under a mesh, `sharding.on`), naming the config's sizes, the bytes and the limit.
   Parameters that fit can still leave too little for caches and activations: those are
   checked where they are sized (`cache.check_fits`, the trainer's estimate). Costs a few
   multiplications (`param_count` is closed form). Returns the parameter bytes."""
@@ -317,6 +324,9 @@ def check_params_fit(config: ModelConfig, *, what: str = "model",
     if known is None:
       return need
     limit, source = known
+    split = _model_axis()  # loading onto a mesh (`sharding.on`): each device holds ~1/M
+    if split > 1 and source != "physical memory":  # of the weights (CPU devices share one host)
+      limit, source = limit * split, f"{source} x {split} devices of the mesh's model axis"
   if need > limit:
     c = config
     raise ValueError(
