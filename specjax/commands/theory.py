@@ -26,7 +26,12 @@ def add_parser(subparsers) -> None:
                             description=__doc__)
   sub = p.add_subparsers(dest="theory_command", metavar="SUBCOMMAND")
   sub.required = True
+  for add in (_add_table, _add_optimal_k, _add_roofline, _add_adaptive, _add_long_context,
+              _add_sample_size, _add_draft_kv, _add_burstiness, _add_tree):
+    add(sub)  # in this order: the order `specjax theory --help` lists them
 
+
+def _add_table(sub) -> None:
   s = _sub(sub, "table", "speedup over the α × k grid, best k per row", _table)
   s.add_argument("--alphas", default=_DEFAULT_ALPHAS, help="comma-separated α values")
   s.add_argument("--c", type=float, default=0.15, help="draft cost per token (target steps)")
@@ -34,11 +39,15 @@ def add_parser(subparsers) -> None:
   s.add_argument("--k-search", type=int, default=16, help="best k searched over 1..K")
   s.add_argument("--plot", metavar="FILE.png", help="speedup vs k, one curve per α")
 
+
+def _add_optimal_k(sub) -> None:
   s = _sub(sub, "optimal-k", "the k maximising E[τ]/(1 + k·c), per α", _optimal_k)
   s.add_argument("--alpha", default=_DEFAULT_ALPHAS, help="comma-separated α values")
   s.add_argument("--c", type=float, default=0.15)
   s.add_argument("--k-max", type=int, default=16)
 
+
+def _add_roofline(sub) -> None:
   s = _sub(sub, "roofline", "gain vs batch, break-even batch, best k per batch", _roofline)
   flags.add_model_args(s)
   flags.add_spec_args(s)
@@ -48,6 +57,8 @@ def add_parser(subparsers) -> None:
                  help="convention for best k and the adaptive policy (all three gains shown)")
   s.add_argument("--plot", metavar="FILE.png", help="gain vs batch, break-even marked")
 
+
+def _add_adaptive(sub) -> None:
   s = _sub(sub, "adaptive", "the shape the engine's adaptive policy would choose on this "
            "machine, per α and batch, from its calibration (or from --c without one)",
            _adaptive)
@@ -67,6 +78,8 @@ def add_parser(subparsers) -> None:
   s.add_argument("--v", type=float, default=0.0,
                  help="without a calibration: one more verified node in target steps")
 
+
+def _add_long_context(sub) -> None:
   s = _sub(sub, "long-context", "max batch at a long context and how memory-bound it is",
            _long_context)
   flags.add_model_args(s, context_default=16384)
@@ -74,6 +87,8 @@ def add_parser(subparsers) -> None:
   s.add_argument("--memory-budget-gb", type=float, default=None,
                  help="cache memory (default: 0.95·memory − weights)")
 
+
+def _add_sample_size(sub) -> None:
   s = _sub(sub, "sample-size", "drafted tokens needed to measure α to ± half-width",
            _sample_size)
   s.add_argument("--alpha", type=float, default=0.8)
@@ -82,6 +97,8 @@ def add_parser(subparsers) -> None:
   s.add_argument("--rho", type=float, default=0.0, help="lag-1 autocorrelation of accepts")
   s.add_argument("--method", choices=("wald", "wilson"), default="wald")
 
+
+def _add_draft_kv(sub) -> None:
   s = _sub(sub, "draft-kv", "concurrency a separate draft's weights and cache take away",
            _draft_kv)
   flags.add_model_args(s)
@@ -93,6 +110,8 @@ def add_parser(subparsers) -> None:
   s.add_argument("--memory-budget-gb", type=float, default=None)
   s.add_argument("--draft-cost", choices=roofline.DRAFT_COSTS, default="full")
 
+
+def _add_burstiness(sub) -> None:
   s = _sub(sub, "burstiness", "τ under bursty (Markov) acceptance: exact and Monte Carlo",
            _burstiness)
   s.add_argument("--alpha", type=float, default=0.8)
@@ -101,12 +120,13 @@ def add_parser(subparsers) -> None:
   s.add_argument("--cycles", type=int, default=200_000)
   s.add_argument("--seed", type=int, default=0)
 
+
+def _add_tree(sub) -> None:
   s = _sub(sub, "tree", "E[τ] of a token tree under Sequoia's acceptance-by-rank model", _tree)
   s.add_argument("--parents", required=True, help="e.g. -1,-1,0,0,1 (topological order)")
   s.add_argument("--rank-probs", required=True, help="P(rank-r child accepted), e.g. 0.6,0.2")
   s.add_argument("--samples", type=int, default=0, help="also simulate this many cycles")
   s.add_argument("--seed", type=int, default=0)
-
 
 def _sub(sub, name: str, help_: str, func) -> argparse.ArgumentParser:
   s = sub.add_parser(name, help=help_, description=help_)
