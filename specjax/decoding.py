@@ -237,7 +237,8 @@ def generate(target, prompts, *, max_new_tokens, sampler=None, seed=0, eos_id=No
   cfg = target.config
   batch = sized_batch([cfg], prompts, max_new_tokens=max_new_tokens, cache_len=cache_len,
                       allow_beyond_max_len=allow_beyond_max_len)
-  kv.check_fits(cfg, len(batch.budget_B), batch.cache_len, what="target KV cache")
+  with sharding.on(mesh):  # a cache split over the mesh is checked per device
+    kv.check_fits(cfg, len(batch.budget_B), batch.cache_len, what="target KV cache")
   sampler = sampler if sampler is not None else sampling.make_sampler(0.0)
   start = time.perf_counter()
   args = sharding.place_args(mesh, (target, batch.prompt_BP, batch.prompt_len_B,
@@ -276,9 +277,10 @@ def speculative_generate(target, draft, prompts, *, k: int | str | None = None,
   """
   check_precision(precision)
   mesh = sharding.check_mesh(mesh)
-  run = prepare(target, draft, prompts, plan_of(k=k, tree=tree, policy=policy, plan=plan),
-                max_new_tokens=max_new_tokens, sampler=sampler, seed=seed, eos_id=eos_id,
-                cache_len=cache_len, allow_beyond_max_len=allow_beyond_max_len)
+  with sharding.on(mesh):  # caches split over the mesh are checked per device
+    run = prepare(target, draft, prompts, plan_of(k=k, tree=tree, policy=policy, plan=plan),
+                  max_new_tokens=max_new_tokens, sampler=sampler, seed=seed, eos_id=eos_id,
+                  cache_len=cache_len, allow_beyond_max_len=allow_beyond_max_len)
   spec = run.plan
   compiled = adaptive_loop.adaptive_jit if spec.adaptive else loop.speculative_jit
   start = time.perf_counter()

@@ -342,6 +342,21 @@ def test_too_big_for_one_device_loads_onto_the_mesh(tmp_path, monkeypatch):
   _check_in_place(loaded, reference, mesh)
 
 
+@needs_8
+def test_cache_checked_per_device(monkeypatch):
+  """On an accelerator mesh the KV cache's memory check counts each device's share (KV-head
+  groups x data shards); without a mesh the whole cache must fit one device."""
+  from specjax.models import cache as kv
+  monkeypatch.setattr(kv, "_device_stats", lambda: {"bytes_limit": 1})
+  need = kv.cache_bytes(LLAMA, 4, 1024)
+  with pytest.raises(ValueError, match="lower batch or max_len"):
+    kv.check_fits(LLAMA, 4, 1024, available=need // 4)
+  with sharding.on(sharding.make_mesh(2, 4)):  # 4 KV heads over model=4, 4 rows over data=2
+    kv.check_fits(LLAMA, 4, 1024, available=need // 4)
+    with pytest.raises(ValueError, match="lower batch or max_len"):
+      kv.check_fits(LLAMA, 4, 1024, available=need // 8)
+
+
 # ----------------------------------------------------------------------------- training
 
 

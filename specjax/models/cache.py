@@ -99,11 +99,12 @@ def check_fits(config, batch: int, max_len: int, dtype=None, *, extra_bytes: int
   """Refuses (ValueError) a cache that would not fit, before anything is allocated.
 
   `extra_bytes` is whatever else must fit beside it (weights, other caches). Keeps 10% of
-  the available memory as headroom for activations and XLA temporaries.
+  the available memory as headroom for activations and XLA temporaries. Under a mesh on
+  accelerators each device holds its share (`_shares`; CPU devices share one host).
   """
   need = cache_bytes(config, batch, max_len, dtype) + extra_bytes
   available = available_memory_bytes() if available is None else available
-  if available is not None and need > 0.9 * available:
+  if available is not None and need > 0.9 * available * _shares(config, batch):
     raise ValueError(
         f"{what}: batch={batch} × max_len={max_len} needs {need / 2**30:.2f} GiB "
         f"(KV cache {cache_bytes(config, batch, max_len, dtype) / 2**30:.2f} GiB + "
@@ -141,6 +142,23 @@ def constrain(cache: KVCache) -> KVCache:
     return cache
   pin = lambda x: jax.lax.with_sharding_constraint(x, spec)
   return cache.replace(k=tuple(map(pin, cache.k)), v=tuple(map(pin, cache.v)))
+
+
+def _shares(config, batch: int) -> int:
+  """Into how many parts the active mesh splits a cache (`layout_for`: KV-head groups x
+  data shards), on accelerators; 1 without a mesh or on CPU devices (one host's memory)."""
+  groups, spec = layout_for(config.n_kv_heads, batch)
+  if spec is None or "bytes_limit" not in (_device_stats() or {}):
+    return 1
+  data = _mesh_axes().get("data", 1) if "data" in (spec[0] or ()) else 1
+  return groups * data
+
+
+def _device_stats() -> dict | None:
+  try:
+    return jax.local_devices()[0].memory_stats()
+  except Exception:  # noqa: BLE001 - backends without memory stats (CPU)
+    return None
 
 
 def init(config, batch: int, max_len: int, dtype=None) -> KVCache:
