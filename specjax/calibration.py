@@ -51,6 +51,7 @@ budget, the cache length, the shapes and the statistic, so a re-run reuses them;
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -456,26 +457,9 @@ def _check_int(name: str, v, lo: int) -> int:
   return int(v)
 
 
-def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
-              shapes: Sequence[Tree] | None = None, *, max_new_tokens: int = 64,
-              repeats: int = 3, temperature: float = 0.0, seed: int = 0,
-              cache_len: int | None = None, drafter_for: Callable | None = None,
-              recalibrate: bool = False, cache_dir: str | os.PathLike | None = None,
-              statistic: str = "median", batch: int | None = None,
-              timer: Callable[[], float] = time.perf_counter,
-              revalidate: float | None = None) -> LoopCosts:
-  """The calibration of `target` with `draft` (a draft model or a `Drafter`) at this batch
-  (`batch` rows per call, default len(prompt_ids); fewer rows decode the prompts as
-  consecutive batches, `measure`) and temperature: cached under `cache_root(cache_dir)` by
-  `fingerprint`, else measured (`measure`) and stored. shapes: default chains k ∈ {1, 2, 4,
-  6} (add the trees you will predict; the fit needs one). recalibrate: measure even when cached.
-  drafter_for(draft, tree) -> Drafter: the drafter of each shape (default: the draft
-  model, sampled candidates for chains, top-k candidates for trees). statistic: "median"
-  or "fastest" call (`measure`). revalidate: a fraction (`timing.REVALIDATE`, 0.10): a
-  cached calibration is checked on the day by a short probe (one plain decode step now,
-  `timing.probe_step`) and measured again when off by more (a machine faster or slower than
-  when it was taken); None (default): trusted as cached. meta["revalidated"] records it.
-  """
+def _check_calibrate_args(shapes, prompt_ids, max_new_tokens, repeats, seed, temperature,
+                          statistic, recalibrate, batch) -> tuple[list[Tree], int]:
+  """`calibrate`'s checks: (its shapes, default chains, checked and each once; rows per call)."""
   shapes = [trees.chain(k) for k in DEFAULT_CHAINS] if shapes is None else shapes
   if isinstance(shapes, (str, bytes)) or not isinstance(shapes, Sequence) or not shapes:
     raise ValueError(f"shapes must be a non-empty list of trees (e.g. [trees.chain(1), "
@@ -499,6 +483,54 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
   rows = len(prompt_ids) if batch is None else _check_int("batch", batch, 1)
   if len(prompt_ids) % rows:
     raise ValueError(f"batch must divide the {len(prompt_ids)} prompts, got {batch!r}")
+  return shapes, rows
+
+
+def _cached(path, drafters, revalidate: float | None, probe: Callable[[], float]):
+  """(the calibration cached at `path` if it holds every shape of `drafters` and, with
+  `revalidate`, passes the day's probe (`probe()`: one plain decode step's seconds, the
+  first batch standing for the workload: a probe of the machine, not a measurement), else
+  None; the probe's record when it failed, else None). Unreadable: (None, None)."""
+  try:
+    costs = LoopCosts.from_dict(json.loads(path.read_text()))
+    # "depth_alpha": calibrations stored before it was measured are measured again
+    if set(costs.cycles) == set(drafters) and "depth_alpha" in costs.meta:
+      check = None
+      if revalidate is not None:
+        t = probe()
+        check = {"probe_t_step": t, "cached_t_step": costs.t_step,
+                 "ratio": t / costs.t_step, "tolerance": revalidate}
+      if check is None or abs(check["ratio"] - 1) <= revalidate:
+        return dataclasses.replace(costs, meta={**costs.meta, "cached": True,
+                                                "revalidated": check}), None
+      return None, {**check, "recalibrated": True}
+  except (ValueError, KeyError, TypeError, OSError):  # unreadable: measure again
+    pass
+  return None, None
+
+
+def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
+              shapes: Sequence[Tree] | None = None, *, max_new_tokens: int = 64,
+              repeats: int = 3, temperature: float = 0.0, seed: int = 0,
+              cache_len: int | None = None, drafter_for: Callable | None = None,
+              recalibrate: bool = False, cache_dir: str | os.PathLike | None = None,
+              statistic: str = "median", batch: int | None = None,
+              timer: Callable[[], float] = time.perf_counter,
+              revalidate: float | None = None) -> LoopCosts:
+  """The calibration of `target` with `draft` (a draft model or a `Drafter`) at this batch
+  (`batch` rows per call, default len(prompt_ids); fewer rows decode the prompts as
+  consecutive batches, `measure`) and temperature: cached under `cache_root(cache_dir)` by
+  `fingerprint`, else measured (`measure`) and stored. shapes: default chains k ∈ {1, 2, 4,
+  6} (add the trees you will predict; the fit needs one). recalibrate: measure even when cached.
+  drafter_for(draft, tree) -> Drafter: the drafter of each shape (default: the draft
+  model, sampled candidates for chains, top-k candidates for trees). statistic: "median"
+  or "fastest" call (`measure`). revalidate: a fraction (`timing.REVALIDATE`, 0.10): a
+  cached calibration is checked on the day by a short probe (one plain decode step now,
+  `timing.probe_step`) and measured again when off by more (a machine faster or slower than
+  when it was taken); None (default): trusted as cached. meta["revalidated"] records it.
+  """
+  shapes, rows = _check_calibrate_args(shapes, prompt_ids, max_new_tokens, repeats, seed,
+                                       temperature, statistic, recalibrate, batch)
   if cache_len is None:
     cache_len = default_cache_len(target, draft, prompt_ids, shapes, max_new_tokens)
   cache_len = _check_int("cache_len", cache_len, 2)
@@ -510,24 +542,12 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
   path = cache_root(cache_dir) / f"{key}.json"
   revalidated = None  # the probe's record when a cached calibration failed it
   if not recalibrate and path.exists():
-    try:
-      costs = LoopCosts.from_dict(json.loads(path.read_text()))
-      # "depth_alpha": calibrations stored before it was measured are measured again
-      if set(costs.cycles) == set(drafters) and "depth_alpha" in costs.meta:
-        check = None
-        if revalidate is not None:
-          # the first batch stands for the workload: a probe of the machine, not a measurement
-          probe = probe_step(target, prompt_ids[:rows], max_new_tokens=max_new_tokens,
-                             temperature=temperature, seed=seed, cache_len=cache_len,
-                             batch=rows, timer=timer, statistic=statistic)
-          check = {"probe_t_step": probe, "cached_t_step": costs.t_step,
-                   "ratio": probe / costs.t_step, "tolerance": revalidate}
-        if check is None or abs(check["ratio"] - 1) <= revalidate:
-          return dataclasses.replace(costs, meta={**costs.meta, "cached": True,
-                                                  "revalidated": check})
-        revalidated = {**check, "recalibrated": True}
-    except (ValueError, KeyError, TypeError, OSError):  # unreadable: measure again
-      pass
+    probe = functools.partial(probe_step, target, prompt_ids[:rows],
+                              max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                              cache_len=cache_len, batch=rows, timer=timer, statistic=statistic)
+    cached, revalidated = _cached(path, drafters, revalidate, probe)
+    if cached is not None:
+      return cached
   costs = measure(target, draft, prompt_ids, shapes, max_new_tokens=max_new_tokens,
                   repeats=repeats, temperature=temperature, seed=seed, cache_len=cache_len,
                   drafter_for=lambda _d, t: drafters[shape_key(t)], statistic=statistic,
