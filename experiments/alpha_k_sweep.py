@@ -244,13 +244,9 @@ def _by_alpha(records):
   return {a: sorted(rs, key=lambda r: r["params"]["k"]) for a, rs in sorted(out.items())}
 
 
-def report(records: list[dict], run_dir) -> str:
+def _speedup_plot(groups, run_dir) -> str:
+  """Speedup vs k per α: measured points, formula at the measured costs (lines)."""
   from specjax.sweeps import report as rep
-  groups = _by_alpha(records)
-  ks_all = sorted({r["params"]["k"] for r in records})
-  alphas = list(groups)
-
-  # 1. speedup vs k per α: measured points, formula at the measured costs (lines).
   fig, ax = rep.new_figure(figsize=(6, 3.8))
   for a, rs in groups.items():
     ks = [r["params"]["k"] for r in rs]
@@ -261,9 +257,12 @@ def report(records: list[dict], run_dir) -> str:
   ax.set_xlabel("k (drafts per cycle)")
   ax.set_ylabel("speedup vs plain")
   ax.legend(fontsize=7, ncol=2)
-  speed_png = rep.save(fig, run_dir / "alpha_k_speedup.png")
+  return rep.save(fig, run_dir / "alpha_k_speedup.png")
 
-  # 2. τ vs k: measured (per-cycle count, ± 2 se), E[τ] curve, Monte Carlo.
+
+def _tau_plot(groups, ks_all, run_dir) -> str:
+  """τ vs k: measured (per-cycle count, ± 2 se), E[τ] curve, Monte Carlo."""
+  from specjax.sweeps import report as rep
   fig, ax = rep.new_figure(figsize=(6, 3.8))
   kk = np.arange(1, max(ks_all) + 1)
   for a, rs in groups.items():
@@ -278,9 +277,13 @@ def report(records: list[dict], run_dir) -> str:
   ax.set_ylabel("τ (tokens per cycle)")
   ax.set_title("measured (o, ±2 se), E[τ] (line), Monte Carlo (x)", fontsize=9)
   ax.legend(fontsize=7, ncol=2)
-  tau_png = rep.save(fig, run_dir / "alpha_k_tau.png")
+  return rep.save(fig, run_dir / "alpha_k_tau.png")
 
-  # 3. α × k heatmap of the measured speedup.
+
+def _heatmap(groups, ks_all, run_dir) -> str:
+  """The α × k heatmap of the measured speedup."""
+  from specjax.sweeps import report as rep
+  alphas = list(groups)
   grid = np.full((len(alphas), len(ks_all)), np.nan)
   for i, a in enumerate(alphas):
     for r in groups[a]:
@@ -297,9 +300,12 @@ def report(records: list[dict], run_dir) -> str:
   ax.set_xlabel("k")
   ax.set_ylabel("α")
   fig.colorbar(im, ax=ax, label="speedup")
-  heat_png = rep.save(fig, run_dir / "alpha_k_heatmap.png")
+  return rep.save(fig, run_dir / "alpha_k_heatmap.png")
 
-  # 4. accepted run-length histogram at the largest k: measured vs geometric theory.
+
+def _run_length_plot(groups, ks_all, run_dir) -> str:
+  """Accepted run-length histogram at the largest k: measured vs geometric theory."""
+  from specjax.sweeps import report as rep
   kmax = max(ks_all)
   top = [(a, r) for a, rs in groups.items() for r in rs if r["params"]["k"] == kmax]
   fig, ax = rep.new_figure(figsize=(6, 3.5))
@@ -315,8 +321,16 @@ def report(records: list[dict], run_dir) -> str:
   ax.set_xlabel(f"accepted drafts per cycle (k = {kmax}); black: αⁿ(1 − α), α^k")
   ax.set_ylabel("fraction of cycles")
   ax.legend(fontsize=7)
-  hist_png = rep.save(fig, run_dir / "alpha_k_run_lengths.png")
+  return rep.save(fig, run_dir / "alpha_k_run_lengths.png")
 
+
+def report(records: list[dict], run_dir) -> str:
+  groups = _by_alpha(records)
+  ks_all = sorted({r["params"]["k"] for r in records})
+  speed_png = _speedup_plot(groups, run_dir)
+  tau_png = _tau_plot(groups, ks_all, run_dir)
+  heat_png = _heatmap(groups, ks_all, run_dir)
+  hist_png = _run_length_plot(groups, ks_all, run_dir)
   worst_z = max(abs(r["metrics"]["z_tau"]) for r in records)
   worst_za = max(abs(r["metrics"]["z_alpha"]) for r in records)
   cost = records[0]["metrics"]["cost"]

@@ -470,26 +470,12 @@ def summary_of(records: Sequence[dict], draft_cost: str = "full") -> dict:
   return out
 
 
-def report(records: list[dict], run_dir) -> str:
-  """Break-even measured vs calibrated vs roofline, best k per batch, the points, and the
-  gain-vs-batch plot; the break-evens also go to batch_breakeven_summary.json."""
+def _gain_plot(records, run_dir, hw, wl, draft_cost: str, batches, per_k, measured,
+               calibrated, predicted, with_cal: bool) -> str:
+  """Gain vs batch: roofline curves (continuous in batch, per-k pooled α and c), calibrated
+  predictions (dashed, at the swept batches) and measured markers, the break-evens marked;
+  the saved plot's name."""
   from specjax.sweeps import report as rep
-
-  draft_cost = records[0]["params"].get("draft_cost", "full")
-  hw, wl = model_of(records)
-  ks = sorted({int(r["params"]["k"]) for r in records})
-  batches = sorted({int(r["params"]["batch"]) for r in records})
-  measured = measured_break_even(records)
-  cost_model = measured_break_even(records, "predicted_speedup")
-  predicted, per_k = predicted_break_even(records, draft_cost)
-  with_cal = has_calibrated(records)
-  calibrated = calibrated_break_even(records) if with_cal else None
-  table = best_k_table(records, draft_cost)
-  varying = sorted(n for n in records[0]["params"] if n not in ("batch", "k") and len(
-      {repr(r["params"].get(n)) for r in records}) > 1)
-
-  # Gain vs batch: roofline curves (continuous in batch, per-k pooled α and c), calibrated
-  # predictions (dashed, at the swept batches) and measured markers.
   finite = [b for b in per_k.values() if math.isfinite(b) and b > 1]
   b_hi = max(batches[-1], min(max(finite, default=1.0) * 1.5, 64.0 * batches[-1]))
   bs = np.geomspace(1.0, b_hi, 200)
@@ -519,17 +505,42 @@ def report(records: list[dict], run_dir) -> str:
   ax.set_title(f"gain vs batch: {wl.name}, L = {wl.context_len}, draft_cost = {draft_cost}",
                fontsize=9)
   ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-  name = rep.save(fig, run_dir / "batch_breakeven_gain.png")
+  return rep.save(fig, run_dir / "batch_breakeven_gain.png")
 
-  summary = summary_of(records, draft_cost)
+
+def _write_summary(run_dir, summary: dict) -> None:
   try:
     (run_dir / "batch_breakeven_summary.json").write_text(json.dumps(summary, indent=1))
   except (OSError, TypeError):  # the report text still carries every figure
     pass
 
-  def roof_text(b: float) -> str:
-    return "never pays" if b <= 1.0 else ("not reached" if math.isinf(b) else f"{b:.3g}")
 
+def _roof_text(b: float) -> str:
+  return "never pays" if b <= 1.0 else ("not reached" if math.isinf(b) else f"{b:.3g}")
+
+
+def report(records: list[dict], run_dir) -> str:
+  """Break-even measured vs calibrated vs roofline, best k per batch, the points, and the
+  gain-vs-batch plot; the break-evens also go to batch_breakeven_summary.json."""
+  from specjax.sweeps import report as rep
+
+  draft_cost = records[0]["params"].get("draft_cost", "full")
+  hw, wl = model_of(records)
+  ks = sorted({int(r["params"]["k"]) for r in records})
+  batches = sorted({int(r["params"]["batch"]) for r in records})
+  measured = measured_break_even(records)
+  cost_model = measured_break_even(records, "predicted_speedup")
+  predicted, per_k = predicted_break_even(records, draft_cost)
+  with_cal = has_calibrated(records)
+  calibrated = calibrated_break_even(records) if with_cal else None
+  table = best_k_table(records, draft_cost)
+  varying = sorted(n for n in records[0]["params"] if n not in ("batch", "k") and len(
+      {repr(r["params"].get(n)) for r in records}) > 1)
+
+  name = _gain_plot(records, run_dir, hw, wl, draft_cost, batches, per_k, measured,
+                    calibrated, predicted, with_cal)
+
+  _write_summary(run_dir, summary_of(records, draft_cost))
   upper = float(batches[-1])
   cal_lines = [
       f"- Calibrated break-even batch (loop costs calibrated at each batch, τ per loop "
@@ -555,7 +566,7 @@ def report(records: list[dict], run_dir) -> str:
       *cal_lines,
       f"- Predicted break-even batch (roofline, draft_cost = {draft_cost}): "
       f"{predicted.text(ROOFLINE_MAX_BATCH)}; per k: "
-      + ", ".join(f"k={k}: {roof_text(b)}" for k, b in per_k.items()),
+      + ", ".join(f"k={k}: {_roof_text(b)}" for k, b in per_k.items()),
       f"- Measured vs roofline: {agreement(measured, predicted).text()}",
       f"- Standalone-forward model τ_pred / (k·c + v) break-even: {cost_model.text(upper)}",
       "",
