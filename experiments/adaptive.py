@@ -177,56 +177,20 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
   shapes = [e for e in entries if e is not None] or [trees.chain(1)]
   cache_len = calibration.default_cache_len(target, draft, all_ids, shapes + [FIT_TREE],
                                             max_new_tokens)
-  if costs == "calibrated":
-    loop_costs = calibration.calibrate(target, draft, all_ids, shapes + [FIT_TREE],
-                                       batch=batch, max_new_tokens=max_new_tokens,
-                                       repeats=calibration_repeats, temperature=temperature,
-                                       seed=seed, cache_len=cache_len)
-    pol = adaptive.AdaptivePolicy.from_costs(entries, {batch: loop_costs}, threshold=threshold,
-                                             lazy_slots=decoding.lazy_slots_of(draft),
-                                             cycles=cycles, prior_weight=prior_weight)
-  else:
-    loop_costs = None
-    pol = decoding.default_policy(LM.of(target), decoding.as_drafter(draft), entries,
-                                  threshold=threshold)
+  loop_costs = None if costs != "calibrated" else calibration.calibrate(
+      target, draft, all_ids, shapes + [FIT_TREE], batch=batch, max_new_tokens=max_new_tokens,
+      repeats=calibration_repeats, temperature=temperature, seed=seed, cache_len=cache_len)
+  pol = _policy_of(target, draft, entries, batch, loop_costs, threshold=threshold,
+                   cycles=cycles, prior_weight=prior_weight)
   common = dict(sampler=sampling.make_sampler(temperature), seed=seed, cache_len=cache_len)
-
-  def plain(n):
-    return decoding.in_batches(
-        lambda ids: decoding.generate(target, ids, max_new_tokens=n, **common), all_ids, batch)
-
-  def spec(n, shape):
-    return decoding.in_batches(lambda ids: decoding.speculative_generate(
-        target, draft, ids, max_new_tokens=n, **shape, **common), all_ids, batch)
-
-  def entry_of(name):  # a fixed policy's menu shape
-    return next(e for e in entries if e is not None and adaptive.entry_name(e) == name)
-
-  def shape_of(name):
-    if name == "adaptive":
-      return dict(policy=pol)
-    entry = entry_of(name)
-    return dict(k=entry.size) if entry.is_chain else dict(tree=entry)
-
-  fns = {"plain": plain(max_new_tokens), "plain_prefill": plain(1)}
-  if policy != "plain":
-    fns.update(spec=spec(max_new_tokens, shape_of(policy)),
-               spec_prefill=spec(1, shape_of(policy)))
   # Side by side (adaptive points): every fixed shape of the menu alternated with adaptive
   # and plain in the same repeats, so "adaptive ÷ best fixed" is a ratio of timings taken
   # seconds apart rather than across points (module doc).
   beside = ([adaptive.entry_name(e) for e in entries if e is not None]
             if policy == "adaptive" and side_by_side else [])
-  for name in beside:
-    fns.update({name: spec(max_new_tokens, shape_of(name)),
-                name + "_prefill": spec(1, shape_of(name))})
-  timed = measure.alternate(fns, repeats)
-  sec = {name: t.fastest for name, t in timed.items()}
-
-  def rate(name):
-    run = timed[name].result
-    return (run.emitted - len(run.tokens)) / max(sec[name] - sec[name + "_prefill"], 1e-12)
-
+  timed = _timed_calls(target, draft, all_ids, batch, common, entries, pol,
+                       [] if policy == "plain" else [policy], beside, max_new_tokens, repeats)
+  rate = functools.partial(_decode_rate, timed)
   plain_run = timed["plain"].result
   plain_tok_s = rate("plain")
   out = {"plain_tok_s": plain_tok_s, "cache_len": cache_len, "prompts": len(all_ids),
@@ -254,23 +218,88 @@ def point(batch: int = 1, temperature: float = 0.0, category: str = "code",
                stopped=int(run.stopping["stopped"].sum()),
                skipped=int(run.stopping["skipped"].sum()))
     if beside:
-      out.update(side_by_side_metrics(
-          tok_s / plain_tok_s, {n: rate(n) / plain_tok_s for n in beside},
-          out["choice_counts"]))
-      per_repeat = {n: repeat_speedups(timed, "spec" if n == "adaptive" else n)
-                    for n in ["adaptive"] + beside}
-      out["speedups_by_repeat"] = per_repeat
-      out["ratio_held_out_side_by_side"] = held_out_ratio(per_repeat)
-      if loop_costs is not None:  # each fixed shape's own calibrated prediction, beside it
-        out["fixed_predicted_side_by_side"] = {
-            n: calibrated_prediction(loop_costs, timed[n].result.stats, entry_of(n), batch,
-                                     max_new_tokens - 1) for n in beside}
+      out.update(_beside_fields(timed, beside, {n: rate(n) for n in beside}, tok_s,
+                                plain_tok_s, out["choice_counts"], loop_costs, entries, batch,
+                                max_new_tokens))
   else:
-    predicted = calibrated(entry_of(policy),
+    predicted = calibrated(_entry_named(entries, policy),
                            lambda: pol.predicted_speedup(a, batch, pol.names.index(policy)))
   return {**out, "policy_tok_s": tok_s, "speedup": tok_s / plain_tok_s,
           "predicted_speedup": predicted, "alpha": alpha,
           "identical_to_plain": (run.tokens == plain_run.tokens) if temperature == 0 else None}
+
+
+def _policy_of(target, draft, entries, batch: int, loop_costs, *, threshold: float,
+               cycles: str, prior_weight: float):
+  """The adaptive policy over `entries`: from the calibrated `loop_costs` at this batch, or
+  the engine's default policy (`decoding.default_policy`) without them."""
+  if loop_costs is not None:
+    return adaptive.AdaptivePolicy.from_costs(entries, {batch: loop_costs}, threshold=threshold,
+                                              lazy_slots=decoding.lazy_slots_of(draft),
+                                              cycles=cycles, prior_weight=prior_weight)
+  return decoding.default_policy(LM.of(target), decoding.as_drafter(draft), entries,
+                                 threshold=threshold)
+
+
+def _decode_rate(timed: dict, name: str) -> float:
+  """Tokens/s of `name`'s decode phase: its fastest call less its prefill call's fastest."""
+  run = timed[name].result
+  seconds = timed[name].fastest - timed[name + "_prefill"].fastest
+  return (run.emitted - len(run.tokens)) / max(seconds, 1e-12)
+
+
+def _entry_named(entries, name: str):
+  """A fixed policy's menu shape, by its name."""
+  return next(e for e in entries if e is not None and adaptive.entry_name(e) == name)
+
+
+def _timed_calls(target, draft, all_ids, batch: int, common: dict, entries, pol,
+                 policies: Sequence[str], beside: Sequence[str], max_new_tokens: int,
+                 repeats: int) -> dict:
+  """`measure.alternate` of plain decoding, the point's policy (`policies`: none for plain)
+  as "spec", and each shape of `beside` under its name, each with its prefill-only call
+  ("NAME_prefill", max_new_tokens = 1)."""
+  def plain(n):
+    return decoding.in_batches(
+        lambda ids: decoding.generate(target, ids, max_new_tokens=n, **common), all_ids, batch)
+
+  def spec(n, shape):
+    return decoding.in_batches(lambda ids: decoding.speculative_generate(
+        target, draft, ids, max_new_tokens=n, **shape, **common), all_ids, batch)
+
+  def shape_of(name):
+    if name == "adaptive":
+      return dict(policy=pol)
+    entry = _entry_named(entries, name)
+    return dict(k=entry.size) if entry.is_chain else dict(tree=entry)
+
+  fns = {"plain": plain(max_new_tokens), "plain_prefill": plain(1)}
+  for policy in policies:
+    fns.update(spec=spec(max_new_tokens, shape_of(policy)),
+               spec_prefill=spec(1, shape_of(policy)))
+  for name in beside:
+    fns.update({name: spec(max_new_tokens, shape_of(name)),
+                name + "_prefill": spec(1, shape_of(name))})
+  return measure.alternate(fns, repeats)
+
+
+def _beside_fields(timed: dict, beside: Sequence[str], rates: dict, tok_s: float,
+                   plain_tok_s: float, choice_counts: dict, loop_costs, entries, batch: int,
+                   max_new_tokens: int) -> dict:
+  """An adaptive point's side-by-side fields: the ratios to each fixed shape timed beside
+  it, the speedups per repeat and their held-out ratio, and (calibrated) each fixed shape's
+  own prediction."""
+  out = side_by_side_metrics(tok_s / plain_tok_s, {n: rates[n] / plain_tok_s for n in beside},
+                             choice_counts)
+  per_repeat = {n: repeat_speedups(timed, "spec" if n == "adaptive" else n)
+                for n in ["adaptive"] + list(beside)}
+  out["speedups_by_repeat"] = per_repeat
+  out["ratio_held_out_side_by_side"] = held_out_ratio(per_repeat)
+  if loop_costs is not None:  # each fixed shape's own calibrated prediction, beside it
+    out["fixed_predicted_side_by_side"] = {
+        n: calibrated_prediction(loop_costs, timed[n].result.stats, _entry_named(entries, n),
+                                 batch, max_new_tokens - 1) for n in beside}
+  return out
 
 
 def repeat_speedups(timed: dict, name: str) -> list[float]:
