@@ -123,6 +123,16 @@ class Eagle3Heads:
                       head=None if self.head is None else dict(self.head), rngs=nnx.Rngs(key))
     return nnx.state(head, nnx.Param)
 
+  def init_from_target(self, params, target):
+    """The head's lm_head starts as the target's LM head at the draft ids (today's heads
+    share the target's trained LM head; a random one learns far slower on a short budget),
+    its norm as ones; `target` is the frozen target `LM`. Called once by the trainer."""
+    from specjax.drafters.eagle import _lm_head_DV
+    w_DV = _lm_head_DV(target.module()).astype(jnp.float32)
+    params["lm_head"]["kernel"] = nnx.Param(jnp.take(w_DV, jnp.asarray(self.ids(target.config)),
+                                                     axis=1))
+    return params
+
   def _step_logits(self, params, tp) -> list[Array]:
     """Draft-vocabulary logits [B, T-1, Vd] of every unrolled step at t = 0..T-2."""
     target = tp.lm.module()

@@ -380,6 +380,8 @@ class HeadTrainer(CheckpointedRun):
     self.tx = make_optimizer(tc)
     self.params = jax.jit(kind.init, static_argnums=0)(self.target.config,
                                                        jax.random.key(tc.seed))
+    if hasattr(kind, "init_from_target"):  # a kind that starts from the target's own weights
+      self.params = kind.init_from_target(self.params, self.target)
     self.opt_state = jax.jit(self.tx.init)(self.params)
     self.target, = self._data_parallel(mesh, self.target)
     self.train_step = _train_step_for(kind, tc.compile_key())
