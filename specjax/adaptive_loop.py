@@ -18,9 +18,9 @@ from flax import struct
 
 from specjax import acceptance, sampling, trees
 from specjax.drafters.base import LM, Context
-from specjax.loop import (LAZY_SLOTS, TRACE_COUNTS, LoopState, Stats, _emit, _finished,
-                          _nonfinite, _not_finished, _propose, _spec_cycle, _start,
-                          _under_precision, is_eos)
+from specjax.loop import (LAZY_SLOTS, TRACE_COUNTS, LoopState, Stats, _emit, _nonfinite,
+                          _not_finished, _propose, _spec_cycle, _start, _under_precision,
+                          plain_step)
 from specjax.models import cache as kv
 
 Array = jax.Array
@@ -193,27 +193,16 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
     return s, policy.pick(policy.rates(acc, tried), active0, b, a.cycle, left)
 
   def lazy_plain_step(c):
-    """One plain step, `generate_loop`'s body (same key use), that leaves the drafter one
+    """One plain step, `generate_loop`'s body (`loop.plain_step`), that leaves the drafter one
     more token behind (and keeps the target's probability of that token)."""
     i, s = c
-    key, step_key = jax.random.split(s.key)
-    cur = s.tokens[rows, s.length]
-    logits, _, cache = target(cur[:, None], s.length[:, None], s.cache)
-    p_BV = sampling.warp(logits[:, 0], sampler)
-    nxt = sampling.sample(step_key, p_BV)
-    active = ~s.done
-    write_at = jnp.minimum(s.length + 1, s.tokens.shape[1] - 1)
-    tokens = s.tokens.at[rows, write_at].set(jnp.where(active, nxt, s.tokens[rows, write_at]))
-    length = s.length + active.astype(jnp.int32)
-    done = s.done | _finished(length + 1 - prompt_len_B, budget_B, active & is_eos(nxt, eos))
+    s, p_BV, nxt, active = plain_step(target, s, sampler, prompt_len_B, budget_B, eos)
     a = s.adapt
     p_x = jnp.take_along_axis(p_BV, nxt[:, None], axis=1)[:, 0]
     slot = jnp.minimum(a.behind, slots - 1)
     behind_p = a.behind_p.at[rows, slot].set(jnp.where(active, p_x, a.behind_p[rows, slot]))
     adapt = a.replace(behind=a.behind + active.astype(jnp.int32), behind_p=behind_p)
-    return i + 1, s.replace(tokens=tokens, length=length, done=done, key=key, adapt=adapt,
-                            cache=kv.set_lengths(cache, length),
-                            nonfinite=s.nonfinite + _nonfinite(active, logits))
+    return i + 1, s.replace(adapt=adapt)
 
   def lazy_plain_branch(s: LoopState):
     """A run of plain steps (a nested while_loop): as many as the bound allows (P − the

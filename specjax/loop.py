@@ -210,23 +210,33 @@ def generate_loop(target: LM, prompt_BP, prompt_len_B, budget_B, eos, sampler, k
   """Plain autoregressive decoding (pure, jittable, vmappable). Returns the final LoopState."""
   TRACE_COUNTS["generate"] += 1
   init, _ = _start(target, prompt_BP, prompt_len_B, budget_B, eos, sampler, key, cache_len)
-  rows = jnp.arange(prompt_BP.shape[0])
 
   def body(s: LoopState) -> LoopState:
-    key, step_key = jax.random.split(s.key)
-    cur = s.tokens[rows, s.length]
-    logits, _, cache = target(cur[:, None], s.length[:, None], s.cache)
-    nxt = sampling.sample(step_key, sampling.warp(logits[:, 0], sampler))
-    active = ~s.done
-    write_at = jnp.minimum(s.length + 1, s.tokens.shape[1] - 1)
-    tokens = s.tokens.at[rows, write_at].set(jnp.where(active, nxt, s.tokens[rows, write_at]))
-    length = s.length + active.astype(jnp.int32)
-    done = s.done | _finished(length + 1 - prompt_len_B, budget_B, active & is_eos(nxt, eos))
-    return s.replace(tokens=tokens, length=length, done=done, key=key,
-                     cache=kv.set_lengths(cache, length),
-                     nonfinite=s.nonfinite + _nonfinite(active, logits))
+    return plain_step(target, s, sampler, prompt_len_B, budget_B, eos)[0]
 
   return jax.lax.while_loop(_not_finished, body, init)
+
+
+def plain_step(target: LM, s: LoopState, sampler, prompt_len_B, budget_B, eos):
+  """One plain decoding step of every active row (the body of `generate_loop`; the adaptive
+  loop's lazy k = 0 steps are the same step): the pending token through the target, the next
+  token sampled from its warped law p (the second half of a split of the state's key).
+  Returns (state, p_BV, next token per row, active rows)."""
+  rows = jnp.arange(s.tokens.shape[0])
+  key, step_key = jax.random.split(s.key)
+  cur = s.tokens[rows, s.length]
+  logits, _, cache = target(cur[:, None], s.length[:, None], s.cache)
+  p_BV = sampling.warp(logits[:, 0], sampler)
+  nxt = sampling.sample(step_key, p_BV)
+  active = ~s.done
+  write_at = jnp.minimum(s.length + 1, s.tokens.shape[1] - 1)
+  tokens = s.tokens.at[rows, write_at].set(jnp.where(active, nxt, s.tokens[rows, write_at]))
+  length = s.length + active.astype(jnp.int32)
+  done = s.done | _finished(length + 1 - prompt_len_B, budget_B, active & is_eos(nxt, eos))
+  new = s.replace(tokens=tokens, length=length, done=done, key=key,
+                  cache=kv.set_lengths(cache, length),
+                  nonfinite=s.nonfinite + _nonfinite(active, logits))
+  return new, p_BV, nxt, active
 
 
 def _emit(s: LoopState, emitted_BT, n_B, prompt_len_B, budget_B, eos, stop_B=None):
