@@ -522,3 +522,10 @@ def test_check_exact_takes_every_drafter(target, eagle_head, medusa_head, capsys
     assert cli.main(["check-exact", "--target", str(target[0]), "--draft", draft, "--k", "2",
                      "--temperature", "0", "--tokens", "6", "--samples", "100"]) == 0, draft
     assert "PASS" in capsys.readouterr().out
+
+
+def test_a_long_draft_vocabulary_prints_as_its_length():
+  from specjax.training.heads import spec_text
+  text = spec_text({"draft_ids": list(range(32000)), "layers": [2, 5, 8], "width": 64})
+  assert "<32000 ids>" in text and "31999" not in text
+  assert "[2, 5, 8]" in text and "64" in text  # short lists and numbers as they are

@@ -59,7 +59,7 @@ def add_parsers(subparsers) -> None:
 
 def run_import(args: argparse.Namespace) -> int:
   from specjax.checkpoints import published
-  from specjax.training.heads import read_head_meta
+  from specjax.training.heads import read_head_meta, spec_text
   kind = args.kind or published.detect_kind(args.src)
   out = published.import_head(args.src, args.target, args.out, kind=kind,
                               overwrite=args.overwrite)
@@ -70,7 +70,7 @@ def run_import(args: argparse.Namespace) -> int:
     print(json.dumps(doc, indent=2))
   else:
     print(f"imported the {kind} head {args.src} for target {args.target} into {out} "
-          f"({head['kind']} head {head['spec']}); run it with --draft {doc['draft']}")
+          f"({head['kind']} head {spec_text(head['spec'])}); run it with --draft {doc['draft']}")
   return 0
 
 

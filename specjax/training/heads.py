@@ -104,6 +104,13 @@ class HeadKind(Protocol):
   def guesses(self, params: Any, tp: "TargetPass", ranks: int) -> Array: ...
 
 
+def spec_text(spec: dict) -> str:
+  """A head spec for one line of output: a long id list (an eagle3 head's draft vocabulary)
+  shown as its length."""
+  return str({k: f"<{len(v)} ids>" if isinstance(v, list) and len(v) > 8 else v
+              for k, v in spec.items()})
+
+
 def kind_class(name: str) -> type:
   """The head kind class named `name` (ValueError for an unknown name)."""
   if name not in KINDS:
@@ -333,9 +340,8 @@ class HeadResult:
   resumed_from: int | None
 
   def summary(self) -> str:
-    spec = {k: f"<{len(v)} ids>" if isinstance(v, list) and len(v) > 8 else v  # draft_ids
-            for k, v in self.kind.spec().items()}
-    lines = [f"{self.kind.name} head {spec}: {param_total(self.params) / 1e6:.3f}M "
+    lines = [f"{self.kind.name} head {spec_text(self.kind.spec())}: "
+             f"{param_total(self.params) / 1e6:.3f}M "
              f"params, {self.step} steps" + ("" if self.completed else " (stopped early)")
              + (f", resumed from step {self.resumed_from}" if self.resumed_from else ""),
              f"time: {self.seconds:.1f} s (compilation and evaluation included)"]
