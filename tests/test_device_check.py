@@ -1,0 +1,55 @@
+"""The prepared accelerator check runs on a CPU: its GPU phases are skipped and recorded as
+such, and the scaled-down CPU check (benchmarks/bench_scaled_cpu.py) runs end to end on a
+tiny shape (figures are never asserted: benchmarks measure, tests check the plumbing)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _env():
+  env = dict(os.environ)
+  env["PYTHON"] = sys.executable
+  return env
+
+
+def test_the_scale_phase_is_skipped_on_a_cpu(tmp_path):
+  env = _env()
+  env["DEVICE_CHECK_PHASES"] = "scale"
+  proc = subprocess.run(["bash", "benchmarks/device_check.sh", str(tmp_path / "out")],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr
+  summary = json.loads((tmp_path / "out" / "device_check.json").read_text())
+  assert summary["environment"]["backend"] == "cpu"
+  assert summary["phases"] == [{"phase": "scale", "skipped": "backend cpu is not a GPU"}]
+  assert summary["scale"] is None and summary["quickstart"] is None
+
+
+@pytest.mark.slow
+def test_the_scaled_cpu_check_runs_on_a_tiny_shape(tmp_path):
+  out = tmp_path / "scaled.json"
+  proc = subprocess.run(
+      [sys.executable, "benchmarks/bench_scaled_cpu.py", "--target", "tiny-gpt2",
+       "--context", "16", "--new-tokens", "24", "--cache-len", "64", "--repeats", "1",
+       "--out", str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  run = json.loads(out.read_text())["run"]
+  assert run["target"] == "tiny-gpt2" and run["alpha"] == 0.8 and run["k"] == 4
+  for key in ("fraction_of_matmul_chain", "efficiency", "efficiency_at_run_tau"):
+    assert run[key] > 0, key
+  assert 1 <= run["measured"]["tau"] <= run["k"] + 1
+  assert set(run["goals"]) == {"fraction_of_matmul_chain >= 0.9", "efficiency in [0.9, 1.1]"}
+
+
+def test_the_scaled_cpu_check_refuses_a_cache_too_short():
+  proc = subprocess.run(
+      [sys.executable, "benchmarks/bench_scaled_cpu.py", "--target", "tiny-gpt2",
+       "--context", "64", "--new-tokens", "128", "--cache-len", "64"], cwd=ROOT, env=_env(),
+      capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2 and "--cache-len 64 must hold" in proc.stderr
