@@ -529,3 +529,24 @@ def test_a_long_draft_vocabulary_prints_as_its_length():
   text = spec_text({"draft_ids": list(range(32000)), "layers": [2, 5, 8], "width": 64})
   assert "<32000 ids>" in text and "31999" not in text
   assert "[2, 5, 8]" in text and "64" in text  # short lists and numbers as they are
+
+
+@pytest.mark.slow
+def test_a_mistral_targets_eagle_head_matches_its_reference(tmp_path):
+  """The Mistral family (a Llama layer, no biases) through the same import: parity with the
+  reference over the drafting steps."""
+  torch.manual_seed(2)
+  cfg = transformers.MistralConfig(vocab_size=V, hidden_size=D, intermediate_size=F,
+                                   num_hidden_layers=2, num_attention_heads=H,
+                                   num_key_value_heads=KV, max_position_embeddings=128,
+                                   rope_theta=THETA, rms_norm_eps=EPS, sliding_window=None,
+                                   tie_word_embeddings=False, initializer_range=0.2,
+                                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
+  model = transformers.MistralForCausalLM(cfg).eval()
+  model.save_pretrained(tmp_path / "mistral")
+  mistral = (tmp_path / "mistral", model,
+             hf.import_hf(tmp_path / "mistral", dtype="float32").model())
+  w = eagle_tensors(9)
+  published.import_head(write_head(tmp_path / "src", w, eagle_config(), "model.safetensors"),
+                        mistral[2], tmp_path / "head")
+  assert eagle_error(mistral, tmp_path / "head", w) < 1e-4
