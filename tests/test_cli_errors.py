@@ -232,6 +232,11 @@ CASES = [
                            "--out", "{tmp}/head"], "width must be None", None),  # before loading
     ("train-seed-negative", ["train", "target", "--seed", "-1", "--out", "{tmp}/t"],
      "--seed must be an int >= 0, got -1", None),  # the flag, not TrainConfig.seed
+    ("train-data-parallel-devices", ["train", "medusa", "--target", "default",
+                                     "--data-parallel", "64", "--out", "{tmp}/h"],
+     "--data-parallel 64: mesh data=64, model=1 needs 64 devices", None),  # before loading
+    ("train-data-parallel-zero", ["train", "target", "--data-parallel", "0", "--out",
+                                  "{tmp}/t"], "--data-parallel must be an int >= 1", None),
     # gin configs: the file, or the --gin_param binding, that is at fault
     ("gin-file-unclosed", ["run", "{tmp}/unclosed.gin", "--out", "{tmp}/r"],
      ("bad gin config '{tmp}/unclosed.gin'", "unclosed bracket"), _gin_files),

@@ -242,6 +242,28 @@ def test_cli_trains_medusa_heads_and_generates_with_them(byte_target, tmp_path, 
   assert "heads must be an int >= 1" in capsys.readouterr().err
 
 
+def test_cli_trains_heads_data_parallel_on_the_mesh_it_names(byte_target, tmp_path,
+                                                             monkeypatch):
+  """--data-parallel D hands the trainer a (D, 1) mesh (the training over it is checked
+  against one device in tests/test_sharding.py)."""
+  from specjax.checkpoints import save_model
+  from specjax.training import heads
+  seen = []
+  init = heads.HeadTrainer.__init__
+
+  def spy(self, *args, mesh=None, **kwargs):
+    seen.append(mesh)
+    init(self, *args, mesh=mesh, **kwargs)
+
+  monkeypatch.setattr(heads.HeadTrainer, "__init__", spy)
+  save_model(tmp_path / "target", byte_target[0])
+  assert cli.main(["train", "medusa", "--target", str(tmp_path / "target"), "--heads", "2",
+                   "--max-bytes", "60000", "--steps", "2", "--batch-size", "8", "--seq-len",
+                   "32", "--ckpt-every", "0", "--out", str(tmp_path / "heads"),
+                   "--no-progress", "--data-parallel", "1"]) == 0
+  assert len(seen) == 1 and dict(seen[0].shape) == {"data": 1, "model": 1}
+
+
 def test_default_heads_are_built_cached_verified_and_rebuilt(monkeypatch, tmp_path, capfd,
                                                              byte_target, data):
   default = defaults.DefaultTarget(TCFG, byte_target[1], TOK)

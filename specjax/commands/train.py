@@ -62,6 +62,23 @@ def _schedule_args(p: argparse.ArgumentParser, defaults: str, evaluation: str,
   p.add_argument("--eval-every", type=int, help=f"{evaluation} every N steps (0: at the end)")
   p.add_argument("--ckpt-every", type=int, help="checkpoint every N steps (0: at the end)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.add_argument("--data-parallel", type=int, default=None, metavar="D",
+                 help="train data-parallel over D devices (weights replicated, each step's "
+                 "rows split; D must divide the micro-batch; default: one device)")
+
+
+def _mesh(args):
+  """The data-parallel mesh of --data-parallel D (None: one device); one-line errors."""
+  d = getattr(args, "data_parallel", None)
+  if d is None:
+    return None
+  if d < 1:
+    raise ValueError(f"--data-parallel must be an int >= 1 (devices), got {d}")
+  from specjax import sharding
+  try:
+    return sharding.make_mesh(d, 1)
+  except ValueError as e:
+    raise ValueError(f"--data-parallel {d}: {e}") from None
 
 
 def _training_args(p: argparse.ArgumentParser) -> None:
@@ -301,9 +318,11 @@ def _run_trainer(trainer, out, report=None) -> int:
 def _train_model(config, tc, args, tokenizer, out, **trainer_kwargs) -> int:
   """Train `config` (on the tokenizer's vocabulary) on --corpus into `out`."""
   from specjax.training.trainer import Trainer
+  mesh = _mesh(args)  # before the data
   _, data = _load_data(args, tokenizer)
   trainer = Trainer(config.replace(vocab_size=tokenizer.vocab_size), tc, data, tokenizer,
-                    out_dir=out, progress=not args.no_progress, **trainer_kwargs)
+                    out_dir=out, progress=not args.no_progress, mesh=mesh,
+                    **trainer_kwargs)
   return _run_trainer(trainer, out)
 
 
@@ -407,13 +426,14 @@ def run_head(args, kind: str) -> int:
     raise ValueError(f"--tree-budget must be an int >= 1, got {args.tree_budget}")
   head_kind = HEAD_KINDS[kind][2](args)  # validates the kind's own flags first
   out = _out_dir(args.out)
+  mesh = _mesh(args)  # before the target
   config, params, tokenizer = _head_target(args)
   tc = _train_config(DEFAULT_HEADS.get(kind, DEFAULT_HEADS["eagle"])[1], args, "lm")
   _, data = _load_data(args, tokenizer)
   if getattr(args, "draft_vocab", None) is not None:  # eagle3: the frequent tokens
     head_kind = head_kind.with_frequent_vocab(data.train, args.draft_vocab, config.vocab_size)
   trainer = HeadTrainer(head_kind, config, params, tc, data, tokenizer, out_dir=out,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, mesh=mesh)
 
   def report(result) -> None:
     if result.acceptance is not None:
