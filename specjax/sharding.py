@@ -96,6 +96,17 @@ def default_mesh(mesh: Mesh | tuple[int, int] | None):
     _DEFAULT[0] = old
 
 
+def default_mesh_shape() -> tuple[int, int] | None:
+  """(data, model) of the `default_mesh` in effect (the CLI's --mesh), None when there is
+  none: what a run directory records and fingerprints."""
+  mesh = _DEFAULT[0]
+  if mesh is None:
+    return None
+  if isinstance(mesh, tuple):
+    return tuple(int(n) for n in mesh)
+  return int(mesh.shape["data"]), int(mesh.shape["model"])
+
+
 def check_mesh(mesh) -> Mesh | None:
   """The mesh a host-API call runs on: `mesh`, or when None the `default_mesh` (None unless
   set: one device, today's behaviour). Refuses anything but a `jax.sharding.Mesh` with

@@ -43,6 +43,25 @@ def _run(args, env=None):
                         capture_output=True, text=True, timeout=600)
 
 
+def test_a_run_on_another_mesh_is_another_run(config, tmp_path):
+  """The CLI's --mesh is part of a run's identity: the same config on a mesh does not resume
+  the one-device run's directory (its timings are another machine's), and the mesh is
+  recorded; one device keeps the fingerprint runs had before meshes existed."""
+  from specjax import sharding
+  root = tmp_path / "runs"
+  first = launch.run(str(config), root=str(root), progress=False)
+  with sharding.default_mesh((1, 1)):
+    meshed = launch.run(str(config), root=str(root), progress=False)
+    again = launch.run(str(config), root=str(root), progress=False)
+  assert not meshed.resumed and meshed.run_dir != first.run_dir
+  assert again.resumed and again.run_dir == meshed.run_dir
+  assert json.loads((meshed.run_dir / "environment.json").read_text())["mesh"] == {
+      "data": 1, "model": 1}
+  assert json.loads((first.run_dir / "environment.json").read_text())["mesh"] is None
+  assert json.loads((meshed.run_dir / "config.json").read_text())["mesh"] == [1, 1]
+  assert run_directory.fingerprint("c", 0, 1) == run_directory.fingerprint("c", 0, 1, None)
+
+
 def test_sweep_runs_every_point_and_writes_report(config, tmp_path):
   s = launch.run(str(config), out=str(tmp_path / "run"), progress=False)
   assert (s.total, s.ok, s.failed, s.skipped) == (10, 10, 0, 0)

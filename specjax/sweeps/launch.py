@@ -28,6 +28,7 @@ from typing import Mapping, Sequence
 
 import gin
 
+from specjax import sharding
 from specjax.sweeps import overrides, report, run_directory, runner
 from specjax.sweeps.sweep import Sweep
 
@@ -242,13 +243,14 @@ def run(config: str, bindings: Sequence[str] = (), out: str | None = None,
         changes: Sequence[overrides.Override] = ()) -> runner.RunSummary:
   sweep, config_text = load_sweep(config, bindings, changes)
   points = plan(sweep, shard_index, num_shards)
-  fp = run_directory.fingerprint(config_text, shard_index, num_shards)
+  mesh = sharding.default_mesh_shape()  # the CLI's --mesh: another mesh is another run
+  fp = run_directory.fingerprint(config_text, shard_index, num_shards, mesh)
 
   def init(run_dir: pathlib.Path) -> None:
     runner.atomic_write_text(run_dir / "config.gin", config_text)
     runner.atomic_write_text(run_dir / "config.json", json.dumps({
         "name": sweep.name, "fingerprint": fp, "shard_index": shard_index,
-        "num_shards": num_shards, "axes": dict(sweep.axes), "fixed": dict(sweep.fixed),
+        "num_shards": num_shards, "mesh": mesh, "axes": dict(sweep.axes), "fixed": dict(sweep.fixed),
         "vectorized": list(sweep.vectorized), "points": len(points)}, indent=2, default=repr))
 
   with run_directory.open_run_dir(root, sweep.name, fp, out, init=init) as (run_dir, resumed):

@@ -58,6 +58,9 @@ def environment(seed: int | None = None) -> dict:
     import jax
     devices = jax.local_devices()
     from specjax.models.one_row_bf16 import padding_policy
+    from specjax.sharding import default_mesh_shape
+    mesh = default_mesh_shape()
+    env["mesh"] = None if mesh is None else {"data": mesh[0], "model": mesh[1]}
     env.update(backend=jax.default_backend(), device_kind=devices[0].device_kind,
                local_device_count=len(devices), device_count=jax.device_count(),
                process_index=jax.process_index(), process_count=jax.process_count(),
@@ -67,8 +70,13 @@ def environment(seed: int | None = None) -> dict:
   return env
 
 
-def fingerprint(config_text: str, shard_index: int, num_shards: int) -> str:
+def fingerprint(config_text: str, shard_index: int, num_shards: int,
+                mesh: tuple[int, int] | None = None) -> str:
+  """The run's identity: the operative config, the shard and the decoding mesh (--mesh;
+  None, one device, adds nothing, so runs without one keep their fingerprints)."""
   blob = f"{config_text}\n--shard {shard_index}/{num_shards}"
+  if mesh is not None:
+    blob += f"\n--mesh data={mesh[0]},model={mesh[1]}"
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
