@@ -401,6 +401,71 @@ def _sample(plan: _Plan, prompt, samples: int, key, bug: str | None):
 # ----------------------------------------------------------------------------- check
 
 
+def _models(target, drafter):
+  """The target as an `LM` and the drafter as a `Drafter` (a draft model wrapped), each
+  refused by type first."""
+  if not isinstance(target, (Transformer, LM)):
+    raise ValueError(f"target must be a specjax Transformer or LM, got {type(target).__name__}")
+  if not isinstance(drafter, (Drafter, Transformer, LM)):
+    raise ValueError(f"drafter must be a drafters.base.Drafter or a draft model, got "
+                     f"{type(drafter).__name__}")
+  return LM.of(target), decoding.as_drafter(drafter)
+
+
+def _fixed_shape(k, tree) -> plan.SpeculationPlan:
+  """The speculation plan of exactly one of k and tree; a fixed shape (not adaptive)."""
+  spec = plan.of(k=k, tree=tree)
+  if spec.adaptive:
+    raise ValueError(f"k must be an int >= 1 (the check runs one fixed shape), got {k!r}")
+  return spec
+
+
+def _controls(controls, greedy: bool) -> list[str]:
+  """The planted bugs to run: default every one visible at this temperature; at least one,
+  each known and visible."""
+  visible = ["always_accept"] if greedy else list(planted_bugs.PLANTED_BUGS)
+  controls = visible if controls is None else [controls] if isinstance(
+      controls, str) else list(controls)
+  if not controls:
+    raise ValueError(f"controls must name at least one planted bug of {visible}, got "
+                     f"{controls!r}: a check that cannot fail says nothing")
+  for name in controls:
+    if name not in planted_bugs.PLANTED_BUGS:
+      raise ValueError(f"controls: unknown planted bug {name!r}; known: "
+                       f"{sorted(planted_bugs.PLANTED_BUGS)}")
+    if name not in visible:
+      raise ValueError(f"controls: planted bug {name!r} is invisible at temperature 0 (the "
+                       f"residual of a one-hot target is the target itself); use {visible}")
+  return controls
+
+
+def _check_law_size(vocab: int, top_k: int, tokens: int, max_cells: int) -> None:
+  """Refuses an enumerated law (T > 0) that may have more than max_cells outcomes."""
+  if outcome_bound(vocab, top_k, tokens) > max_cells:
+    s = top_k if 0 < top_k < vocab else vocab
+    raise ValueError(f"the law of the first {tokens} tokens may have {s}^{tokens} = "
+                     f"{s ** tokens} outcomes, more than max_cells={max_cells}: restrict the "
+                     f"target with top_k (top_k=8 gives {8 ** tokens}) or lower tokens")
+
+
+def _run_prompts(setup: _Plan, prompt, greedy: bool, seed: int, samples: int) -> list:
+  """The prompts the runs use (T = 0: a ragged batch, the prompt and random ones no longer
+  than what fits; T > 0: the prompt), after the host API's checks (context, prompt,
+  drafter) on the prompt, then again at the batch the runs use (the drafter at that batch,
+  memory)."""
+  prompts = [prompt]
+  first = _prepared(setup, prompts)
+  if greedy:
+    vocab = setup.target.config.vocab_size
+    rng = np.random.default_rng(seed + 1)
+    longest = max(1, min(16, setup.max_len - setup.tokens - setup.slots))
+    prompts += [rng.integers(0, vocab, n).tolist()
+                for n in rng.integers(1, longest + 1, GREEDY_PROMPTS - 1)]
+  _prepared(setup, prompts if greedy else [prompt] * _chunks(
+      setup, samples, first.batch.cache_len)[1])
+  return prompts
+
+
 def check(target, drafter, *, k: int | None = None, tree: TreeSpec | DynamicTree | None = None,
           sampler, tokens: int | None = None, samples: int = 20_000,
           false_alarm: float = 1e-3, deviation: float = 0.05, seed: int = 0,
@@ -420,19 +485,12 @@ def check(target, drafter, *, k: int | None = None, tree: TreeSpec | DynamicTree
   Raises ValueError (naming the argument) before any work; returns an `ExactnessReport`.
   """
   start = time.perf_counter()
-  if not isinstance(target, (Transformer, LM)):
-    raise ValueError(f"target must be a specjax Transformer or LM, got {type(target).__name__}")
-  if not isinstance(drafter, (Drafter, Transformer, LM)):
-    raise ValueError(f"drafter must be a drafters.base.Drafter or a draft model, got "
-                     f"{type(drafter).__name__}")
-  lm, drafter = LM.of(target), decoding.as_drafter(drafter)
+  lm, drafter = _models(target, drafter)
   cfg = lm.config
   temperature, top_k, top_p = _sampler_values(sampler)
   greedy = temperature == 0.0
   seed = _int("seed", seed, 0)
-  spec = plan.of(k=k, tree=tree)  # a fixed shape: exactly one of k and tree
-  if spec.adaptive:
-    raise ValueError(f"k must be an int >= 1 (the check runs one fixed shape), got {k!r}")
+  spec = _fixed_shape(k, tree)
   tree = spec.tree
   prompt = _prompt(prompt, cfg.vocab_size, seed)
   max_len = min([cfg.max_len] + ([drafter.config.max_len] if drafter.config else []))
@@ -444,37 +502,13 @@ def check(target, drafter, *, k: int | None = None, tree: TreeSpec | DynamicTree
   false_alarm = _fraction("false_alarm", false_alarm, hi_closed=False)
   deviation = _fraction("deviation", deviation, hi_closed=True)
   max_cells = _int("max_cells", max_cells, 2)
-  visible = ["always_accept"] if greedy else list(planted_bugs.PLANTED_BUGS)
-  controls = visible if controls is None else [controls] if isinstance(
-      controls, str) else list(controls)
-  if not controls:
-    raise ValueError(f"controls must name at least one planted bug of {visible}, got "
-                     f"{controls!r}: a check that cannot fail says nothing")
-  for name in controls:
-    if name not in planted_bugs.PLANTED_BUGS:
-      raise ValueError(f"controls: unknown planted bug {name!r}; known: "
-                       f"{sorted(planted_bugs.PLANTED_BUGS)}")
-    if name not in visible:
-      raise ValueError(f"controls: planted bug {name!r} is invisible at temperature 0 (the "
-                       f"residual of a one-hot target is the target itself); use {visible}")
+  controls = _controls(controls, greedy)
   drafter = decoding.fit_vocab(drafter, cfg.vocab_size)  # padded, or refused
-  if not greedy and outcome_bound(cfg.vocab_size, top_k, tokens) > max_cells:
-    s = top_k if 0 < top_k < cfg.vocab_size else cfg.vocab_size
-    raise ValueError(f"the law of the first {tokens} tokens may have {s}^{tokens} = "
-                     f"{s ** tokens} outcomes, more than max_cells={max_cells}: restrict the "
-                     f"target with top_k (top_k=8 gives {8 ** tokens}) or lower tokens")
+  if not greedy:
+    _check_law_size(cfg.vocab_size, top_k, tokens, max_cells)
   setup = _Plan(target=lm, drafter=drafter, spec=spec, sampler=sampler, tokens=tokens,
                 slots=slots, max_len=max_len)
-  prompts = [prompt]
-  first = _prepared(setup, prompts)  # the host API's checks (context, prompt, drafter)
-  if greedy:  # a ragged batch: the prompt and random ones no longer than what fits
-    rng = np.random.default_rng(seed + 1)
-    longest = max(1, min(16, max_len - tokens - setup.slots))
-    prompts += [rng.integers(0, cfg.vocab_size, n).tolist()
-                for n in rng.integers(1, longest + 1, GREEDY_PROMPTS - 1)]
-  # again at the batch the runs use (the drafter at that batch, memory)
-  _prepared(setup, prompts if greedy else [prompt] * _chunks(
-      setup, samples, first.batch.cache_len)[1])
+  prompts = _run_prompts(setup, prompt, greedy, seed, samples)
   settings = dict(drafter=type(drafter).__name__, tree=list(tree.parents) if isinstance(
       tree, TreeSpec) else str(tree), temperature=temperature, top_k=top_k, top_p=top_p,
                   tokens=tokens, samples=len(prompts) if greedy else samples,
