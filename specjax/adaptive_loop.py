@@ -12,6 +12,8 @@ threshold and forced schedule are arrays. Layering: loop <- adaptive_loop <- dec
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -113,8 +115,177 @@ def _run_chosen(choice, branches, none):
   return out
 
 
-# Long (~200 lines): the entries are closures over a dozen of the call's values (models,
-# policy, sampler, budgets, static shapes); module-level functions would each take them all.
+@struct.dataclass
+class _Call:
+  """One `adaptive_loop` call's values that every branch reads, built once at its top:
+  the models, policy and sampler, the per-row bounds, and the static shapes (the loop's
+  batch b, emission width, padded depth and ranks, lazy catch-up slots and whether it is
+  on, the target's captured feature layers)."""
+
+  target: LM
+  drafter: object
+  policy: object
+  sampler: object
+  prompt_len_B: Array
+  budget_B: Array
+  eos: object
+  rows: Array  # int32 [B] row indices
+  zero_obs: Array  # float32 [B, R + D]
+  zb: Array  # int32 [B] zeros
+  b: int = struct.field(pytree_node=False)
+  width: int = struct.field(pytree_node=False)  # emitted tokens, padded
+  depth: int = struct.field(pytree_node=False)
+  ranks: int = struct.field(pytree_node=False)
+  slots: int = struct.field(pytree_node=False)
+  lazy: bool = struct.field(pytree_node=False)
+  capture: tuple = struct.field(pytree_node=False)
+
+  def extra(self, f):
+    """The drafter's feature keyword arguments: {"features": f} when it reads them."""
+    return {"features": f} if self.capture else {}
+
+
+def _catch_up(call: _Call, s: LoopState):
+  """Syncs the drafter with the context: (state, acc_obs, tried_obs)."""
+  a = s.adapt
+  draft, guess = call.drafter.catch_up(s.draft, s.context(), a.behind, call.slots, call.sampler)
+  acc_obs, tried_obs = _catch_up_observation(guess, s.tokens, s.length, a.behind, a.behind_p,
+                                             call.policy)
+  adapt = a.replace(behind=jnp.zeros_like(a.behind), catch_ups=a.catch_ups + 1)
+  return s.replace(draft=draft, adapt=adapt), acc_obs, tried_obs
+
+
+def _catch_up_and_choose(call: _Call, s: LoopState, active0, left):
+  """A catch-up, its observations (one decay step for the rows it observed) and the
+  choice they inform: (state, entry index)."""
+  policy = call.policy
+  s, acc_obs, tried_obs = _catch_up(call, s)
+  a = s.adapt
+  acc, tried = policy.observe(a.acc, a.tried, acc_obs, tried_obs,
+                              active0 & (jnp.sum(tried_obs, axis=1) > 0))
+  s = s.replace(adapt=a.replace(acc=acc, tried=tried))
+  return s, policy.pick(policy.rates(acc, tried), active0, call.b, a.cycle, left)
+
+
+def _lazy_plain_step(call: _Call, c):
+  """One plain step, `generate_loop`'s body (`loop.plain_step`), that leaves the drafter one
+  more token behind (and keeps the target's probability of that token)."""
+  i, s = c
+  s, p_BV, nxt, active = plain_step(call.target, s, call.sampler, call.prompt_len_B,
+                                    call.budget_B, call.eos)
+  a, rows = s.adapt, call.rows
+  p_x = jnp.take_along_axis(p_BV, nxt[:, None], axis=1)[:, 0]
+  slot = jnp.minimum(a.behind, call.slots - 1)
+  behind_p = a.behind_p.at[rows, slot].set(jnp.where(active, p_x, a.behind_p[rows, slot]))
+  adapt = a.replace(behind=a.behind + active.astype(jnp.int32), behind_p=behind_p)
+  return i + 1, s.replace(adapt=adapt)
+
+
+def _lazy_plain_branch(call: _Call, s: LoopState):
+  """A run of plain steps (a nested while_loop): as many as the bound allows (P − the
+  furthest row's lag, after a catch-up when some row is P behind), ending after the step in
+  which a row finishes. Within the run the policy would choose k = 0 again every step (it
+  observes nothing and the active rows are the same), so the run saves the per-cycle
+  choice and bookkeeping, not a decision."""
+  room = call.slots - jnp.max(s.adapt.behind)
+  done0, length0 = s.done, s.length
+
+  def more(c):
+    i, t = c
+    return (i < room) & ~jnp.all(t.done) & jnp.all(t.done == done0)
+
+  _, new = jax.lax.while_loop(more, functools.partial(_lazy_plain_step, call),
+                              (jnp.zeros((), jnp.int32), s))
+  return (new, call.zero_obs, call.zero_obs, ~done0, jnp.zeros((call.b,), jnp.int32),
+          new.length - length0)
+
+
+def _plain_branch(call: _Call, s: LoopState):
+  """An eager k = 0 cycle: a plain step (`generate_loop`'s key use) and the drafter's
+  catch-up, a chain(1) proposed and committed with nothing accepted."""
+  b, one, rows, drafter = call.b, trees.chain(1), call.rows, call.drafter
+  key, step_key = jax.random.split(s.key)  # generate_loop's key use
+  draft_key = jax.random.fold_in(step_key, 1)
+  proposal, draft, cache = _propose(drafter, s, one, call.sampler, draft_key)
+  cur = s.tokens[rows, s.length]
+  logits, _, cache, *features = call.target(cur[:, None], s.length[:, None], cache, None,
+                                            call.capture)
+  p_BV = sampling.warp(logits[:, 0], call.sampler)
+  nxt = sampling.sample(step_key, p_BV)
+  emitted_BT = jnp.broadcast_to(nxt[:, None], (b, call.width))
+  tokens, length, done, active = _emit(s, emitted_BT, jnp.zeros_like(s.length),
+                                       call.prompt_len_B, call.budget_B, call.eos)
+  ctx = Context(tokens=tokens, length=length)
+  feats = (jnp.concatenate([features[0], features[0]], axis=1) if call.capture else None)
+  draft = drafter.commit(draft, ctx, one, jnp.zeros((b, 2), jnp.int32),
+                         jnp.zeros((b,), jnp.int32), **call.extra(feats))
+  new = s.replace(tokens=tokens, length=length, done=done, key=key, draft=draft,
+                  cache=kv.set_lengths(cache, length),
+                  nonfinite=s.nonfinite + _nonfinite(active, logits))
+  acc_obs = call.policy.first_draft_observation(_draft_acceptance(proposal, p_BV))
+  tried_obs = call.policy.first_draft_observation(jnp.ones((b,), jnp.float32))
+  return (new, acc_obs, tried_obs, active, jnp.zeros((b,), jnp.int32),
+          active.astype(jnp.int32))
+
+
+def _spec_branch(call: _Call, tree, s: LoopState):
+  """A speculative cycle of `tree` (`loop._spec_cycle`), its stats and observations."""
+  key, draft_key, accept_key = jax.random.split(s.key, 3)
+  new, result, active, drafted = _spec_cycle(call.target, call.drafter, s, tree, call.sampler,
+                                             draft_key, accept_key, call.prompt_len_B,
+                                             call.budget_B, call.eos, call.capture, call.width)
+  n = result.n_accepted
+  skipped = (jnp.zeros_like(n) if drafted is None  # dynamic draft stopping
+             else jnp.maximum(tree.size - drafted, 0).astype(jnp.int32))
+  stats = s.stats.record(active, _pad_result(result, call.depth, call.ranks), tree.size, drafted)
+  new = new.replace(key=key, stats=stats)
+  a1 = active[:, None]
+  acc_c, tried_c = call.policy.cycle_observation(tree, result)
+  acc_obs = jnp.where(a1, acc_c, 0.0)
+  tried_obs = jnp.where(a1, tried_c, 0.0)
+  return (new, acc_obs, tried_obs, active, jnp.where(active, skipped, 0),
+          jnp.zeros((call.b,), jnp.int32))
+
+
+def _branches(call: _Call) -> list:
+  """The menu's entries as one-argument cycles, in menu order (k = 0: lazy or eager)."""
+  plain = _lazy_plain_branch if call.lazy else _plain_branch
+  return [functools.partial(plain, call) if e is None
+          else functools.partial(_spec_branch, call, e) for e in call.policy.menu]
+
+
+def _body(call: _Call, branches, s: LoopState) -> LoopState:
+  """One loop iteration: choose (after the catch-up the choice needs, lazily), run the
+  chosen entry, observe, log the choice and count."""
+  policy, b = call.policy, call.b
+  active0 = ~s.done
+  left = call.budget_B - (s.length + 1 - call.prompt_len_B)  # each row's budget left
+  a = s.adapt
+  choice = policy.pick(policy.rates(a.acc, a.tried), active0, b, a.cycle, left)
+  if call.lazy:  # the catch-up the choice needs, then the choice again from what it observed
+    plain_entry = [e is None for e in policy.menu]
+    need = jnp.any(a.behind >= call.slots) | (~jnp.asarray(plain_entry)[choice]
+                                              & jnp.any(a.behind > 0))
+    # after a catch-up every row is up to date: a speculative choice never finds the
+    # drafter behind
+    s, choice = jax.lax.cond(need, lambda s: _catch_up_and_choose(call, s, active0, left),
+                             lambda s: (s, choice), s)
+  # the state and outputs before any entry ran
+  none = (s, call.zero_obs, call.zero_obs, jnp.zeros((b,), bool), call.zb, call.zb)
+  new, acc_obs, tried_obs, active, skipped, plain = _run_chosen(choice, branches, none)
+  a = new.adapt  # with the catch-up bookkeeping
+  # a lazy plain step observes nothing: the estimate stays as it is
+  observed = active & (jnp.sum(tried_obs, axis=1) > 0)
+  acc, tried = policy.observe(a.acc, a.tried, acc_obs, tried_obs, observed)
+  at = jnp.minimum(a.cycle, a.choices.shape[0] - 1)
+  adapt = a.replace(acc=acc, tried=tried, cycle=a.cycle + 1,
+                    choices=a.choices.at[at].set(choice),
+                    plain_steps=a.plain_steps + plain,
+                    stopped=a.stopped + (skipped > 0).astype(jnp.int32),
+                    skipped=a.skipped + skipped)
+  return new.replace(adapt=adapt)
+
+
 def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B, eos,
                   sampler, key, *, cache_len: int, lazy_slots: int = LAZY_SLOTS) -> LoopState:
   """Speculative decoding that picks a menu shape every cycle (`adaptive.AdaptivePolicy`).
@@ -152,158 +323,35 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
   if policy.stopping:  # dynamic draft stopping (static: threshold > 0)
     drafter = drafter.with_stopping(policy.threshold)
   b = prompt_BP.shape[0]
-  menu = policy.menu
   depth = max(policy.max_depth, 1)
-  width = depth + 1  # emitted tokens, padded
-  ranks = policy.width
   capture = tuple(drafter.feature_layers)
-  extra = (lambda f: {"features": f}) if capture else (lambda f: {})
   init, prompt_features = _start(target, prompt_BP, prompt_len_B, budget_B, eos, sampler, key,
                                  cache_len, capture)
-  rows = jnp.arange(b)
-  one = trees.chain(1)
   # the drafter's state is sized for every entry: their nodes, the deepest one's depth
-  largest = trees.cover([e for e in menu if e is not None] or [one])
-
+  largest = trees.cover([e for e in policy.menu if e is not None] or [trees.chain(1)])
   lazy = bool(drafter.lazy_catch_up) and lazy_slots > 0
   if lazy and capture:
     raise ValueError("a drafter that reads target features cannot catch up lazily (the loop "
                      "does not keep the features of skipped plain steps); its lazy_catch_up "
                      "must be False")
   slots = max(int(lazy_slots), 0)
-  zero_obs = jnp.zeros((b, policy.columns), jnp.float32)
-
-  def catch_up(s: LoopState):
-    """Syncs the drafter with the context: (state, acc_obs, tried_obs)."""
-    a = s.adapt
-    draft, guess = drafter.catch_up(s.draft, s.context(), a.behind, slots, sampler)
-    acc_obs, tried_obs = _catch_up_observation(guess, s.tokens, s.length, a.behind,
-                                               a.behind_p, policy)
-    adapt = a.replace(behind=jnp.zeros_like(a.behind), catch_ups=a.catch_ups + 1)
-    return s.replace(draft=draft, adapt=adapt), acc_obs, tried_obs
-
-  def catch_up_and_choose(s: LoopState, active0, left):
-    """A catch-up, its observations (one decay step for the rows it observed) and the
-    choice they inform: (state, entry index)."""
-    s, acc_obs, tried_obs = catch_up(s)
-    a = s.adapt
-    acc, tried = policy.observe(a.acc, a.tried, acc_obs, tried_obs,
-                                active0 & (jnp.sum(tried_obs, axis=1) > 0))
-    s = s.replace(adapt=a.replace(acc=acc, tried=tried))
-    return s, policy.pick(policy.rates(acc, tried), active0, b, a.cycle, left)
-
-  def lazy_plain_step(c):
-    """One plain step, `generate_loop`'s body (`loop.plain_step`), that leaves the drafter one
-    more token behind (and keeps the target's probability of that token)."""
-    i, s = c
-    s, p_BV, nxt, active = plain_step(target, s, sampler, prompt_len_B, budget_B, eos)
-    a = s.adapt
-    p_x = jnp.take_along_axis(p_BV, nxt[:, None], axis=1)[:, 0]
-    slot = jnp.minimum(a.behind, slots - 1)
-    behind_p = a.behind_p.at[rows, slot].set(jnp.where(active, p_x, a.behind_p[rows, slot]))
-    adapt = a.replace(behind=a.behind + active.astype(jnp.int32), behind_p=behind_p)
-    return i + 1, s.replace(adapt=adapt)
-
-  def lazy_plain_branch(s: LoopState):
-    """A run of plain steps (a nested while_loop): as many as the bound allows (P − the
-    furthest row's lag, after a catch-up when some row is P behind), ending after the step in
-    which a row finishes. Within the run the policy would choose k = 0 again every step (it
-    observes nothing and the active rows are the same), so the run saves the per-cycle
-    choice and bookkeeping, not a decision."""
-    room = slots - jnp.max(s.adapt.behind)
-    done0, length0 = s.done, s.length
-
-    def more(c):
-      i, t = c
-      return (i < room) & ~jnp.all(t.done) & jnp.all(t.done == done0)
-
-    _, new = jax.lax.while_loop(more, lazy_plain_step, (jnp.zeros((), jnp.int32), s))
-    return new, zero_obs, zero_obs, ~done0, jnp.zeros((b,), jnp.int32), new.length - length0
-
-  def plain_branch(s: LoopState):
-    key, step_key = jax.random.split(s.key)  # generate_loop's key use
-    draft_key = jax.random.fold_in(step_key, 1)
-    proposal, draft, cache = _propose(drafter, s, one, sampler, draft_key)
-    cur = s.tokens[rows, s.length]
-    logits, _, cache, *features = target(cur[:, None], s.length[:, None], cache, None,
-                                         capture)
-    p_BV = sampling.warp(logits[:, 0], sampler)
-    nxt = sampling.sample(step_key, p_BV)
-    emitted_BT = jnp.broadcast_to(nxt[:, None], (b, width))
-    tokens, length, done, active = _emit(s, emitted_BT, jnp.zeros_like(s.length), prompt_len_B,
-                                         budget_B, eos)
-    ctx = Context(tokens=tokens, length=length)
-    feats = (jnp.concatenate([features[0], features[0]], axis=1) if capture else None)
-    draft = drafter.commit(draft, ctx, one, jnp.zeros((b, 2), jnp.int32),
-                           jnp.zeros((b,), jnp.int32), **extra(feats))
-    new = s.replace(tokens=tokens, length=length, done=done, key=key, draft=draft,
-                    cache=kv.set_lengths(cache, length),
-                    nonfinite=s.nonfinite + _nonfinite(active, logits))
-    acc_obs = policy.first_draft_observation(_draft_acceptance(proposal, p_BV))
-    tried_obs = policy.first_draft_observation(jnp.ones((b,), jnp.float32))
-    return (new, acc_obs, tried_obs, active, jnp.zeros((b,), jnp.int32),
-            active.astype(jnp.int32))
-
-  def spec_branch(tree):
-    def run(s: LoopState):
-      key, draft_key, accept_key = jax.random.split(s.key, 3)
-      new, result, active, drafted = _spec_cycle(target, drafter, s, tree, sampler,
-                                                 draft_key, accept_key, prompt_len_B, budget_B,
-                                                 eos, capture, width)
-      n = result.n_accepted
-      skipped = (jnp.zeros_like(n) if drafted is None  # dynamic draft stopping
-                 else jnp.maximum(tree.size - drafted, 0).astype(jnp.int32))
-      stats = s.stats.record(active, _pad_result(result, depth, ranks), tree.size, drafted)
-      new = new.replace(key=key, stats=stats)
-      a1 = active[:, None]
-      acc_c, tried_c = policy.cycle_observation(tree, result)
-      acc_obs = jnp.where(a1, acc_c, 0.0)
-      tried_obs = jnp.where(a1, tried_c, 0.0)
-      return (new, acc_obs, tried_obs, active, jnp.where(active, skipped, 0),
-              jnp.zeros((b,), jnp.int32))
-    return run
-
-  plain = lazy_plain_branch if lazy else plain_branch
-  branches = [plain if e is None else spec_branch(e) for e in menu]
-  plain_entry = [e is None for e in menu]
-
-  def body(s: LoopState) -> LoopState:
-    active0 = ~s.done
-    left = budget_B - (s.length + 1 - prompt_len_B)  # each row's budget left
-    a = s.adapt
-    choice = policy.pick(policy.rates(a.acc, a.tried), active0, b, a.cycle, left)
-    if lazy:  # the catch-up the choice needs, then the choice again from what it observed
-      need = jnp.any(a.behind >= slots) | (~jnp.asarray(plain_entry)[choice]
-                                           & jnp.any(a.behind > 0))
-      # after a catch-up every row is up to date: a speculative choice never finds the
-      # drafter behind
-      s, choice = jax.lax.cond(need, lambda s: catch_up_and_choose(s, active0, left),
-                               lambda s: (s, choice), s)
-    none = (s, zero_obs, zero_obs, jnp.zeros((b,), bool), zb, zb)  # before any entry ran
-    new, acc_obs, tried_obs, active, skipped, plain = _run_chosen(choice, branches, none)
-    a = new.adapt  # with the catch-up bookkeeping
-    # a lazy plain step observes nothing: the estimate stays as it is
-    observed = active & (jnp.sum(tried_obs, axis=1) > 0)
-    acc, tried = policy.observe(a.acc, a.tried, acc_obs, tried_obs, observed)
-    at = jnp.minimum(a.cycle, a.choices.shape[0] - 1)
-    adapt = a.replace(acc=acc, tried=tried, cycle=a.cycle + 1,
-                      choices=a.choices.at[at].set(choice),
-                      plain_steps=a.plain_steps + plain,
-                      stopped=a.stopped + (skipped > 0).astype(jnp.int32),
-                      skipped=a.skipped + skipped)
-    return new.replace(adapt=adapt)
-
-  acc0, tried0 = policy.init_state(b)
   zb = jnp.zeros((b,), jnp.int32)
+  call = _Call(target=target, drafter=drafter, policy=policy, sampler=sampler,
+               prompt_len_B=prompt_len_B, budget_B=budget_B, eos=eos, rows=jnp.arange(b),
+               zero_obs=jnp.zeros((b, policy.columns), jnp.float32), zb=zb, b=b,
+               width=depth + 1, depth=depth, ranks=policy.width, slots=slots, lazy=lazy,
+               capture=capture)
+  acc0, tried0 = policy.init_state(b)
   init = init.replace(draft=drafter.init(prompt_BP, prompt_len_B, cache_len, largest,
-                                          **extra(prompt_features)),
-                      stats=Stats.zeros(b, depth, cache_len, ranks),
+                                          **call.extra(prompt_features)),
+                      stats=Stats.zeros(b, depth, cache_len, call.ranks),
                       adapt=AdaptState(acc=acc0, tried=tried0, cycle=jnp.zeros((), jnp.int32),
                                        choices=jnp.full((cache_len,), -1, jnp.int32),
                                        plain_steps=zb, stopped=zb, skipped=zb, behind=zb,
                                        behind_p=jnp.ones((b, slots), jnp.float32),
                                        catch_ups=jnp.zeros((), jnp.int32)))
-  return jax.lax.while_loop(_not_finished, body, init)
+  return jax.lax.while_loop(_not_finished, functools.partial(_body, call, _branches(call)),
+                            init)
 
 
 # The compiled loop the host API calls: one compile per static configuration.
