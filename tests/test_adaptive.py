@@ -160,6 +160,7 @@ def test_greedy_identity_with_shapes_alternating_every_cycle(pair):
   assert np.all(run.plain_steps > 0)
 
 
+@pytest.mark.slow  # compile-heavy (fast-tier durations)
 def test_drafter_state_survives_plain_steps_and_nothing_recompiles(pair):
   """Self-drafting at T = 0 accepts every draft only if the draft's cache is right after
   each plain step (the k = 0 branch's catch-up). Changing the forced schedule or the costs

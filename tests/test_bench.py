@@ -46,6 +46,7 @@ def test_bench_writes_a_row_per_question_and_the_table_then_resumes(tmp_path, ca
   assert len(_rows(tmp_path / "run")) == 3
 
 
+@pytest.mark.slow  # compile-heavy (fast-tier durations)
 def test_every_drafter_kind_and_a_tree_run_under_bench(tmp_path):
   qs = _write(tmp_path / "q.jsonl", QUESTIONS[:1])
   for i, extra in enumerate((["--draft", "lookup"], ["--draft", "layer-skip:2"],

@@ -63,6 +63,7 @@ def test_generate_cli_adaptive_with_draft_stopping(capsys, monkeypatch):
                                   "skipped_nodes": 2 * cycles}
 
 
+@pytest.mark.slow  # compile-heavy (fast-tier durations)
 def test_generate_on_the_default_target_serves_bf16_and_reports_both_speeds(capsys):
   """One speed, one meaning: end to end (whole calls) and the decode phase (prefill
   subtracted), labelled; the shipped target served in bf16 as the studies serve it."""

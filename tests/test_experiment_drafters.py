@@ -101,6 +101,7 @@ def test_drafters_reduced_end_to_end(tmp_path, monkeypatch, capsys, virtual_cloc
     assert (tmp_path / "dx" / f"{png}.png").stat().st_size > 1000, png
 
 
+@pytest.mark.slow  # compile-heavy (fast-tier durations)
 def test_drafters_sampled_point_on_prose(tmp_path, monkeypatch, virtual_clock):
   monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))
   s = _run(tmp_path, '{"variant": ["lookup:chain"], "category": ["prose"], '

@@ -91,6 +91,7 @@ def test_tree_shapes_branching_and_optimal(tmp_path, monkeypatch):
   assert tree_shapes.calibration.cache_info().currsize == 1  # once per process and setting
 
 
+@pytest.mark.slow  # compile-heavy (fast-tier durations)
 def test_tree_shapes_dynamic(tmp_path, monkeypatch):
   by_shape, _ = _run_trees(tmp_path, ["dynamic"], monkeypatch)
   assert by_shape["dynamic"]["parents"] is None and "budget=6" in by_shape["dynamic"]["pretty"]
