@@ -85,6 +85,7 @@ def test_generate_on_the_default_target_serves_bf16_and_reports_both_speeds(caps
   assert report["target_dtype"] == "float32" and report["speculative"]["alpha"] == 1.0
 
 
+@pytest.mark.slow  # compile-heavy (fast-tier durations)
 @pytest.mark.parametrize("shape", [["--tree", "2,1,1"], ["--dynamic-tree", "6,3,2"]])
 def test_generate_speaks_static_and_dynamic_trees(capsys, shape):
   code = main(["generate", "--target-config", "tiny-llama", "--draft-config",

@@ -79,6 +79,7 @@ def test_oracle_chain_passes_and_the_stated_power_covers_the_planted_bug(pair):
   assert report.controls[0].test.p_value < 1e-20
 
 
+@pytest.mark.slow  # compile-heavy (fast-tier durations)
 def test_a_control_the_drafter_cannot_show_makes_the_verdict_inconclusive(pair):
   """The oracle's residual is p itself under top-k, so 'residual = p' changes nothing: the
   control is not rejected and the verdict must not be PASS."""
