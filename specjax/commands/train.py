@@ -177,15 +177,20 @@ def _eagle_args(p: argparse.ArgumentParser) -> None:
                       "exports with `specjax export-head --format eagle`)")
 
 
+def _layers(args) -> tuple[int, ...] | None:
+  """--layers I,J,K as a tuple of ints (None when not given); one line naming the flag."""
+  if args.layers is None:
+    return None
+  try:
+    return tuple(int(x) for x in args.layers.split(","))
+  except ValueError:
+    raise ValueError(f"--layers must be comma-separated layer indices, got "
+                     f"{args.layers!r}") from None
+
+
 def _eagle_kind(args):
   from specjax.training.eagle import EagleHeads
-  layers = None
-  if args.layers is not None:
-    try:
-      layers = tuple(int(x) for x in args.layers.split(","))
-    except ValueError:
-      raise ValueError(f"--layers must be comma-separated layer indices, got "
-                       f"{args.layers!r}") from None
+  layers = _layers(args)
   return EagleHeads(steps=args.ttt_steps, decay=args.decay, layers=layers,
                     width=args.width, structure=args.structure,
                     bias=args.structure == "eagle")  # EAGLE's fc has a bias
@@ -206,13 +211,7 @@ def _eagle3_args(p: argparse.ArgumentParser) -> None:
 
 def _eagle3_kind(args):
   from specjax.training.eagle3 import Eagle3Heads
-  layers = None
-  if args.layers is not None:
-    try:
-      layers = tuple(int(x) for x in args.layers.split(","))
-    except ValueError:
-      raise ValueError(f"--layers must be comma-separated layer indices, got "
-                       f"{args.layers!r}") from None
+  layers = _layers(args)
   if args.draft_vocab is not None and args.draft_vocab < 1:
     raise ValueError(f"--draft-vocab must be an int >= 1, got {args.draft_vocab}")
   return Eagle3Heads(steps=args.ttt_steps, decay=args.decay, layers=layers)

@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from specjax.drafters.eagle import (STRUCTURES, EagleHead, check_layers, default_layers, embed,
@@ -18,6 +19,23 @@ from specjax.drafters.eagle import (STRUCTURES, EagleHead, check_layers, default
 from specjax.models.transformer import ModelConfig
 
 Array = jax.Array
+
+
+def check_unroll(steps, decay, layers) -> tuple[int, ...] | None:
+  """The training-time test's fields both EAGLE head kinds share: `steps` unrolled drafting
+  steps (int >= 1), loss weight `decay` per step in (0, 1], and the target `layers` the head
+  reads (None, or a non-empty sequence of indices >= 0, returned as a tuple of ints)."""
+  if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+    raise ValueError(f"steps must be an int >= 1 (unrolled drafting steps), got {steps!r}")
+  if not (isinstance(decay, (int, float)) and 0.0 < decay <= 1.0):
+    raise ValueError(f"decay must be in (0, 1], got {decay!r}")
+  if layers is None:
+    return None
+  if not isinstance(layers, (tuple, list)) or not layers or not all(
+      isinstance(i, (int, np.integer)) and not isinstance(i, bool) and i >= 0 for i in layers):
+    raise ValueError(f"layers must be a non-empty sequence of layer indices >= 0, got "
+                     f"{layers!r}")
+  return tuple(int(i) for i in layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,17 +67,7 @@ class EagleHeads:
   name = "eagle"
 
   def __post_init__(self):
-    if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
-      raise ValueError(f"steps must be an int >= 1 (unrolled drafting steps), got "
-                       f"{self.steps!r}")
-    if not (isinstance(self.decay, (int, float)) and 0.0 < self.decay <= 1.0):
-      raise ValueError(f"decay must be in (0, 1], got {self.decay!r}")
-    if self.layers is not None:
-      if not isinstance(self.layers, (tuple, list)) or not self.layers or not all(
-          isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers):
-        raise ValueError(f"layers must be a non-empty sequence of layer indices >= 0, got "
-                         f"{self.layers!r}")
-      object.__setattr__(self, "layers", tuple(self.layers))
+    object.__setattr__(self, "layers", check_unroll(self.steps, self.decay, self.layers))
     if self.structure not in STRUCTURES:
       raise ValueError(f"structure must be one of {STRUCTURES}, got {self.structure!r}")
     if self.width is not None and (isinstance(self.width, bool)

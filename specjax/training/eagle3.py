@@ -23,6 +23,7 @@ from specjax.drafters.eagle import check_layers, embed, frequent_vocab
 from specjax.drafters.eagle3 import (HEAD_FIELDS, Eagle3Head, build_head, check_draft_ids,
                                      eagle3_layers)
 from specjax.models.transformer import ModelConfig
+from specjax.training.eagle import check_unroll
 
 Array = jax.Array
 
@@ -51,18 +52,7 @@ class Eagle3Heads:
   name = "eagle3"
 
   def __post_init__(self):
-    if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
-      raise ValueError(f"steps must be an int >= 1 (unrolled drafting steps), got "
-                       f"{self.steps!r}")
-    if not (isinstance(self.decay, (int, float)) and 0.0 < self.decay <= 1.0):
-      raise ValueError(f"decay must be in (0, 1], got {self.decay!r}")
-    if self.layers is not None:
-      if not isinstance(self.layers, (tuple, list)) or len(self.layers) < 1 or not all(
-          isinstance(i, (int, np.integer)) and not isinstance(i, bool) and i >= 0
-          for i in self.layers):
-        raise ValueError(f"layers must be a non-empty sequence of layer indices >= 0, got "
-                         f"{self.layers!r}")
-      object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
+    object.__setattr__(self, "layers", check_unroll(self.steps, self.decay, self.layers))
     if self.head is not None:
       head = dict(self.head)
       unknown = sorted(set(head) - set(HEAD_FIELDS))
