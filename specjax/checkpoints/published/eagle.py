@@ -30,6 +30,7 @@ import pathlib
 
 import numpy as np
 
+from specjax.checkpoints.hf.tensor_files import flatten
 from specjax.checkpoints.published import files
 
 FORMAT = "eagle"
@@ -90,7 +91,7 @@ def head_params(hf: dict, tensors: dict, config):
   kind = EagleHeads(layers=(config.n_layers,), structure="eagle", bias=bias)
   head = init_head(config.replace(dtype="float32"), kind.layers, structure="eagle", bias=bias)
   shapes = {k: tuple(v.shape) for k, v in
-            _flat(nnx.to_pure_dict(nnx.state(head, nnx.Param))).items()}
+            flatten(nnx.to_pure_dict(nnx.state(head, nnx.Param))).items()}
   flat = {"combine.kernel": fc_kernel(tensors["fc.weight"])}
   if bias:
     files.check_shape("fc.bias", tensors["fc.bias"], (d,), "fc bias")
@@ -116,17 +117,6 @@ def head_params(hf: dict, tensors: dict, config):
   state = nnx.state(head, nnx.Param)
   nnx.replace_by_pure_dict(state, nest({k: np.asarray(v, np.float32) for k, v in flat.items()}))
   return kind, state
-
-
-def _flat(tree, prefix=""):
-  out = {}
-  for k, v in tree.items():
-    name = f"{prefix}{k}"
-    if isinstance(v, dict):
-      out.update(_flat(v, name + "."))
-    else:
-      out[name] = v
-  return out
 
 
 def import_head(src_dir: str | os.PathLike, target, out_dir: str | os.PathLike, *,
@@ -157,7 +147,7 @@ def export_head(head_dir: str | os.PathLike, target, out_dir: str | os.PathLike,
                      "format cannot express; only heads of the 'eagle' structure (imported "
                      "EAGLE-1/2 heads) export to it")
   config = module.config
-  flat = _flat(nnx.to_pure_dict(head.params))
+  flat = flatten(nnx.to_pure_dict(head.params))
   tensors = {"fc.weight": flat["combine.kernel"].T}
   if "combine.bias" in flat:
     tensors["fc.bias"] = flat["combine.bias"]
