@@ -26,7 +26,8 @@ The prediction beside it (`specjax.calibration`, docs/cost_model.md, "Calibrated
 costs"): the compiled loops are timed once per (batch, temperature) on a few shapes (chains
 of `calibration_k` and k, and the tree), decoding the same prompts in the same batches as
 the point (`calibrate(..., batch=)`), cached on disk and re-validated on the day (a probe
-of the plain step off by more than `revalidate`, 10%, measures it again), giving the cycle
+of the widest shape's cycle in plain steps off by more than `revalidate`, 10%, measures it
+again), giving the cycle
 of this point's shape in plain target steps; the tokens one loop iteration emits come from
 the measured acceptance:
 

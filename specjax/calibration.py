@@ -68,7 +68,7 @@ from specjax import decoding, sampling, trees
 from specjax.cycle_fit import CycleFit, fit, identifiable
 from specjax.drafters.base import LM, Drafter
 from specjax.drafters.model import ModelDrafter
-from specjax.timing import STATISTICS, decode_seconds, probe_step
+from specjax.timing import STATISTICS, decode_seconds, probe_cycle_steps
 from specjax.models.one_row_bf16 import padding_policy
 
 VERSION = 3  # bump when what a cached calibration holds changes (3: bf16 one-row padding probed)
@@ -486,10 +486,11 @@ def _check_calibrate_args(shapes, prompt_ids, max_new_tokens, repeats, seed, tem
   return shapes, rows
 
 
-def _cached(path, drafters, revalidate: float | None, probe: Callable[[], float]):
+def _cached(path, drafters, revalidate: float | None, probe: Callable[[], dict],
+            probed: str):
   """(the calibration cached at `path` if it holds every shape of `drafters` and, with
-  `revalidate`, passes the day's probe (`probe()`: one plain decode step's seconds, the
-  first batch standing for the workload: a probe of the machine, not a measurement), else
+  `revalidate`, passes the day's probe (`probe()`: `timing.probe_cycle_steps` of the shape
+  `probed` over the first batch: a probe of the machine's balance, not a measurement), else
   None; the probe's record when it failed, else None). Unreadable: (None, None)."""
   try:
     costs = LoopCosts.from_dict(json.loads(path.read_text()))
@@ -497,9 +498,12 @@ def _cached(path, drafters, revalidate: float | None, probe: Callable[[], float]
     if set(costs.cycles) == set(drafters) and "depth_alpha" in costs.meta:
       check = None
       if revalidate is not None:
-        t = probe()
-        check = {"probe_t_step": t, "cached_t_step": costs.t_step,
-                 "ratio": t / costs.t_step, "tolerance": revalidate}
+        now = probe()
+        cached = costs.cycles[probed][2] / costs.t_step
+        check = {"shape": probed, "probe_cycle_steps": now["cycle_steps"],
+                 "cached_cycle_steps": cached, "ratio": now["cycle_steps"] / cached,
+                 "probe_t_step": now["t_step"], "cached_t_step": costs.t_step,
+                 "tolerance": revalidate}
       if check is None or abs(check["ratio"] - 1) <= revalidate:
         return dataclasses.replace(costs, meta={**costs.meta, "cached": True,
                                                 "revalidated": check}), None
@@ -525,9 +529,10 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
   drafter_for(draft, tree) -> Drafter: the drafter of each shape (default: the draft
   model, sampled candidates for chains, top-k candidates for trees). statistic: "median"
   or "fastest" call (`measure`). revalidate: a fraction (`timing.REVALIDATE`, 0.10): a
-  cached calibration is checked on the day by a short probe (one plain decode step now,
-  `timing.probe_step`) and measured again when off by more (a machine faster or slower than
-  when it was taken); None (default): trusted as cached. meta["revalidated"] records it.
+  cached calibration is checked on the day by a short probe (the widest shape's cycle in
+  plain steps now, `timing.probe_cycle_steps`, over the first batch) and measured again when
+  that ratio is off by more (the balance of draft, verify and step moved since); None
+  (default): trusted as cached. meta["revalidated"] records it.
   """
   shapes, rows = _check_calibrate_args(shapes, prompt_ids, max_new_tokens, repeats, seed,
                                        temperature, statistic, recalibrate, batch)
@@ -542,10 +547,12 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
   path = cache_root(cache_dir) / f"{key}.json"
   revalidated = None  # the probe's record when a cached calibration failed it
   if not recalibrate and path.exists():
-    probe = functools.partial(probe_step, target, prompt_ids[:rows],
-                              max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                              cache_len=cache_len, batch=rows, timer=timer, statistic=statistic)
-    cached, revalidated = _cached(path, drafters, revalidate, probe)
+    widest = max(shapes, key=lambda t: t.n_nodes)  # the costliest cycle, the probe's shape
+    probe = functools.partial(probe_cycle_steps, target, drafters[shape_key(widest)], widest,
+                              prompt_ids[:rows], max_new_tokens=max_new_tokens,
+                              temperature=temperature, seed=seed, cache_len=cache_len,
+                              batch=rows, timer=timer, statistic=statistic)
+    cached, revalidated = _cached(path, drafters, revalidate, probe, shape_key(widest))
     if cached is not None:
       return cached
   costs = measure(target, draft, prompt_ids, shapes, max_new_tokens=max_new_tokens,

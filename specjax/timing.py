@@ -3,8 +3,9 @@
 What the calibration (`specjax.calibration`) and the studies' side-by-side measurements
 (`experiments/measure.py`) share: `alternate` (one warm-up call each, then every callable in
 turn, so drift on a shared machine hits all alike), `decode_seconds` (an M-token call minus a
-1-token call, robust to a difference lost in noise) and `probe_step` (one plain decode step
-now, which `calibration.calibrate` compares with a cached calibration on the day).
+1-token call, robust to a difference lost in noise) and `probe_cycle_steps` (one speculative
+cycle in plain steps now, which `calibration.calibrate` compares with a cached calibration on
+the day).
 """
 
 from __future__ import annotations
@@ -71,22 +72,36 @@ def decode_seconds(fns: Mapping[str, Callable[[], Any]], names: Sequence[str], r
 
 
 REVALIDATE = 0.10  # a cached calibration off by more than this on the day is measured again
-PROBE_REPEATS = 3
+PROBE_REPEATS = 5
 
 
-def probe_step(target, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int,
-               temperature: float = 0.0, seed: int = 0, cache_len: int, batch: int,
-               timer: Callable[[], float] = time.perf_counter, statistic: str = "median"
-               ) -> float:
-  """Seconds of one plain decode step now (the decode phase of plain `generate` over the
-  calibration's prompts and batches, PROBE_REPEATS alternated calls): what `calibrate`
-  compares with a cached calibration's t_step."""
+def probe_cycle_steps(target, drafter, tree, prompt_ids: Sequence[Sequence[int]], *,
+                      max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+                      cache_len: int, batch: int,
+                      timer: Callable[[], float] = time.perf_counter,
+                      statistic: str = "median") -> dict[str, float]:
+  """One speculative cycle of `tree` in plain decode steps now, and the plain step's seconds:
+  the decode phases of plain `generate` and of `speculative_generate` with `drafter` over
+  `prompt_ids` in batches of `batch` rows, PROBE_REPEATS alternated calls. What
+  `calibration.calibrate` compares with a cached calibration on the day: predictions are
+  made of cycles counted in plain steps, so the probe checks that ratio (a host that is
+  uniformly slower or faster today changes no prediction; one whose balance between the
+  draft, the verify pass and a plain step moved does). Returns {"cycle_steps", "t_step"}."""
   common = dict(sampler=sampling.make_sampler(temperature), seed=seed, cache_len=cache_len)
-  fns = {f"plain/{tag}": decoding.in_batches(
-      lambda ids, n=n: decoding.generate(target, ids, max_new_tokens=n, **common),
-      prompt_ids, batch) for n, tag in ((max_new_tokens, "M"), (1, "1"))}
-  seconds, _, _ = decode_seconds(fns, ["plain"], PROBE_REPEATS, timer, statistic)
-  return seconds["plain"] / ((len(prompt_ids) // batch) * (max_new_tokens - 1))
+  fns = {}
+  for n, tag in ((max_new_tokens, "M"), (1, "1")):
+    fns[f"plain/{tag}"] = decoding.in_batches(
+        lambda ids, n=n: decoding.generate(target, ids, max_new_tokens=n, **common),
+        prompt_ids, batch)
+    fns[f"spec/{tag}"] = decoding.in_batches(
+        lambda ids, n=n: decoding.speculative_generate(target, drafter, ids, tree=tree,
+                                                       max_new_tokens=n, **common),
+        prompt_ids, batch)
+  seconds, last, _ = decode_seconds(fns, ["plain", "spec"], PROBE_REPEATS, timer, statistic)
+  batches = len(prompt_ids) // batch
+  t_step = seconds["plain"] / (batches * (max_new_tokens - 1))
+  cycle = seconds["spec"] / max(1, decoding.loop_iterations(last["spec/M"], batch))
+  return {"cycle_steps": cycle / t_step, "t_step": t_step}
 
 
 def decode_phase(plain_tokens: int, spec_tokens: int, plain_s: float, spec_s: float):

@@ -16,6 +16,9 @@ SHAPES = [trees.chain(1), trees.chain(2), trees.chain(4), trees.chain(6),
           trees.branching((2, 1, 1, 1)), trees.branching((3, 2, 1)), trees.branching((2, 2))]
 
 
+CYCLE_DRIFT = 1.0  # a test's change of every speculative cycle's cost
+
+
 def _law(tree, t_fixed=T_FIXED, t_verify=T_VERIFY, t_draft=T_DRAFT) -> float:
   n, d = calibration.shape_of(tree)
   return t_fixed + t_verify * (n + 1) + d * t_draft
@@ -158,7 +161,7 @@ def fake_engine(monkeypatch):
   def speculative_generate(target, drafter, prompts, *, tree, max_new_tokens, **kw):
     calls["n"] += 1
     cycles = -(-(max_new_tokens - 1) // 3)
-    clock.now += 2e-3 + cycles * _law(tree)
+    clock.now += 2e-3 + cycles * _law(tree) * CYCLE_DRIFT
     tried = np.zeros((len(prompts), tree.max_depth), np.int32)
     tried[:, 0] = 4 * cycles
     stats = {"cycles": np.full((len(prompts),), cycles, np.int32), "depth_tried": tried,
@@ -388,11 +391,14 @@ def test_a_weak_first_position_the_measured_law_sees_and_the_iid_law_does_not():
   assert iid > 1.05 * tau
 
 
-@pytest.mark.parametrize("drift, recalibrated", [(1.05, False), (1.25, True), (0.8, True)])
+@pytest.mark.parametrize("step, cycle, recalibrated", [
+    (1.25, 1.25, False),  # a uniformly slower host: every prediction stands
+    (1.05, 1.0, False), (1.25, 1.0, True), (1.0, 1.25, True), (0.8, 1.0, True)])
 def test_a_cached_calibration_is_revalidated_on_the_day(fake_engine, random_pair, tmp_path,
-                                                       monkeypatch, drift, recalibrated):
-  """revalidate=0.1: a short probe of the plain step against the cached t_step; a machine
-  more than 10% faster or slower than when it was calibrated is calibrated again."""
+                                                       monkeypatch, step, cycle, recalibrated):
+  """revalidate=0.1: a short probe of the widest shape's cycle in plain steps against the
+  cached ratio; a balance more than 10% off is calibrated again, a host uniformly slower is
+  not (predictions are made of the ratio)."""
   import sys
   clock, calls = fake_engine
   target, draft = random_pair
@@ -402,15 +408,21 @@ def test_a_cached_calibration_is_revalidated_on_the_day(fake_engine, random_pair
   first = calibration.calibrate(target, draft, prompts, SHAPES[:5], **kw)
   assert first.meta["cached"] is False and first.meta["revalidated"] is None
   made, base = calls["n"], T_STEP
-  monkeypatch.setattr(sys.modules[__name__], "T_STEP", base * drift)
+  module = sys.modules[__name__]
+  monkeypatch.setattr(module, "T_STEP", base * step)
+  monkeypatch.setattr(module, "CYCLE_DRIFT", cycle)
   again = calibration.calibrate(target, draft, prompts, SHAPES[:5], **kw)
   check = again.meta["revalidated"]
-  assert check["ratio"] == pytest.approx(drift, rel=1e-6)
+  assert check["shape"] == calibration.shape_key(SHAPES[4])  # the widest: the 2·1·1·1 tree
+  assert check["ratio"] == pytest.approx(cycle / step, rel=0.02)
+  assert check["probe_t_step"] == pytest.approx(base * step, rel=1e-6)
   assert again.meta["cached"] is (not recalibrated)
-  probe = 2 * (1 + timing.PROBE_REPEATS)  # plain M and 1, warm-up + repeats
+  probe = 2 * 2 * (1 + timing.PROBE_REPEATS)  # plain and the tree, M and 1, warm-up + repeats
   assert calls["n"] - made == (probe + made if recalibrated else probe)
   if recalibrated:
-    assert check["recalibrated"] is True and again.t_step == pytest.approx(base * drift)
+    assert check["recalibrated"] is True and again.t_step == pytest.approx(base * step)
+  else:
+    assert again.t_step == first.t_step  # the cached calibration, unchanged
   trusted = calibration.calibrate(target, draft, prompts, SHAPES[:5],
                                   **{**kw, "revalidate": None})
   assert trusted.meta["cached"] is True and trusted.meta["revalidated"] is None

@@ -110,7 +110,7 @@ def _compilation_cache() -> None:
     path = cache_dir() / "xla"
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   except OSError:  # an unwritable cache only costs compile time
     pass
 
