@@ -71,7 +71,8 @@ from specjax.drafters.model import ModelDrafter
 from specjax.timing import STATISTICS, decode_seconds, probe_cycle_steps
 from specjax.models.one_row_bf16 import padding_policy
 
-VERSION = 3  # bump when what a cached calibration holds changes (3: bf16 one-row padding probed)
+VERSION = 4  # bump when what a cached calibration holds changes (4: one-row bf16 padded
+# unless one row is clearly faster)
 DEFAULT_CHAINS = (1, 2, 4, 6)
 
 Tree = Any  # trees.TreeSpec | trees.DynamicTree
@@ -486,12 +487,15 @@ def _check_calibrate_args(shapes, prompt_ids, max_new_tokens, repeats, seed, tem
   return shapes, rows
 
 
+PROBE_BATCHES = 4  # the probe decodes the first 4 batches (one prompt's ratio moved by ±15%)
+
+
 def _cached(path, drafters, revalidate: float | None, probe: Callable[[], dict],
             probed: str):
   """(the calibration cached at `path` if it holds every shape of `drafters` and, with
   `revalidate`, passes the day's probe (`probe()`: `timing.probe_cycle_steps` of the shape
-  `probed` over the first batch: a probe of the machine's balance, not a measurement), else
-  None; the probe's record when it failed, else None). Unreadable: (None, None)."""
+  `probed` over the first PROBE_BATCHES batches: a probe of the machine's balance, not a
+  measurement), else None; the probe's record when it failed, else None). Unreadable: (None, None)."""
   try:
     costs = LoopCosts.from_dict(json.loads(path.read_text()))
     # "depth_alpha": calibrations stored before it was measured are measured again
@@ -530,7 +534,7 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
   model, sampled candidates for chains, top-k candidates for trees). statistic: "median"
   or "fastest" call (`measure`). revalidate: a fraction (`timing.REVALIDATE`, 0.10): a
   cached calibration is checked on the day by a short probe (the widest shape's cycle in
-  plain steps now, `timing.probe_cycle_steps`, over the first batch) and measured again when
+  plain steps now, `timing.probe_cycle_steps`, over the first batches) and measured again when
   that ratio is off by more (the balance of draft, verify and step moved since); None
   (default): trusted as cached. meta["revalidated"] records it.
   """
@@ -548,8 +552,9 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
   revalidated = None  # the probe's record when a cached calibration failed it
   if not recalibrate and path.exists():
     widest = max(shapes, key=lambda t: t.n_nodes)  # the costliest cycle, the probe's shape
+    some = prompt_ids[:rows * min(PROBE_BATCHES, len(prompt_ids) // rows)]
     probe = functools.partial(probe_cycle_steps, target, drafters[shape_key(widest)], widest,
-                              prompt_ids[:rows], max_new_tokens=max_new_tokens,
+                              some, max_new_tokens=max_new_tokens,
                               temperature=temperature, seed=seed, cache_len=cache_len,
                               batch=rows, timer=timer, statistic=statistic)
     cached, revalidated = _cached(path, drafters, revalidate, probe, shape_key(widest))

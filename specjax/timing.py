@@ -72,7 +72,7 @@ def decode_seconds(fns: Mapping[str, Callable[[], Any]], names: Sequence[str], r
 
 
 REVALIDATE = 0.10  # a cached calibration off by more than this on the day is measured again
-PROBE_REPEATS = 5
+PROBE_REPEATS = 3
 
 
 def probe_cycle_steps(target, drafter, tree, prompt_ids: Sequence[Sequence[int]], *,

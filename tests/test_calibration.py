@@ -426,3 +426,18 @@ def test_a_cached_calibration_is_revalidated_on_the_day(fake_engine, random_pair
   trusted = calibration.calibrate(target, draft, prompts, SHAPES[:5],
                                   **{**kw, "revalidate": None})
   assert trusted.meta["cached"] is True and trusted.meta["revalidated"] is None
+
+
+def test_the_probe_decodes_the_first_batches(fake_engine, random_pair, tmp_path):
+  """At batch 1 over 6 prompts the probe decodes the first PROBE_BATCHES (4) of them: one
+  prompt's ratio is too noisy for a 10% tolerance on this host."""
+  clock, calls = fake_engine
+  target, draft = random_pair
+  kw = dict(max_new_tokens=31, repeats=2, cache_dir=tmp_path, timer=clock, batch=1,
+            revalidate=timing.REVALIDATE)
+  prompts = [[1, 2, 3, 4]] * 6
+  calibration.calibrate(target, draft, prompts, SHAPES[:5], **kw)
+  made = calls["n"]
+  again = calibration.calibrate(target, draft, prompts, SHAPES[:5], **kw)
+  assert again.meta["cached"] is True
+  assert calls["n"] - made == 2 * 2 * calibration.PROBE_BATCHES * (1 + timing.PROBE_REPEATS)

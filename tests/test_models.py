@@ -278,31 +278,29 @@ def test_parse_config_presets_and_overrides():
     parse_config("tiny-gpt2:n_layerz=3")
 
 
-def test_one_row_bf16_padding_is_decided_per_shape_and_changes_no_result(monkeypatch):
-  """The padding (docs/xla_notes.md, trap 3) is measured per process and product shape or
-  forced by $SPECJAX_PAD_ONE_ROW_BF16; a bad value is refused naming the variable; padded
-  and unpadded one-row bf16 products agree up to float32 accumulation order (as fp32's
-  one-row and multi-row kernels do)."""
+def test_one_row_bf16_padding_is_cpu_only_or_forced_and_changes_no_result(monkeypatch):
+  """The padding (docs/xla_notes.md, trap 3) is on for XLA:CPU only by default, or forced
+  by $SPECJAX_PAD_ONE_ROW_BF16; a bad value is refused naming the variable; padded and
+  unpadded one-row bf16 products agree up to float32 accumulation order (as fp32's one-row
+  and multi-row kernels do)."""
   from specjax.models import one_row_bf16 as tr
   w = jax.random.normal(jax.random.key(0), (64, 48)).astype(jnp.bfloat16)
   x = jax.random.normal(jax.random.key(1), (1, 1, 64))
-  key = ("...i,io->...o", 3, 64, (64, 48))
   outs = {}
   for env in ("1", "0"):
     monkeypatch.setenv(tr.PAD_ENV, env)
     tr.pad_one_row_bf16.cache_clear()
-    assert tr.padding_policy() == env and tr.pad_one_row_bf16(*key) is (env == "1")
+    assert tr.padding_policy() == env and tr.pad_one_row_bf16() is (env == "1")
     outs[env] = np.asarray(tr.one_row_safe_matmul("...i,io->...o", x.astype(w.dtype), w))
   np.testing.assert_allclose(outs["1"], outs["0"], rtol=1e-5, atol=1e-6)
   monkeypatch.setenv(tr.PAD_ENV, "yes")
   tr.pad_one_row_bf16.cache_clear()
   with pytest.raises(ValueError, match=r"\$SPECJAX_PAD_ONE_ROW_BF16 must be 0 or 1"):
-    tr.pad_one_row_bf16(*key)
+    tr.pad_one_row_bf16()
   monkeypatch.delenv(tr.PAD_ENV)
   tr.pad_one_row_bf16.cache_clear()
-  assert tr.padding_policy() == "measured"
-  for k in (key, ("btd,vd->btv", 3, 48, (100, 48))):  # measured (CPU), False elsewhere
-    assert isinstance(tr.pad_one_row_bf16(*k), bool)
+  assert tr.padding_policy() == "cpu"
+  assert tr.pad_one_row_bf16() is (jax.default_backend() == "cpu")
   tr.pad_one_row_bf16.cache_clear()
 
 
