@@ -26,7 +26,7 @@ The prediction beside it (`specjax.calibration`, docs/cost_model.md, "Calibrated
 costs"): the compiled loops are timed once per (batch, temperature) on a few shapes (chains
 of `calibration_k` and k, and the tree), decoding the same prompts in the same batches as
 the point (`calibrate(..., batch=)`), cached on disk and re-validated on the day (a probe
-of the widest shape's cycle in plain steps off by more than `revalidate`, 10%, measures it
+of the widest shape's cycle in plain steps off by more than `revalidate`, 15%, measures it
 again), giving the cycle
 of this point's shape in plain target steps; the tokens one loop iteration emits come from
 the measured acceptance:
@@ -156,7 +156,7 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
           calibration_k: tuple = (1, 2), calibration_repeats: int = 3,
           recalibrate: bool = False, statistic: str = "median",
           target_dtype: str = "float32", prompts="code", drafter: str = "model",
-          head_steps: int = 8, revalidate: float | None = 0.10, target: str | None = None,
+          head_steps: int = 8, revalidate: float | None = 0.15, target: str | None = None,
           draft: str = "default", prompt_count: int = 8,
           chat_template: bool = True) -> dict:
   models = references.target_ref(target, models)

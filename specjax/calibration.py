@@ -488,6 +488,9 @@ def _check_calibrate_args(shapes, prompt_ids, max_new_tokens, repeats, seed, tem
 
 
 PROBE_BATCHES = 4  # the probe decodes the first 4 batches (one prompt's ratio moved by ±15%)
+# Calibrations this process measured (None) or re-validated (the probe's record), by path:
+# not probed again in the same process (minutes apart, a second probe would measure noise).
+_CHECKED: dict[str, dict | None] = {}
 
 
 def _cached(path, drafters, revalidate: float | None, probe: Callable[[], dict],
@@ -501,7 +504,9 @@ def _cached(path, drafters, revalidate: float | None, probe: Callable[[], dict],
     # "depth_alpha": calibrations stored before it was measured are measured again
     if set(costs.cycles) == set(drafters) and "depth_alpha" in costs.meta:
       check = None
-      if revalidate is not None:
+      if revalidate is not None and str(path) in _CHECKED:
+        check = _CHECKED[str(path)]
+      elif revalidate is not None:
         now = probe()
         cached = costs.cycles[probed][2] / costs.t_step
         check = {"shape": probed, "probe_cycle_steps": now["cycle_steps"],
@@ -509,6 +514,8 @@ def _cached(path, drafters, revalidate: float | None, probe: Callable[[], dict],
                  "probe_t_step": now["t_step"], "cached_t_step": costs.t_step,
                  "tolerance": revalidate}
       if check is None or abs(check["ratio"] - 1) <= revalidate:
+        if revalidate is not None:
+          _CHECKED[str(path)] = check
         return dataclasses.replace(costs, meta={**costs.meta, "cached": True,
                                                 "revalidated": check}), None
       return None, {**check, "recalibrated": True}
@@ -532,11 +539,11 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
   6} (add the trees you will predict; the fit needs one). recalibrate: measure even when cached.
   drafter_for(draft, tree) -> Drafter: the drafter of each shape (default: the draft
   model, sampled candidates for chains, top-k candidates for trees). statistic: "median"
-  or "fastest" call (`measure`). revalidate: a fraction (`timing.REVALIDATE`, 0.10): a
+  or "fastest" call (`measure`). revalidate: a fraction (`timing.REVALIDATE`, 0.15): a
   cached calibration is checked on the day by a short probe (the widest shape's cycle in
   plain steps now, `timing.probe_cycle_steps`, over the first batches) and measured again when
-  that ratio is off by more (the balance of draft, verify and step moved since); None
-  (default): trusted as cached. meta["revalidated"] records it.
+  that ratio is off by more (the balance of draft, verify and step moved since), once per
+  process; None (default): trusted as cached. meta["revalidated"] records it.
   """
   shapes, rows = _check_calibrate_args(shapes, prompt_ids, max_new_tokens, repeats, seed,
                                        temperature, statistic, recalibrate, batch)
@@ -574,6 +581,7 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(costs.to_dict(), indent=1))
     os.replace(tmp, path)
+    _CHECKED[str(path)] = None
   except OSError:  # an unwritable cache only costs a re-calibration
     pass
   return costs

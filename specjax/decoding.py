@@ -150,15 +150,25 @@ def in_batches(call, prompt_ids: Sequence[Sequence[int]], batch: int):
   `call(batch_of_prompts) -> Generation` after another, and returns their rows as one
   Generation (`Generation.concat`; the call's own result when one batch holds them all):
   how a workload of many prompts is decoded, timed and analysed at a small batch. `batch`
-  must divide the number of prompts."""
+  must divide the number of prompts.
+
+  The callable's `warm_up` attribute decodes one batch per longest-prompt length among the
+  batches: every program the whole call compiles (each batch's shapes follow from its
+  longest prompt), at a fraction of its time (`timing.alternate`'s warm-up call)."""
   if (isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1
       or len(prompt_ids) % batch):
     raise ValueError(f"batch must be an int >= 1 dividing the {len(prompt_ids)} prompts, "
                      f"got {batch!r}")
   groups = [list(prompt_ids[i:i + batch]) for i in range(0, len(prompt_ids), batch)]
   if len(groups) == 1:
-    return lambda: call(groups[0])
-  return lambda: Generation.concat([call(g) for g in groups])
+    run = lambda: call(groups[0])  # noqa: E731
+  else:
+    run = lambda: Generation.concat([call(g) for g in groups])  # noqa: E731
+  firsts: dict[int, list] = {}
+  for g in groups:  # the first batch of each longest-prompt length, in order
+    firsts.setdefault(max(len(p) for p in g), g)
+  run.warm_up = lambda: [call(g) for g in firsts.values()][-1]
+  return run
 
 
 def loop_iterations(run: Generation, batch: int) -> int:
