@@ -156,7 +156,7 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
           calibration_k: tuple = (1, 2), calibration_repeats: int = 3,
           recalibrate: bool = False, statistic: str = "median",
           target_dtype: str = "float32", prompts="code", drafter: str = "model",
-          head_steps: int = 8, revalidate: float | None = 0.15, target: str | None = None,
+          head_steps: int = 8, revalidate: float | None = calibration.REVALIDATE, target: str | None = None,
           draft: str = "default", prompt_count: int = 8,
           chat_template: bool = True) -> dict:
   models = references.target_ref(target, models)

@@ -68,7 +68,7 @@ from specjax import decoding, sampling, trees
 from specjax.cycle_fit import CycleFit, fit, identifiable
 from specjax.drafters.base import LM, Drafter
 from specjax.drafters.model import ModelDrafter
-from specjax.timing import STATISTICS, decode_seconds, probe_cycle_steps
+from specjax.timing import STATISTICS, decode_seconds
 from specjax.models.one_row_bf16 import padding_policy
 
 VERSION = 4  # bump when what a cached calibration holds changes (4: one-row bf16 padded
@@ -487,6 +487,9 @@ def _check_calibrate_args(shapes, prompt_ids, max_new_tokens, repeats, seed, tem
   return shapes, rows
 
 
+REVALIDATE = 0.15  # a cached calibration off by more than this on the day is measured again
+# (the probe's own spread on the 2-core development host reached 12-15%)
+PROBE_REPEATS = 3
 PROBE_BATCHES = 4  # the probe decodes the first 4 batches (one prompt's ratio moved by ±15%)
 # Calibrations this process measured (None) or re-validated (the probe's record), by path:
 # not probed again in the same process (minutes apart, a second probe would measure noise).
@@ -496,9 +499,10 @@ _CHECKED: dict[str, dict | None] = {}
 def _cached(path, drafters, revalidate: float | None, probe: Callable[[], dict],
             probed: str):
   """(the calibration cached at `path` if it holds every shape of `drafters` and, with
-  `revalidate`, passes the day's probe (`probe()`: `timing.probe_cycle_steps` of the shape
-  `probed` over the first PROBE_BATCHES batches: a probe of the machine's balance, not a
-  measurement), else None; the probe's record when it failed, else None). Unreadable: (None, None)."""
+  `revalidate`, passes the day's probe (`probe()`: the shape `probed` and a plain step
+  measured now, PROBE_REPEATS alternated calls over the first PROBE_BATCHES batches: a probe
+  of the machine's balance, not a calibration), else None; the probe's record when it
+  failed, else None). Unreadable: (None, None)."""
   try:
     costs = LoopCosts.from_dict(json.loads(path.read_text()))
     # "depth_alpha": calibrations stored before it was measured are measured again
@@ -508,11 +512,12 @@ def _cached(path, drafters, revalidate: float | None, probe: Callable[[], dict],
         check = _CHECKED[str(path)]
       elif revalidate is not None:
         now = probe()
-        cached = costs.cycles[probed][2] / costs.t_step
-        check = {"shape": probed, "probe_cycle_steps": now["cycle_steps"],
-                 "cached_cycle_steps": cached, "ratio": now["cycle_steps"] / cached,
-                 "probe_t_step": now["t_step"], "cached_t_step": costs.t_step,
-                 "tolerance": revalidate}
+        steps = {name: c.cycles[probed][2] / c.t_step for name, c in (("probe", now),
+                                                                      ("cached", costs))}
+        check = {"shape": probed, "probe_cycle_steps": steps["probe"],
+                 "cached_cycle_steps": steps["cached"],
+                 "ratio": steps["probe"] / steps["cached"], "probe_t_step": now.t_step,
+                 "cached_t_step": costs.t_step, "tolerance": revalidate}
       if check is None or abs(check["ratio"] - 1) <= revalidate:
         if revalidate is not None:
           _CHECKED[str(path)] = check
@@ -539,9 +544,9 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
   6} (add the trees you will predict; the fit needs one). recalibrate: measure even when cached.
   drafter_for(draft, tree) -> Drafter: the drafter of each shape (default: the draft
   model, sampled candidates for chains, top-k candidates for trees). statistic: "median"
-  or "fastest" call (`measure`). revalidate: a fraction (`timing.REVALIDATE`, 0.15): a
-  cached calibration is checked on the day by a short probe (the widest shape's cycle in
-  plain steps now, `timing.probe_cycle_steps`, over the first batches) and measured again when
+  or "fastest" call (`measure`). revalidate: a fraction (`REVALIDATE`, 0.15): a cached
+  calibration is checked on the day by a short probe (the widest shape's cycle in plain
+  steps, `measure`d now over the first PROBE_BATCHES batches) and measured again when
   that ratio is off by more (the balance of draft, verify and step moved since), once per
   process; None (default): trusted as cached. meta["revalidated"] records it.
   """
@@ -560,10 +565,11 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
   if not recalibrate and path.exists():
     widest = max(shapes, key=lambda t: t.n_nodes)  # the costliest cycle, the probe's shape
     some = prompt_ids[:rows * min(PROBE_BATCHES, len(prompt_ids) // rows)]
-    probe = functools.partial(probe_cycle_steps, target, drafters[shape_key(widest)], widest,
-                              some, max_new_tokens=max_new_tokens,
+    probe = functools.partial(measure, target, draft, some, [widest],
+                              max_new_tokens=max_new_tokens, repeats=PROBE_REPEATS,
                               temperature=temperature, seed=seed, cache_len=cache_len,
-                              batch=rows, timer=timer, statistic=statistic)
+                              drafter_for=lambda _d, t: drafters[shape_key(t)],
+                              statistic=statistic, batch=rows, timer=timer)
     cached, revalidated = _cached(path, drafters, revalidate, probe, shape_key(widest))
     if cached is not None:
       return cached

@@ -3,9 +3,7 @@
 What the calibration (`specjax.calibration`) and the studies' side-by-side measurements
 (`experiments/measure.py`) share: `alternate` (one warm-up call each, then every callable in
 turn, so drift on a shared machine hits all alike), `decode_seconds` (an M-token call minus a
-1-token call, robust to a difference lost in noise) and `probe_cycle_steps` (one speculative
-cycle in plain steps now, which `calibration.calibrate` compares with a cached calibration on
-the day).
+1-token call, robust to a difference lost in noise).
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 
-from specjax import decoding, sampling
 
 STATISTICS = ("median", "fastest")
 
@@ -71,40 +68,6 @@ def decode_seconds(fns: Mapping[str, Callable[[], Any]], names: Sequence[str], r
   seconds = {n: pick(times[f"{n}/M"]) if bad else diff(n) for n in names}
   return seconds, last, {"remeasured": rounds, "prefill_differenced": not bad,
                          "not_differenced": bad}
-
-
-REVALIDATE = 0.15  # a cached calibration off by more than this on the day is measured again
-# (the probe's own spread on the 2-core development host reached 12-15%)
-PROBE_REPEATS = 3
-
-
-def probe_cycle_steps(target, drafter, tree, prompt_ids: Sequence[Sequence[int]], *,
-                      max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-                      cache_len: int, batch: int,
-                      timer: Callable[[], float] = time.perf_counter,
-                      statistic: str = "median") -> dict[str, float]:
-  """One speculative cycle of `tree` in plain decode steps now, and the plain step's seconds:
-  the decode phases of plain `generate` and of `speculative_generate` with `drafter` over
-  `prompt_ids` in batches of `batch` rows, PROBE_REPEATS alternated calls. What
-  `calibration.calibrate` compares with a cached calibration on the day: predictions are
-  made of cycles counted in plain steps, so the probe checks that ratio (a host that is
-  uniformly slower or faster today changes no prediction; one whose balance between the
-  draft, the verify pass and a plain step moved does). Returns {"cycle_steps", "t_step"}."""
-  common = dict(sampler=sampling.make_sampler(temperature), seed=seed, cache_len=cache_len)
-  fns = {}
-  for n, tag in ((max_new_tokens, "M"), (1, "1")):
-    fns[f"plain/{tag}"] = decoding.in_batches(
-        lambda ids, n=n: decoding.generate(target, ids, max_new_tokens=n, **common),
-        prompt_ids, batch)
-    fns[f"spec/{tag}"] = decoding.in_batches(
-        lambda ids, n=n: decoding.speculative_generate(target, drafter, ids, tree=tree,
-                                                       max_new_tokens=n, **common),
-        prompt_ids, batch)
-  seconds, last, _ = decode_seconds(fns, ["plain", "spec"], PROBE_REPEATS, timer, statistic)
-  batches = len(prompt_ids) // batch
-  t_step = seconds["plain"] / (batches * (max_new_tokens - 1))
-  cycle = seconds["spec"] / max(1, decoding.loop_iterations(last["spec/M"], batch))
-  return {"cycle_steps": cycle / t_step, "t_step": t_step}
 
 
 def decode_phase(plain_tokens: int, spec_tokens: int, plain_s: float, spec_s: float):

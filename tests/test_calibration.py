@@ -406,7 +406,7 @@ def test_a_cached_calibration_is_revalidated_on_the_day(fake_engine, random_pair
   target, draft = random_pair
   prompts = [[1, 2, 3, 4]] * 2
   kw = dict(max_new_tokens=31, repeats=2, cache_dir=tmp_path, timer=clock,
-            revalidate=timing.REVALIDATE)
+            revalidate=calibration.REVALIDATE)
   first = calibration.calibrate(target, draft, prompts, SHAPES[:5], **kw)
   assert first.meta["cached"] is False and first.meta["revalidated"] is None
   made = calls["n"]  # the same process trusts what it measured: no probe
@@ -423,7 +423,7 @@ def test_a_cached_calibration_is_revalidated_on_the_day(fake_engine, random_pair
   assert check["ratio"] == pytest.approx(cycle / step, rel=0.02)
   assert check["probe_t_step"] == pytest.approx(base * step, rel=1e-6)
   assert again.meta["cached"] is (not recalibrated)
-  probe = 2 * 2 * (1 + timing.PROBE_REPEATS)  # plain and the tree, M and 1, warm-up + repeats
+  probe = 2 * 2 * (1 + calibration.PROBE_REPEATS)  # plain and the tree, M and 1, warm-up + repeats
   assert calls["n"] - made == (probe + made if recalibrated else probe)
   if recalibrated:
     assert check["recalibrated"] is True and again.t_step == pytest.approx(base * step)
@@ -443,7 +443,7 @@ def test_the_probe_decodes_the_first_batches(fake_engine, random_pair, tmp_path)
   clock, calls = fake_engine
   target, draft = random_pair
   kw = dict(max_new_tokens=31, repeats=2, cache_dir=tmp_path, timer=clock, batch=1,
-            revalidate=timing.REVALIDATE)
+            revalidate=calibration.REVALIDATE)
   prompts = [[1, 2, 3, 4]] * 6
   calibration.calibrate(target, draft, prompts, SHAPES[:5], **kw)
   made = calls["n"]
@@ -452,7 +452,7 @@ def test_the_probe_decodes_the_first_batches(fake_engine, random_pair, tmp_path)
   assert again.meta["cached"] is True
   # plain and the tree, M and 1: one warm-up batch (the prompts share a length), then every
   # probed batch per repeat
-  assert calls["n"] - made == 2 * 2 * (1 + calibration.PROBE_BATCHES * timing.PROBE_REPEATS)
+  assert calls["n"] - made == 2 * 2 * (1 + calibration.PROBE_BATCHES * calibration.PROBE_REPEATS)
 
 
 def test_in_batches_warms_up_one_batch_per_prompt_length():

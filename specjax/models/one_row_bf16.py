@@ -29,7 +29,8 @@ def padding_policy() -> str:
   if env is None:
     return "cpu"
   if env not in ("0", "1"):
-    raise ValueError(f"${PAD_ENV} must be 0 or 1 (or unset: measured), got {env!r}")
+    raise ValueError(f"${PAD_ENV} must be 0 or 1 (or unset: padded on XLA:CPU only), "
+                     f"got {env!r}")
   return env
 
 
@@ -53,9 +54,9 @@ def pad_one_row_bf16() -> bool:
 
 
 def one_row_safe_matmul(spec: str, x: Array, w: Array) -> Array:
-  """einsum with f32 accumulation; a single bf16 row is padded to two where that is faster
-  for this shape (`pad_one_row_bf16`: on some CPUs and shapes a one-row bf16 product takes
-  a much slower path, docs/xla_notes.md, trap 3); the duplicate row is dropped."""
+  """einsum with f32 accumulation; a single bf16 row is padded to two on XLA:CPU
+  (`pad_one_row_bf16`: there a one-row bf16 product takes a costly path, docs/xla_notes.md,
+  trap 3); the duplicate row is dropped."""
   if (w.dtype == jnp.bfloat16 and x.ndim >= 2 and math.prod(x.shape[:-1]) == 1
       and pad_one_row_bf16()):
     y = jnp.einsum(spec, jnp.concatenate([x, x], axis=-2), w,
