@@ -134,6 +134,27 @@ def prepare_batch(prompts: Sequence[Sequence[int]], *, vocab_size: int, max_len:
                budget_B=np.asarray(budgets, np.int32), cache_len=cache_len)
 
 
+def pad_rows(batch: Batch, multiple: int) -> Batch:
+  """`batch` with rows appended up to the next multiple of `multiple` (a mesh's `data`
+  axis, which must divide the rows): copies of its last prompt with a budget of one token,
+  so they end at the first cycle. The caller keeps the first rows of the result. Rows are
+  appended, never interleaved: with partitionable threefry (JAX's default) a draw of shape
+  [B', ...] begins with the draw of shape [B, ...], so the kept rows see the same random
+  numbers as an unpadded run."""
+  rows = len(batch.budget_B)
+  extra = -rows % check_int("multiple", multiple, 1)
+  if not extra:
+    return batch
+
+  def more(x, fill=None):
+    tail = np.repeat(x[-1:], extra, axis=0) if fill is None else np.full(extra, fill, x.dtype)
+    return np.concatenate([x, tail], axis=0)
+
+  return dataclasses.replace(batch, prompt_BP=more(batch.prompt_BP),
+                             prompt_len_B=more(batch.prompt_len_B),
+                             budget_B=more(batch.budget_B, 1))
+
+
 def key_of(seed) -> Array:
   """The loop's PRNG key: a typed key as given, else `jax.random.key(seed)`, seed an int >= 0."""
   if isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):

@@ -36,7 +36,7 @@ from specjax import adaptive, adaptive_loop, loop, metrics, sampling, sharding
 # the call's inputs and the speculation plan live below this module; their public names are
 # the host API's too (decoding.prepare_batch, decoding.default_policy, ...)
 from specjax.batching import (MIN_BUCKET, Batch, cache_len_for,  # noqa: F401
-                              eos_ids, key_of, prepare_batch, sized_batch)
+                              eos_ids, key_of, pad_rows, prepare_batch, sized_batch)
 from specjax.drafters.base import LM
 from specjax.models import cache as kv
 from specjax.models.precision import DEFAULT_PRECISION, check_precision
@@ -200,24 +200,28 @@ class NonFiniteLogitsError(ValueError):
 
 
 def _collect(state: loop.LoopState, batch: Batch, seconds: float, k: int,
-             tree: Any = None, policy: Any = None) -> Generation:
-  """The loop's final state as a Generation on the host; raises NonFiniteLogitsError when
-  the loop counted non-finite logits (a run can never silently return NaN-driven tokens)."""
+             tree: Any = None, policy: Any = None, rows: int | None = None) -> Generation:
+  """The loop's final state as a Generation on the host, its first `rows` rows (all when
+  None; the rest pad the batch for a mesh, `batching.pad_rows`); raises
+  NonFiniteLogitsError when the loop counted non-finite logits (a run can never silently
+  return NaN-driven tokens)."""
+  rows = len(batch.prompt_len_B) if rows is None else rows
   tokens = np.asarray(state.tokens)
   length = np.asarray(state.length)
-  out = [tokens[b, p:l + 1].tolist() for b, (p, l) in enumerate(zip(batch.prompt_len_B, length))]
+  out = [tokens[b, p:l + 1].tolist()
+         for b, (p, l) in enumerate(zip(batch.prompt_len_B[:rows], length[:rows]))]
   stats = None
   if state.stats is not None:
-    stats = {f.name: np.asarray(getattr(state.stats, f.name))
+    stats = {f.name: np.asarray(getattr(state.stats, f.name))[:rows]
              for f in dataclasses.fields(state.stats)}
   extra = {}
   if state.adapt is not None:
     a = state.adapt
     extra = dict(choices=np.asarray(a.choices)[:int(a.cycle)], menu=policy.names,
-                 plain_steps=np.asarray(a.plain_steps),
-                 stopping={"stopped": np.asarray(a.stopped),
-                           "skipped": np.asarray(a.skipped)})
-  run = Generation(tokens=out, prompt_lengths=batch.prompt_len_B.tolist(), stats=stats,
+                 plain_steps=np.asarray(a.plain_steps)[:rows],
+                 stopping={"stopped": np.asarray(a.stopped)[:rows],
+                           "skipped": np.asarray(a.skipped)[:rows]})
+  run = Generation(tokens=out, prompt_lengths=batch.prompt_len_B[:rows].tolist(), stats=stats,
                    seconds=seconds, k=k, tree=tree, **extra)
   passes = int(np.sum(np.asarray(state.nonfinite)))  # vmapped loops: one count per instance
   if passes:
@@ -240,6 +244,8 @@ def generate(target, prompts, *, max_new_tokens, sampler=None, seed=0, eos_id=No
   `specjax.models.precision`): compare plain and speculative runs under the same one.
   mesh: a `jax.sharding.Mesh` with axes ('data', 'model') (`sharding.make_mesh`): weights
   tensor-parallel over `model`, rows over `data` (`specjax.sharding`); None: one device.
+  A batch that `data` does not divide is padded with copies of its last prompt (one token
+  each, dropped from the result; `batching.pad_rows`).
   """
   check_precision(precision)
   mesh = sharding.check_mesh(mesh)
@@ -247,6 +253,8 @@ def generate(target, prompts, *, max_new_tokens, sampler=None, seed=0, eos_id=No
   cfg = target.config
   batch = sized_batch([cfg], prompts, max_new_tokens=max_new_tokens, cache_len=cache_len,
                       allow_beyond_max_len=allow_beyond_max_len)
+  rows = len(batch.budget_B)
+  batch = pad_rows(batch, sharding.data_size(mesh))
   with sharding.on(mesh):  # a cache split over the mesh is checked per device
     kv.check_fits(cfg, len(batch.budget_B), batch.cache_len, what="target KV cache")
   sampler = sampler if sampler is not None else sampling.make_sampler(0.0)
@@ -257,7 +265,7 @@ def generate(target, prompts, *, max_new_tokens, sampler=None, seed=0, eos_id=No
   with sharding.on(mesh):
     state = loop.generate_jit(*args, cache_len=batch.cache_len, **_precision_kw(precision))
   state = sharding.fetched(jax.block_until_ready(state))  # gathered from every process
-  return _collect(state, batch, time.perf_counter() - start, 0)
+  return _collect(state, batch, time.perf_counter() - start, 0, rows=rows)
 
 
 def speculative_generate(target, draft, prompts, *, k: int | str | None = None,
@@ -283,14 +291,16 @@ def speculative_generate(target, draft, prompts, *, k: int | str | None = None,
   eos_id: None, an id, or a sequence of ids (a row stops at the first of any).
   allow_beyond_max_len, precision: as in `generate` (the policy covers the draft too).
   Every check is `plan.prepare`'s, done once before anything compiles.
-  mesh: as in `generate` (a drafter's weights follow the target's rules).
+  mesh: as in `generate` (a drafter's weights follow the target's rules; a batch that
+  `data` does not divide is padded the same way).
   """
   check_precision(precision)
   mesh = sharding.check_mesh(mesh)
   with sharding.on(mesh):  # caches split over the mesh are checked per device
     run = prepare(target, draft, prompts, plan_of(k=k, tree=tree, policy=policy, plan=plan),
                   max_new_tokens=max_new_tokens, sampler=sampler, seed=seed, eos_id=eos_id,
-                  cache_len=cache_len, allow_beyond_max_len=allow_beyond_max_len)
+                  cache_len=cache_len, allow_beyond_max_len=allow_beyond_max_len,
+                  row_multiple=sharding.data_size(mesh))
   spec = run.plan
   compiled = adaptive_loop.adaptive_jit if spec.adaptive else loop.speculative_jit
   start = time.perf_counter()
@@ -299,4 +309,4 @@ def speculative_generate(target, draft, prompts, *, k: int | str | None = None,
     state = compiled(*args, **run.loop_kwargs(), **_precision_kw(precision))
   state = sharding.fetched(jax.block_until_ready(state))  # gathered from every process
   return _collect(state, run.batch, time.perf_counter() - start, spec.k, spec.tree,
-                  spec.policy)
+                  spec.policy, rows=len(prompts))  # the caller's rows, validated by prepare

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 
 from specjax import adaptive, loop, sampling, trees
-from specjax.batching import Batch, eos_ids, key_of, sized_batch
+from specjax.batching import Batch, eos_ids, key_of, pad_rows, sized_batch
 from specjax.drafters.base import LM, Drafter
 from specjax.drafters.model import ModelDrafter
 from specjax.models import cache as kv
@@ -228,12 +228,14 @@ class Prepared:
 
 def prepare(target, draft, prompts, plan: SpeculationPlan, *, max_new_tokens, sampler=None,
             seed=0, eos_id=None, cache_len: int | None = None,
-            allow_beyond_max_len: bool = False) -> Prepared:
+            allow_beyond_max_len: bool = False, row_multiple: int = 1) -> Prepared:
   """Every check a speculative run passes before anything compiles (module doc), once.
 
   target: a `Transformer` or `LM`; draft: a draft model or any `drafters.Drafter`; plan: a
   `SpeculationPlan` (`of`). The other arguments are `decoding.speculative_generate`'s
-  (sampler None: greedy). Raises ValueError naming the argument; returns a `Prepared` run."""
+  (sampler None: greedy); row_multiple: the batch is padded to a multiple of it
+  (`batching.pad_rows`; a mesh's `data` axis), and memory is checked for the padded rows.
+  Raises ValueError naming the argument; returns a `Prepared` run."""
   if not isinstance(plan, SpeculationPlan):
     raise ValueError(f"plan must be a plan.SpeculationPlan (built by plan.of), got {plan!r}")
   target = LM.of(target)
@@ -251,6 +253,7 @@ def prepare(target, draft, prompts, plan: SpeculationPlan, *, max_new_tokens, sa
   batch = sized_batch([cfg] if drafter.config is None else [cfg, drafter.config], prompts,
                       slots=slots, max_new_tokens=max_new_tokens, cache_len=cache_len,
                       allow_beyond_max_len=allow_beyond_max_len)
+  batch = pad_rows(batch, row_multiple)
   rows = len(batch.budget_B)
   for e in shapes:
     drafter.validate(e, rows)

@@ -24,7 +24,8 @@ The target's attention heads must divide by the `model` axis (refused in one lin
 otherwise); KV heads that do not divide (grouped-query attention with fewer KV heads than
 devices) are replicated over `model`: k/v weights and the KV cache then split over `data`
 only. A draft model or head whose attention heads do not divide keeps its attention
-replicated.
+replicated. A batch that `data` does not divide is padded by the host API
+(`batching.pad_rows`, `data_size`).
 """
 
 from __future__ import annotations
@@ -123,6 +124,12 @@ def check_mesh(mesh) -> Mesh | None:
   if any(t != AxisType.Auto for t in mesh.axis_types):
     mesh = Mesh(mesh.devices, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
   return mesh
+
+
+def data_size(mesh: Mesh | None) -> int:
+  """The rows a batch on `mesh` is padded to a multiple of (`batching.pad_rows`): the
+  `data` axis; 1 without a mesh."""
+  return 1 if mesh is None else int(mesh.shape["data"])
 
 
 def on(mesh: Mesh | None):
@@ -268,8 +275,9 @@ def place_batch(mesh: Mesh | None, *arrays_B):
   d = mesh.shape["data"]
   b = np.shape(arrays_B[0])[0]
   if b % d:
-    raise ValueError(f"mesh data={d} must divide the batch ({b} prompts per call): pad the "
-                     f"batch or pick a data axis that divides it")
+    raise ValueError(f"mesh data={d} must divide the batch ({b} prompts per call): pad it "
+                     f"(`batching.pad_rows`, as the host API does) or pick a data axis that "
+                     f"divides it")
   return tuple(jax.device_put(x, NamedSharding(mesh, P("data", *([None] * (np.ndim(x) - 1)))))
                for x in arrays_B)
 

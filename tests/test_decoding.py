@@ -163,6 +163,35 @@ def test_speculative_loop_composes_with_vmap():
     np.testing.assert_array_equal(mapped[i], jax.jit(run)(keys[i]))
 
 
+@pytest.mark.parametrize("tree", [trees.chain(3), pytest.param(trees.branching((2, 2)),
+                                                                 marks=pytest.mark.slow)],
+                         ids=["chain", "tree"])
+def test_appended_rows_leave_the_kept_rows_unchanged(tree):
+  """What a mesh's padding (`batching.pad_rows`) relies on: rows appended to a batch do not
+  change the other rows' tokens or statistics at T = 1 (a draw of shape [B', ...] begins
+  with the draw of shape [B, ...]). Negative control: rows put in front do change them."""
+  target = model(TINY["llama"], logit_scale=4.0)
+  lm, drafter = LM.of(target), ModelDrafter.of(perturbed(target, seed=1, noise=0.25))
+  sampler = sampling.make_sampler(1.0)
+
+  def run(batch):
+    state = loop.speculative_jit(lm, drafter, batch.prompt_BP, batch.prompt_len_B,
+                                 batch.budget_B, decoding.eos_ids(None, VOCAB), sampler,
+                                 jax.random.key(5), tree=tree, cache_len=batch.cache_len)
+    return np.asarray(state.tokens), np.asarray(state.stats.cycle_log)
+
+  batch = _loop_inputs(target, RAGGED[:3], 16)
+  padded = decoding.pad_rows(batch, 4)
+  assert padded.prompt_BP.shape[0] == 4 and padded.budget_B.tolist()[3] == 1
+  assert np.array_equal(padded.prompt_BP[3], batch.prompt_BP[2])
+  assert decoding.pad_rows(batch, 3) is batch
+  (tokens, log), (tokens_p, log_p) = run(batch), run(padded)
+  assert np.array_equal(tokens_p[:3], tokens) and np.array_equal(log_p[:3], log)
+  front = dataclasses.replace(padded, **{f: np.roll(getattr(padded, f), 1, axis=0) for f in
+                                         ("prompt_BP", "prompt_len_B", "budget_B")})
+  assert not np.array_equal(run(front)[0][1:], tokens)
+
+
 MULTI_DEVICE_SCRIPT = textwrap.dedent("""
     import os
     os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4 "

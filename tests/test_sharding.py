@@ -217,10 +217,38 @@ def test_compiles_once_and_refuses(llama):
     decoding.generate(llama, PROMPTS, max_new_tokens=4, seed=seed, mesh=mesh)
   assert loop.TRACE_COUNTS["generate"] - before == 1
   with pytest.raises(ValueError, match="mesh data=2 must divide the batch"):
-    decoding.generate(llama, PROMPTS[:3], max_new_tokens=4, mesh=mesh)
+    sharding.place_batch(mesh, *(np.zeros((3, 8), np.int32), np.ones(3), np.ones(3)))
   odd = LM.of(model(LLAMA.replace(n_heads=4, n_kv_heads=4), seed=0))
   with pytest.raises(ValueError, match=r"mesh model=8 must divide the target's n_heads \(4\)"):
     decoding.generate(odd, PROMPTS, max_new_tokens=4, mesh=sharding.make_mesh(1, 8))
+
+
+@needs_8
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["plain", "plain-T1", "chain-T1", "static-tree-T1",
+                                  "adaptive-T1"])
+def test_batch_that_data_does_not_divide_is_padded(llama, draft, case):
+  """3 prompts on data=2 (and 5 on data=4): padded with one-token rows that the result
+  drops; the kept rows' tokens and statistics are the one-device run's, at T = 1 too."""
+  temperature = 1.0 if case.endswith("T1") else 0.0
+  plan = {"chain-T1": dict(k=3), "static-tree-T1": dict(tree=trees.branching((2, 2))),
+          "adaptive-T1": dict(k="auto")}.get(case)
+  sampler = sampling.make_sampler(temperature)
+  configurations = ((PROMPTS[:3], (2, 4)), (PROMPTS + [[9, 9]], (4, 2)))
+  for prompts, mesh_shape in configurations[:1 if case.startswith("adaptive") else 2]:
+    kw = dict(max_new_tokens=NEW, sampler=sampler, seed=11)
+    if plan is None:
+      one = decoding.generate(llama, prompts, **kw)
+      run = decoding.generate(llama, prompts, mesh=sharding.make_mesh(*mesh_shape), **kw)
+    else:
+      drafter = ModelDrafter.of(draft)
+      one = decoding.speculative_generate(llama, drafter, prompts, **kw, **plan)
+      run = decoding.speculative_generate(llama, drafter, prompts,
+                                          mesh=sharding.make_mesh(*mesh_shape), **kw, **plan)
+      for name, x in run.stats.items():
+        assert np.array_equal(x, one.stats[name]), name
+    assert len(run.tokens) == len(prompts) and run.tokens == one.tokens
+    assert run.prompt_lengths == [len(p) for p in prompts]
 
 
 # ----------------------------------------------------------------------------- the compiled loop
