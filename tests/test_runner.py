@@ -603,3 +603,39 @@ def test_atomic_write_text_keeps_the_old_file_when_the_write_fails(tmp_path, mon
     runner.atomic_write_text(path, "new " * 1000)
   monkeypatch.undo()
   assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["report.md"]
+
+
+CACHE_SCRIPT = """
+from specjax.commands import run
+run._compilation_cache()
+import jax, jax.numpy as jnp
+for i in range(12):
+  jax.jit(lambda x, i=i: jnp.sin(x) * i + jnp.cos(x) ** i)(jnp.ones(100 + i)).block_until_ready()
+"""
+
+
+@pytest.mark.parametrize("mb, bounded", [("0.02", True), ("-1", False)])
+def test_compilation_cache_is_bounded(tmp_path, mb, bounded):
+  """`specjax run`'s persistent compilation cache keeps at most $SPECJAX_XLA_CACHE_MB (JAX
+  evicts the least recently used programs); -1 keeps every one (the negative control)."""
+  env = {k: v for k, v in os.environ.items() if k != "SPECJAX_NO_COMPILATION_CACHE"}
+  env.update(SPECJAX_CACHE_DIR=str(tmp_path), SPECJAX_XLA_CACHE_MB=mb)
+  done = subprocess.run([sys.executable, "-c", CACHE_SCRIPT], env=env, capture_output=True,
+                        text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  entries = [p.stat().st_size for p in (tmp_path / "xla").glob("*-cache")]
+  if bounded:
+    assert 2 <= len(entries) < 12 and sum(entries) <= 0.02 * 2**20, entries
+  else:
+    assert len(entries) >= 12, entries
+
+
+@pytest.mark.parametrize("text", ["0", "-2", "many", "inf", "nan"])
+def test_compilation_cache_bound_refused(monkeypatch, text):
+  from specjax.commands import run
+  monkeypatch.setenv("SPECJAX_XLA_CACHE_MB", text)
+  with pytest.raises(ValueError, match=f"SPECJAX_XLA_CACHE_MB must be a number of MiB > 0, "
+                                       f"or -1 for no bound, got '{text}'"):
+    run.xla_cache_bytes()
+  monkeypatch.setenv("SPECJAX_XLA_CACHE_MB", "1.5")
+  assert run.xla_cache_bytes() == 3 * 2**19

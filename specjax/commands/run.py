@@ -97,20 +97,43 @@ def _distributed(args: argparse.Namespace) -> None:
   args.num_shards, args.shard_index = args.num_processes, args.process_id
 
 
+XLA_CACHE_MB = 2048  # the persistent compilation cache's default bound
+
+
+def xla_cache_bytes() -> int:
+  """The persistent compilation cache's bound in bytes: $SPECJAX_XLA_CACHE_MB (a number > 0
+  of MiB, or -1 for no bound), default `XLA_CACHE_MB`. ValueError naming the variable."""
+  import os
+  text = os.environ.get("SPECJAX_XLA_CACHE_MB", str(XLA_CACHE_MB)).strip()
+  try:
+    mb = float(text)
+  except ValueError:
+    mb = float("nan")
+  if mb == -1:
+    return -1
+  if not mb > 0 or mb == float("inf"):
+    raise ValueError(f"SPECJAX_XLA_CACHE_MB must be a number of MiB > 0, or -1 for no bound, "
+                     f"got {text!r}")
+  return max(1, int(mb * 2**20))
+
+
 def _compilation_cache() -> None:
   """JAX's persistent compilation cache under $SPECJAX_CACHE_DIR/xla (~/.cache/specjax/xla):
   a re-run of an experiment (or the next experiment with the same shapes) loads its compiled
-  programs instead of compiling them again. SPECJAX_NO_COMPILATION_CACHE=1 turns it off."""
+  programs instead of compiling them again. Bounded by `xla_cache_bytes` (JAX evicts the
+  least recently used programs). SPECJAX_NO_COMPILATION_CACHE=1 turns it off."""
   import os
   if os.environ.get("SPECJAX_NO_COMPILATION_CACHE"):
     return
   import jax
   from specjax.training.defaults import cache_dir
+  bound = xla_cache_bytes()
   try:
     path = cache_dir() / "xla"
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_compilation_cache_max_size", bound)
   except OSError:  # an unwritable cache only costs compile time
     pass
 
