@@ -1,14 +1,25 @@
 #!/usr/bin/env bash
-# One prepared check of specjax on whatever accelerator is present (or the CPU), <= 8 min:
-# the scale check (an 8B-class Llama shape, random bf16 weights: plain decoding at batch 1 and
-# 8 against the measured-bandwidth roofline, verification cost for 1-64 rows, speculation
-# against its prediction; GPU only, skipped on a CPU), the quickstart (the embedded pair), a
-# reduced batch_breakeven and bench_core (GPT-2-small shapes, fp32), gathered into one JSON.
-# DEVICE_CHECK_PHASES picks phases (default: all, "scale quickstart batch_breakeven
-# bench_core"). Phase limits follow the first
-# run on an H200 (BUILD_NOTES.md): quickstart 152 s with the pair's training (38 s there), a
-# batch_breakeven point ~72 s (compiles and calibration dominate), bench_core > 170 s for
-# fp32 + bf16.
+# One prepared check of specjax on whatever accelerator is present (or the CPU), <= 8 min
+# by default, gathered into one JSON. Phases (DEVICE_CHECK_PHASES picks them; default
+# "scale alpha_k_scale breakeven_scale", the ones only an accelerator can run):
+#   scale            an 8B-class Llama shape (DEVICE_CHECK_TARGET, default llama3-8b; random
+#                    bf16 weights): plain decoding at batch 1 and 8 against the
+#                    measured-bandwidth roofline, verification cost for 1-64 rows, the bare
+#                    matmul chain, speculation against its prediction (bench_core.py);
+#   alpha_k_scale    the controlled-α drafter on that shape (α 0.6 / 0.8 / 0.9, k 2 / 4 / 8,
+#                    T = 0), the draft's cost paid by a random DEVICE_CHECK_DRAFT model
+#                    (default llama3-draft): measured speedup ÷ the calibrated prediction;
+#   breakeven_scale  the same at α 0.8, k = 4 over batch 1 / 8 / 64: measured vs calibrated
+#                    speedup by batch, so the break-even batch of both (a random draft
+#                    model would accept nothing, so batch_breakeven's own pair cannot serve);
+#   quickstart, batch_breakeven, bench_core   the embedded pair and GPT-2-small shapes
+#                    (opt-in; measured on an H200 before: BUILD_NOTES.md).
+# The three scale phases run on a GPU only (skipped and recorded on a CPU, unless
+# DEVICE_CHECK_FORCE=1: the tests run them on a tiny shape). The studies' random targets
+# use the byte vocabulary (264 ids), so the two study phases' 8B shape reads no 128k LM
+# head (~6% of its weights). Phase limits follow the first runs on an H200 (BUILD_NOTES.md):
+# quickstart 152 s with the pair's training (38 s there), a batch_breakeven point ~72 s
+# (compiles and calibration dominate), bench_core > 170 s for fp32 + bf16.
 #
 #   bash benchmarks/device_check.sh [OUT_DIR]        (default: device_check/)
 #
@@ -49,7 +60,9 @@ phase() {  # phase NAME SECONDS COMMAND...: runs it, logs to OUT_DIR/NAME.log, r
   tail -n 5 "$OUT_DIR/$name.log"
 }
 
-PHASES=${DEVICE_CHECK_PHASES:-scale quickstart batch_breakeven bench_core}
+PHASES=${DEVICE_CHECK_PHASES:-scale alpha_k_scale breakeven_scale}
+TARGET=${DEVICE_CHECK_TARGET:-llama3-8b}
+DRAFT=${DEVICE_CHECK_DRAFT:-llama3-draft}
 wanted() { [[ " $PHASES " == *" $1 "* ]]; }
 rm -f "$OUT_DIR/phases.jsonl"
 "$PY" - >"$OUT_DIR/environment.json" <<'PYEOF'
@@ -59,14 +72,26 @@ print(json.dumps({"backend": jax.default_backend(), "devices": [str(d) for d in 
 PYEOF
 
 BACKEND=$("$PY" -c "import jax; print(jax.default_backend())" 2>/dev/null)
-if wanted scale && [ "$BACKEND" = gpu ]; then
-  phase scale 230 "$PY" benchmarks/bench_core.py --target llama3-8b --draft llama3-draft \
-    --dtype bfloat16 --batch 1 8 --ts 1 4 8 16 32 64 --k 3 --repeats 3 --new-tokens 64 \
-    --context 512 --cache-len 1024 --bandwidth-from copy --out "$OUT_DIR/scale.json"
-elif wanted scale; then
-  echo "{\"phase\": \"scale\", \"skipped\": \"backend $BACKEND is not a GPU\"}" \
+scale_phase() {  # scale_phase NAME: true when NAME is wanted and can run here
+  wanted "$1" || return 1
+  [ "$BACKEND" = gpu ] || [ "${DEVICE_CHECK_FORCE:-0}" = 1 ] && return 0
+  echo "{\"phase\": \"$1\", \"skipped\": \"backend $BACKEND is not a GPU\"}" \
     >>"$OUT_DIR/phases.jsonl"
-fi
+  return 1
+}
+scale_phase scale && phase scale 220 "$PY" benchmarks/bench_core.py --target "$TARGET" \
+  --draft "$DRAFT" --dtype bfloat16 --batch 1 8 --ts 1 4 8 16 32 64 --k 3 --repeats 3 \
+  --new-tokens 64 --context "${DEVICE_CHECK_CONTEXT:-512}" \
+  --cache-len "${DEVICE_CHECK_CACHE_LEN:-1024}" --bandwidth-from copy \
+  --out "$OUT_DIR/scale.json"
+scale_phase alpha_k_scale && phase alpha_k_scale 140 "$PY" -m specjax.cli run alpha_k_sweep \
+  --no-progress --out "$OUT_DIR/alpha_k_scale" --set "target=random:$TARGET" \
+  --set "draft=$DRAFT" --set temperature=0.0 --axis alpha=0.6,0.8,0.9 --axis k=4,2,8 \
+  --set max_new_tokens=64 --set prompt_len=64 --set repeats=2 --set mc_cycles=2000
+scale_phase breakeven_scale && phase breakeven_scale 110 "$PY" -m specjax.cli run \
+  alpha_k_sweep --no-progress --out "$OUT_DIR/breakeven_scale" --set "target=random:$TARGET" \
+  --set "draft=$DRAFT" --set temperature=0.0 --set alpha=0.8 --set k=4 --axis batch=1,8,64 \
+  --set max_new_tokens=32 --set prompt_len=64 --set repeats=2 --set mc_cycles=2000
 wanted quickstart && phase quickstart 200 "$PY" -m specjax.cli run configs/quickstart.gin --no-progress \
   --out "$OUT_DIR/quickstart"
 wanted batch_breakeven && phase batch_breakeven 170 "$PY" -m specjax.cli run configs/batch_breakeven.gin --no-progress \
@@ -88,6 +113,8 @@ summary = {
     "phases": [json.loads(l) for l in (out / "phases.jsonl").read_text().splitlines()],
     "quickstart": rows("quickstart"),
     "batch_breakeven": rows("batch_breakeven"),
+    "alpha_k_scale": rows("alpha_k_scale"),
+    "breakeven_scale": rows("breakeven_scale"),
     "bench_core": json.loads(bench.read_text()) if bench.exists() else None,
     "scale": json.loads(scale.read_text()) if scale.exists() else None,
 }

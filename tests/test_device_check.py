@@ -19,16 +19,43 @@ def _env():
   return env
 
 
-def test_the_scale_phase_is_skipped_on_a_cpu(tmp_path):
+SCALE_PHASES = ["scale", "alpha_k_scale", "breakeven_scale"]
+
+
+def test_the_scale_phases_are_skipped_on_a_cpu(tmp_path):
   env = _env()
-  env["DEVICE_CHECK_PHASES"] = "scale"
+  env.pop("DEVICE_CHECK_PHASES", None)  # the default phases: the three scale phases
   proc = subprocess.run(["bash", "benchmarks/device_check.sh", str(tmp_path / "out")],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr
   summary = json.loads((tmp_path / "out" / "device_check.json").read_text())
   assert summary["environment"]["backend"] == "cpu"
-  assert summary["phases"] == [{"phase": "scale", "skipped": "backend cpu is not a GPU"}]
-  assert summary["scale"] is None and summary["quickstart"] is None
+  assert summary["phases"] == [{"phase": p, "skipped": "backend cpu is not a GPU"}
+                               for p in SCALE_PHASES]
+  assert all(summary[p] is None for p in SCALE_PHASES + ["quickstart"])
+
+
+@pytest.mark.slow
+def test_the_scale_phases_run_on_a_tiny_shape_when_forced(tmp_path):
+  """The GPU phases' commands, run on a CPU on a tiny shape (DEVICE_CHECK_FORCE=1): each
+  phase ends with rc 0 and leaves its rows in the summary."""
+  env = dict(_env(), DEVICE_CHECK_FORCE="1", DEVICE_CHECK_TARGET="tiny-llama",
+             DEVICE_CHECK_DRAFT="tiny-llama", DEVICE_CHECK_CONTEXT="64",
+             DEVICE_CHECK_CACHE_LEN="256", DEVICE_CHECK_PHASES=" ".join(SCALE_PHASES))
+  proc = subprocess.run(["bash", "benchmarks/device_check.sh", str(tmp_path / "out")],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  summary = json.loads((tmp_path / "out" / "device_check.json").read_text())
+  assert [(p["phase"], p["rc"]) for p in summary["phases"]] == [(p, 0) for p in SCALE_PHASES]
+  scale = summary["scale"]["runs"][0]
+  assert scale["target"] == "tiny-llama" and set(scale["plain_by_batch"]) == {"1", "8"}
+  points = summary["alpha_k_scale"]
+  assert sorted((r["params"]["alpha"], r["params"]["k"]) for r in points) == [
+      (a, k) for a in (0.6, 0.8, 0.9) for k in (2, 4, 8)]
+  assert sorted(r["params"]["batch"] for r in summary["breakeven_scale"]) == [1, 8, 64]
+  for row in points + summary["breakeven_scale"]:
+    assert row["status"] == "ok" and row["metrics"]["predicted_from"] == "calibrated"
+    assert row["metrics"]["speedup"] > 0 and row["metrics"]["speedup_formula"] > 0
 
 
 @pytest.mark.slow
