@@ -193,6 +193,8 @@ def run(dtype: str, args, save=lambda: None) -> dict:
     row["fraction_of_floor"] = row["plain_tok_s"] / row["memory_floor_tok_s"]
     out["plain_by_batch"][batch] = row
     save()
+  if args.plain_only:
+    return out
   # Plain decoding first (the roofline figure), then the verification-cost curve.
   ts = tuple(sorted(set(args.ts) | {1, 2, args.k + 1}))
   _log(f"{dtype}: target forwards T = {ts}")
@@ -283,6 +285,9 @@ def main():
   p.add_argument("--new-tokens", type=int, default=64)
   p.add_argument("--k", type=int, default=4)
   p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--plain-only", action="store_true",
+                 help="plain decoding against the floor only (e.g. the same shape under "
+                 "other XLA_FLAGS: device_check.sh's scale_flags phase)")
   p.add_argument("--out", default=None)
   args = p.parse_args()
   args.partial = []

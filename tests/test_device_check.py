@@ -19,12 +19,12 @@ def _env():
   return env
 
 
-SCALE_PHASES = ["scale", "alpha_k_scale", "breakeven_scale"]
+SCALE_PHASES = ["scale", "alpha_k_scale", "breakeven_scale", "scale_flags"]
 
 
 def test_the_scale_phases_are_skipped_on_a_cpu(tmp_path):
   env = _env()
-  env.pop("DEVICE_CHECK_PHASES", None)  # the default phases: the three scale phases
+  env.pop("DEVICE_CHECK_PHASES", None)  # the default phases: the four scale phases
   proc = subprocess.run(["bash", "benchmarks/device_check.sh", str(tmp_path / "out")],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr
@@ -53,6 +53,8 @@ def test_the_scale_phases_run_on_a_tiny_shape_when_forced(tmp_path):
   assert sorted((r["params"]["alpha"], r["params"]["k"]) for r in points) == [
       (a, k) for a in (0.6, 0.8, 0.9) for k in (2, 4, 8)]
   assert sorted(r["params"]["batch"] for r in summary["breakeven_scale"]) == [1, 8, 64]
+  flags = summary["scale_flags"]["runs"][0]
+  assert set(flags["plain_by_batch"]) == {"1"} and "forward_ms" not in flags
   for row in points + summary["breakeven_scale"]:
     assert row["status"] == "ok" and row["metrics"]["predicted_from"] == "calibrated"
     assert row["metrics"]["speedup"] > 0 and row["metrics"]["speedup_formula"] > 0
