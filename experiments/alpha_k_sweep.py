@@ -1,7 +1,8 @@
 """α × k: the controlled-α drafter on a real target, measured against E[τ] and the formula.
 
 `target` (or its older name `models`), `draft` (also a preset name: a random draft of that
-size) and `prompts` by reference (experiments/references.py).
+size; or "eagle": a random EAGLE-shaped head on the target, `EagleDrafter.of`, whose chain's
+cost is the one measured) and `prompts` by reference (experiments/references.py).
 
 One point = (α, k). The drafter (`specjax.drafters.oracle.OracleDrafter`) proposes from the
 target's own law mixed with a point mass so that every draft is accepted with probability
@@ -30,7 +31,8 @@ Per point:
                 draft the calibrated one, E[τ](α, k) ÷ cycle_steps (per cycle, as τ_cycle
                 is); with a modelled c, E[τ] / (k·c + v), v = t_verify ÷ t_1. The
                 standalone form E[τ] / (k·c + v) at the measured c is kept in both
-                (speedup_formula_standalone).
+                (speedup_formula_standalone; None for draft "eagle": a head has no
+                standalone forward, and its c is only known through the calibration).
 
 The oracle's own wall time is not a speedup (its drafts run the target) and is not reported.
 """
@@ -47,6 +49,7 @@ import numpy as np
 from specjax.experiments import measure, references
 from specjax import calibration, decoding, loop, metrics, plan, sampling, theory, trees
 from specjax.drafters.base import LM
+from specjax.drafters.eagle import EagleDrafter
 from specjax.drafters.model import ModelDrafter
 from specjax.drafters.oracle import OracleDrafter, check_alpha
 from specjax.sweeps import parallel, runner
@@ -68,8 +71,12 @@ def validate(params: dict) -> None:
                        note=" (None: measure a real draft)")
   draft = params.get("draft", "default")
   from specjax.models.presets import PRESETS
-  if draft not in PRESETS or os.path.isdir(str(draft)):
-    references.check_draft(params, also=f", a preset name {sorted(PRESETS)}")
+  if draft == EAGLE:
+    if params.get("c") is not None:
+      raise ValueError(f"c must be None with draft='eagle' (the head's cost is measured in "
+                       f"the loop), got {params['c']!r}")
+  elif draft not in PRESETS or os.path.isdir(str(draft)):
+    references.check_draft(params, also=f", a preset name {sorted(PRESETS)} or 'eagle'")
 
 
 def memory(params: dict) -> int:
@@ -79,8 +86,10 @@ def memory(params: dict) -> int:
   which = references.target_ref(params.get("target"), params.get("models"))
   draft = params.get("draft", "default")
   from specjax.models.presets import PRESETS
+  # an EAGLE head's cache is one layer of the target's: the default draft's bound holds it
   target, draft = measure.cache_bytes(which, params.get("batch", 1), cache_len,
-                                      "default" if draft in PRESETS else draft)
+                                      "default" if draft in PRESETS or draft == EAGLE
+                                      else draft)
   return 2 * target + draft
 
 
@@ -108,7 +117,11 @@ def _costs(k: int, batch: int, max_new_tokens: int, prompt_len: int, temperature
   t_verify(k + 1), the draft's passes) at the mean decoding context, and the real draft's
   α from one run of its loop (already compiled by the calibration)."""
   target, tok, texts = measure.target_model(models)
-  draft_lm = measure.draft_model(draft, models)
+  if draft == EAGLE:  # random weights: acceptance comes from the oracle, cost from the head
+    drafter = draft_lm = EagleDrafter.of(target, seed=seed + 1)
+  else:
+    draft_lm = measure.draft_model(draft, models)
+    drafter = ModelDrafter.of(draft_lm, deterministic=False)
   prompt_ids = references.workload(models, tok, texts, prompts, batch, prompt_len,
                                    chat_template=chat_template).ids
   tree = trees.chain(k)
@@ -118,11 +131,15 @@ def _costs(k: int, batch: int, max_new_tokens: int, prompt_len: int, temperature
                                 max_new_tokens=max_new_tokens, repeats=repeats,
                                 temperature=temperature, seed=seed, cache_len=cache_len)
   run = decoding.speculative_generate(
-      target, ModelDrafter.of(draft_lm, deterministic=False), prompt_ids, tree=tree,
-      max_new_tokens=max_new_tokens, sampler=sampling.make_sampler(temperature), seed=seed,
-      cache_len=cache_len)
-  sc = measure.step_costs(target, draft_lm, batch, tree, prompt_len + max_new_tokens // 2,
-                          cache_len, repeats)
+      target, drafter, prompt_ids, tree=tree, max_new_tokens=max_new_tokens,
+      sampler=sampling.make_sampler(temperature), seed=seed, cache_len=cache_len)
+  context = prompt_len + max_new_tokens // 2
+  if draft == EAGLE:
+    t1 = measure.forward_seconds(target, batch, 1, context, cache_len, repeats)
+    v = measure.forward_seconds(target, batch, k + 1, context, cache_len, repeats) / t1
+    sc = measure.StepCosts(t1=t1, t_verify=v * t1, t_draft=None, passes=k)
+  else:
+    sc = measure.step_costs(target, draft_lm, batch, tree, context, cache_len, repeats)
   return {"t_step": costs.t_step, "t_cycle_real": costs.cycle_seconds(tree),
           "cycle_steps": costs.cycle_steps(tree),
           "calibration_cached": bool(costs.meta.get("cached")),
@@ -185,7 +202,7 @@ def _metrics(alpha, k, length_B, prompt_len_B, st, costs, c, mc_cycles, seed) ->
   modelled = c is not None
   c_used = float(c) if modelled else costs["c_measured"]
   v = costs["v"]
-  standalone = expected / (k * c_used + v)
+  standalone = None if c_used is None else expected / (k * c_used + v)
   if modelled:
     t_cycle = costs["t1"] * (k * c_used + v)
     formula = standalone
@@ -218,6 +235,7 @@ def _metrics(alpha, k, length_B, prompt_len_B, st, costs, c, mc_cycles, seed) ->
   }
 
 
+EAGLE = "eagle"  # the `draft` that times a random EAGLE-shaped head on the target
 _DEFAULTS = dict(batch=1, max_new_tokens=96, prompt_len=32, temperature=1.0, c=None,
                  draft="default", models=None, repeats=3, mc_cycles=20_000, seed=0,
                  target=None, prompts="code", chat_template=True)

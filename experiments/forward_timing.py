@@ -115,14 +115,15 @@ class StepCosts:
 
   t1       one-token target step (one plain decode step);
   t_verify target forward of the N + 1 verified nodes;
-  t_draft  one cycle's draft passes, d(2) + (D − 1)·d(W) (`draft_passes`);
-  and in units of t1: v = t_verify / t1, c = t_draft / (D·t1) (the draft's cost per pass),
-  cycle = D·c + v (a whole cycle).
+  t_draft  one cycle's draft passes, d(2) + (D − 1)·d(W) (`draft_passes`); None for a
+           drafter with no standalone forward (a head, whose cost only the loop shows);
+  and in units of t1: v = t_verify / t1, c = t_draft / (D·t1) (the draft's cost per pass;
+  None without t_draft), cycle = D·c + v (a whole cycle).
   """
 
   t1: float
   t_verify: float
-  t_draft: float
+  t_draft: float | None
   passes: int
 
   @property
@@ -130,8 +131,8 @@ class StepCosts:
     return self.t_verify / self.t1
 
   @property
-  def c(self) -> float:
-    return self.t_draft / (self.passes * self.t1)
+  def c(self) -> float | None:
+    return None if self.t_draft is None else self.t_draft / (self.passes * self.t1)
 
   @property
   def cycle(self) -> float:

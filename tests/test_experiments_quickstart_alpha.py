@@ -129,7 +129,29 @@ def test_alpha_k_sweep_runs_vectorised_and_tracks_the_dial(tmp_path, monkeypatch
   assert len(list((tmp_path / "cache" / "calibration").glob("*.json"))) == 1  # one per k
 
 
+@pytest.mark.slow
+def test_alpha_k_sweep_times_a_random_eagle_head(tmp_path, monkeypatch):
+  """draft='eagle': the oracle's α with a random EAGLE-shaped head's measured chain cost
+  (the accelerator check's form): calibrated speedup and prediction, no standalone column,
+  and the calibration timed the head's loop."""
+  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))
+  s = launch.run("alpha_k_sweep", out=str(tmp_path / "ak"), progress=False,
+                 bindings=['sweeps.Sweep.axes = {"alpha": [0.8], "k": [3]}',
+                           'sweeps.Sweep.fixed = {"models": "random", "draft": "eagle", '
+                           '"max_new_tokens": 32, "batch": 2, "repeats": 1, '
+                           '"mc_cycles": 500, "temperature": 0.0}'])
+  assert (s.total, s.ok, s.failed) == (1, 1, 0)
+  (record,) = runner.read_results(tmp_path / "ak" / runner.RESULTS).values()
+  m = record["metrics"]
+  assert m["predicted_from"] == "calibrated" and m["cycle_steps"] > 0
+  assert m["speedup"] == pytest.approx(m["tau_cycle"] / m["cycle_steps"])
+  assert m["speedup_formula_standalone"] is None and m["c"] is None
+  (cal,) = (tmp_path / "cache" / "calibration").glob("*.json")
+  assert "EagleDrafter" in cal.read_text()
+
+
 @pytest.mark.parametrize("change, match", [
+    ({"draft": "eagle", "c": 0.1}, "c must be None with draft='eagle'"),
     ({"alpha": 1.2}, "alpha must lie in"),
     ({"alpha": [0.5]}, "alpha must be one number per point"),
     ({"k": 0}, "k must be an int >= 1"),
