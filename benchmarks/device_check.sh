@@ -14,13 +14,15 @@
 #                    model would accept nothing, so batch_breakeven's own pair cannot serve);
 #   eagle_scale      α 0.6 / 0.8 / 0.9 at k = 4 with the cost of a random EAGLE-shaped head
 #                    on the target (draft "eagle") instead of the draft model's;
+#   tree_scale       α 0.6 / 0.8 / 0.9 with the draft model's cost on the tree (2, 2, 1, 1):
+#                    tree vs alpha_k_scale's chain of 4 at equal α;
 #   scale_flags      plain decoding of the scale shape at batch 1 under
 #                    DEVICE_CHECK_XLA_FLAGS (default: XLA's Triton GEMM fusions off, so
 #                    one-row products go to cuBLAS): the first H200 run read 46.5% of the
 #                    bandwidth floor, and one-row GEMMs are a suspect;
 #   quickstart, batch_breakeven, bench_core   the embedded pair and GPT-2-small shapes
 #                    (opt-in; measured on an H200 before: BUILD_NOTES.md).
-# The five scale phases run on a GPU only (skipped and recorded on a CPU, unless
+# The six scale phases run on a GPU only (skipped and recorded on a CPU, unless
 # DEVICE_CHECK_FORCE=1: the tests run them on a tiny shape). The studies' random targets
 # use the byte vocabulary (264 ids), so the two study phases' 8B shape reads no 128k LM
 # head (~6% of its weights). Phase limits follow the first runs on an H200 (BUILD_NOTES.md):
@@ -66,7 +68,7 @@ phase() {  # phase NAME SECONDS COMMAND...: runs it, logs to OUT_DIR/NAME.log, r
   tail -n 5 "$OUT_DIR/$name.log"
 }
 
-PHASES=${DEVICE_CHECK_PHASES:-scale alpha_k_scale breakeven_scale eagle_scale scale_flags}
+PHASES=${DEVICE_CHECK_PHASES:-scale alpha_k_scale breakeven_scale eagle_scale tree_scale scale_flags}
 TARGET=${DEVICE_CHECK_TARGET:-llama3-8b}
 DRAFT=${DEVICE_CHECK_DRAFT:-llama3-draft}
 wanted() { [[ " $PHASES " == *" $1 "* ]]; }
@@ -85,25 +87,29 @@ scale_phase() {  # scale_phase NAME: true when NAME is wanted and can run here
     >>"$OUT_DIR/phases.jsonl"
   return 1
 }
-scale_phase scale && phase scale 180 "$PY" benchmarks/bench_core.py --target "$TARGET" \
+scale_phase scale && phase scale 170 "$PY" benchmarks/bench_core.py --target "$TARGET" \
   --draft "$DRAFT" --dtype bfloat16 --batch 1 8 --ts 1 4 8 16 32 64 --k 3 --repeats 3 \
   --new-tokens 64 --context "${DEVICE_CHECK_CONTEXT:-512}" \
   --cache-len "${DEVICE_CHECK_CACHE_LEN:-1024}" --bandwidth-from copy \
   --out "$OUT_DIR/scale.json"
-scale_phase alpha_k_scale && phase alpha_k_scale 110 "$PY" -m specjax.cli run alpha_k_sweep \
+scale_phase alpha_k_scale && phase alpha_k_scale 100 "$PY" -m specjax.cli run alpha_k_sweep \
   --no-progress --out "$OUT_DIR/alpha_k_scale" --set "target=random:$TARGET" \
   --set "draft=$DRAFT" --set temperature=0.0 --axis alpha=0.6,0.8,0.9 --axis k=4,2,8 \
   --set max_new_tokens=64 --set prompt_len=64 --set repeats=2 --set mc_cycles=2000
-scale_phase breakeven_scale && phase breakeven_scale 70 "$PY" -m specjax.cli run \
+scale_phase breakeven_scale && phase breakeven_scale 60 "$PY" -m specjax.cli run \
   alpha_k_sweep --no-progress --out "$OUT_DIR/breakeven_scale" --set "target=random:$TARGET" \
   --set "draft=$DRAFT" --set temperature=0.0 --set alpha=0.8 --set k=4 --axis batch=1,8,64 \
   --set max_new_tokens=32 --set prompt_len=64 --set repeats=2 --set mc_cycles=2000
-scale_phase eagle_scale && phase eagle_scale 60 "$PY" -m specjax.cli run alpha_k_sweep \
+scale_phase eagle_scale && phase eagle_scale 50 "$PY" -m specjax.cli run alpha_k_sweep \
   --no-progress --out "$OUT_DIR/eagle_scale" --set "target=random:$TARGET" --set draft=eagle \
   --set temperature=0.0 --axis alpha=0.6,0.8,0.9 --set k=4 --set max_new_tokens=64 \
   --set prompt_len=64 --set repeats=2 --set mc_cycles=2000
+scale_phase tree_scale && phase tree_scale 50 "$PY" -m specjax.cli run alpha_k_sweep \
+  --no-progress --out "$OUT_DIR/tree_scale" --set "target=random:$TARGET" --set "draft=$DRAFT" \
+  --set temperature=0.0 --axis alpha=0.6,0.8,0.9 --set k=4 --set "tree=(2, 2, 1, 1)" \
+  --set max_new_tokens=64 --set prompt_len=64 --set repeats=2 --set mc_cycles=2000
 scale_phase scale_flags && XLA_FLAGS="${XLA_FLAGS:-} ${DEVICE_CHECK_XLA_FLAGS:-\
---xla_gpu_enable_triton_gemm=false}" phase scale_flags 60 "$PY" benchmarks/bench_core.py \
+--xla_gpu_enable_triton_gemm=false}" phase scale_flags 50 "$PY" benchmarks/bench_core.py \
   --target "$TARGET" --draft "$DRAFT" --dtype bfloat16 --batch 1 --repeats 3 \
   --new-tokens 64 --context "${DEVICE_CHECK_CONTEXT:-512}" \
   --cache-len "${DEVICE_CHECK_CACHE_LEN:-1024}" --bandwidth-from copy --plain-only \
@@ -132,6 +138,7 @@ summary = {
     "alpha_k_scale": rows("alpha_k_scale"),
     "breakeven_scale": rows("breakeven_scale"),
     "eagle_scale": rows("eagle_scale"),
+    "tree_scale": rows("tree_scale"),
     "bench_core": json.loads(bench.read_text()) if bench.exists() else None,
     "scale": json.loads(scale.read_text()) if scale.exists() else None,
     "scale_flags": json.loads(flags.read_text()) if flags.exists() else None,

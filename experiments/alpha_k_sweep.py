@@ -3,6 +3,13 @@
 `target` (or its older name `models`), `draft` (also a preset name: a random draft of that
 size; or "eagle": a random EAGLE-shaped head on the target, `EagleDrafter.of`, whose chain's
 cost is the one measured) and `prompts` by reference (experiments/references.py).
+`tree`: None (a chain of k drafts) or the widths of a static tree (`trees.branching`, e.g.
+(2, 2, 1, 1); k must be its depth): the same α, trees beside chains. Siblings are sampled
+i.i.d. from the oracle's law, so each is the accepted one with probability α given that
+the ones before it were not (exact at T = 0; at T > 0 a later sibling's is α − p(y), p(y)
+the least likely token's probability): the rank law p_r = α(1 − α)^r gives E[τ]
+(`theory.tree_expected_tokens`) and the Monte Carlo (`theory.simulate_tree`); z_alpha is a
+chain's (None for a tree).
 
 One point = (α, k). The drafter (`specjax.drafters.oracle.OracleDrafter`) proposes from the
 target's own law mixed with a point mass so that every draft is accepted with probability
@@ -64,6 +71,7 @@ def validate(params: dict) -> None:
     measure.check_int(params, name, lo, lo)
   if params.get("k", 1) > 32:
     raise ValueError(f"k must be <= 32, got {params['k']}")
+  _shape(params.get("k", 1), params.get("tree"))
   measure.check_number(params, "temperature", 1.0, 0)
   references.check_target(params)
   references.check_prompts(params)
@@ -93,29 +101,44 @@ def memory(params: dict) -> int:
   return 2 * target + draft
 
 
+def _shape(k: int, tree) -> trees.TreeSpec:
+  """The drafted shape of a point: a chain of k, or the static tree of `tree`'s widths (its
+  depth must be k). ValueError naming `tree` otherwise."""
+  if tree is None:
+    return trees.chain(k)
+  if (not isinstance(tree, (tuple, list)) or not tree or
+      not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in tree)):
+    raise ValueError(f"tree must be None (a chain of k) or a non-empty tuple of widths >= 1, "
+                     f"e.g. (2, 2, 1, 1), got {tree!r}")
+  if len(tree) != k:
+    raise ValueError(f"tree {tuple(tree)!r} is {len(tree)} deep but k is {k}: set k to the "
+                     f"tree's depth")
+  return trees.branching(tuple(tree))
+
+
 def _oracle_run(target: LM, prompt_BP, prompt_len_B, budget_B, eos, sampler, alpha, key, *,
-                k: int, cache_len: int):
+                tree: trees.TreeSpec, cache_len: int):
   """One point's loop (vmapped over α and the key): the run `plan.prepare` checked, with the
   oracle's α a runtime value."""
   drafter = OracleDrafter(lm=target, deterministic=False, alpha=alpha)
   s = loop.speculative_loop(target, drafter, prompt_BP, prompt_len_B, budget_B, eos, sampler,
-                            key, tree=trees.chain(k), cache_len=cache_len)
+                            key, tree=tree, cache_len=cache_len)
   return s.length, s.stats
 
 
 @functools.lru_cache(maxsize=None)
-def _run_fn(k: int, cache_len: int):
-  return functools.partial(_oracle_run, k=k, cache_len=cache_len)
+def _run_fn(tree: trees.TreeSpec, cache_len: int):
+  return functools.partial(_oracle_run, tree=tree, cache_len=cache_len)
 
 
 @functools.lru_cache(maxsize=32)
-def _costs(k: int, batch: int, max_new_tokens: int, prompt_len: int, temperature: float,
-           models: str, draft: str, repeats: int, seed: int, prompts: str = "code",
-           chat_template: bool = True) -> dict:
-  """Costs of one (k, batch): the calibrated loop costs of a real draft's chain(k) (plain
-  step and cycle, decode phase, `calibration.calibrate`), standalone forwards (t_1,
-  t_verify(k + 1), the draft's passes) at the mean decoding context, and the real draft's
-  α from one run of its loop (already compiled by the calibration)."""
+def _costs(tree: trees.TreeSpec, batch: int, max_new_tokens: int, prompt_len: int,
+           temperature: float, models: str, draft: str, repeats: int, seed: int,
+           prompts: str = "code", chat_template: bool = True) -> dict:
+  """Costs of one (shape, batch): the calibrated loop costs of a real draft's chain(k) or
+  tree (plain step and cycle, decode phase, `calibration.calibrate`), standalone forwards
+  (t_1, t_verify of the shape's nodes, the draft's passes) at the mean decoding context,
+  and the real draft's α from one run of its loop (already compiled by the calibration)."""
   target, tok, texts = measure.target_model(models)
   if draft == EAGLE:  # random weights: acceptance comes from the oracle, cost from the head
     drafter = draft_lm = EagleDrafter.of(target, seed=seed + 1)
@@ -124,7 +147,6 @@ def _costs(k: int, batch: int, max_new_tokens: int, prompt_len: int, temperature
     drafter = ModelDrafter.of(draft_lm, deterministic=False)
   prompt_ids = references.workload(models, tok, texts, prompts, batch, prompt_len,
                                    chat_template=chat_template).ids
-  tree = trees.chain(k)
   cache_len = calibration.default_cache_len(target, draft_lm, prompt_ids, [tree],
                                             max_new_tokens)
   costs = calibration.calibrate(target, draft_lm, prompt_ids, [tree],
@@ -136,8 +158,8 @@ def _costs(k: int, batch: int, max_new_tokens: int, prompt_len: int, temperature
   context = prompt_len + max_new_tokens // 2
   if draft == EAGLE:
     t1 = measure.forward_seconds(target, batch, 1, context, cache_len, repeats)
-    v = measure.forward_seconds(target, batch, k + 1, context, cache_len, repeats) / t1
-    sc = measure.StepCosts(t1=t1, t_verify=v * t1, t_draft=None, passes=k)
+    v = measure.forward_seconds(target, batch, tree.n_nodes, context, cache_len, repeats) / t1
+    sc = measure.StepCosts(t1=t1, t_verify=v * t1, t_draft=None, passes=tree.max_depth)
   else:
     sc = measure.step_costs(target, draft_lm, batch, tree, context, cache_len, repeats)
   return {"t_step": costs.t_step, "t_cycle_real": costs.cycle_seconds(tree),
@@ -161,7 +183,8 @@ def group(params_list: list[dict]) -> list[dict]:
   prompts = work.ids
   # the host API's checks, once (a RoPE target may run past max_len, as before); the loop
   # itself is vmapped over α, so it is called directly with the checked arguments
-  run = plan.prepare(lm, OracleDrafter(lm=lm, alpha=jnp.float32(1)), prompts, plan.of(k=k),
+  shape = _shape(k, first["tree"])
+  run = plan.prepare(lm, OracleDrafter(lm=lm, alpha=jnp.float32(1)), prompts, plan.of(tree=shape),
                      max_new_tokens=first["max_new_tokens"],
                      sampler=sampling.make_sampler(first["temperature"]),
                      allow_beyond_max_len=target.config.positions != "learned")
@@ -171,16 +194,16 @@ def group(params_list: list[dict]) -> list[dict]:
   complete = [runner.with_defaults(point, p) for p in params_list]
   keys = parallel.point_keys([runner.point_seed(p, "loop") for p in complete])
   length, st = parallel.device_map(
-      _run_fn(k, prep.cache_len), alphas, keys,
+      _run_fn(shape, prep.cache_len), alphas, keys,
       shared=(lm, jnp.asarray(prep.prompt_BP), jnp.asarray(prep.prompt_len_B),
               jnp.asarray(prep.budget_B), run.eos, run.sampler))
   length, st = jax.device_get((length, st))
-  costs = _costs(k, batch, first["max_new_tokens"], first["prompt_len"],
+  costs = _costs(shape, batch, first["max_new_tokens"], first["prompt_len"],
                  float(first["temperature"]), which, first["draft"],
                  first["repeats"], first["seed"], first["prompts"], first["chat_template"])
   out = []
   for i, params in enumerate(params_list):
-    out.append(_metrics(float(params["alpha"]), k, length[i], prep.prompt_len_B,
+    out.append(_metrics(float(params["alpha"]), shape, length[i], prep.prompt_len_B,
                         {f: np.asarray(getattr(st, f))[i] for f in ("cycles", "drafted",
                                                                      "accepted", "cycle_log")},
                         costs, first["c"], first["mc_cycles"],
@@ -189,7 +212,8 @@ def group(params_list: list[dict]) -> list[dict]:
   return out
 
 
-def _metrics(alpha, k, length_B, prompt_len_B, st, costs, c, mc_cycles, seed) -> dict:
+def _metrics(alpha, shape, length_B, prompt_len_B, st, costs, c, mc_cycles, seed) -> dict:
+  k = shape.max_depth
   s = metrics.summarize(cycles=st["cycles"], drafted=st["drafted"], accepted=st["accepted"],
                         emitted=np.asarray(length_B) - prompt_len_B,
                         cycle_log=st["cycle_log"], k=k)
@@ -197,8 +221,13 @@ def _metrics(alpha, k, length_B, prompt_len_B, st, costs, c, mc_cycles, seed) ->
   per_cycle = 1.0 + log[log >= 0].astype(np.float64)
   tau_cycle = float(per_cycle.mean())
   tau_se = float(per_cycle.std(ddof=1) / np.sqrt(per_cycle.size)) if per_cycle.size > 1 else 0.0
-  expected = float(theory.expected_tokens(alpha, k))
-  mc = theory.simulate_chain(alpha, k, cycles=mc_cycles, seed=seed)
+  if shape.is_chain:
+    expected = float(theory.expected_tokens(alpha, k))
+    mc = theory.simulate_chain(alpha, k, cycles=mc_cycles, seed=seed)
+  else:  # sibling r is the accepted one with probability α(1 − α)^r (module doc)
+    ranks = alpha * (1 - alpha) ** np.arange(shape.max_width)
+    expected = shape.expected_tokens(ranks)
+    mc = theory.simulate_tree(shape.draft_parents, ranks, samples=mc_cycles, seed=seed)
   modelled = c is not None
   c_used = float(c) if modelled else costs["c_measured"]
   v = costs["v"]
@@ -211,10 +240,11 @@ def _metrics(alpha, k, length_B, prompt_len_B, st, costs, c, mc_cycles, seed) ->
     formula = expected / costs["cycle_steps"]
   trials = s.trials
   z_alpha = ((s.alpha_trial - alpha) / np.sqrt(alpha * (1 - alpha) / trials)
-             if 0 < alpha < 1 and trials else 0.0)
+             if 0 < alpha < 1 and trials else 0.0) if shape.is_chain else None
   return {
       "alpha_trial": s.alpha_trial, "alpha_trial_ci": list(s.alpha_trial_ci),
-      "z_alpha": float(z_alpha), "trials": trials,
+      "z_alpha": None if z_alpha is None else float(z_alpha), "trials": trials,
+      "shape": "chain" if shape.is_chain else f"tree {shape.size} nodes, depth {k}",
       "tau": s.tau, "tau_cycle": tau_cycle, "tau_cycle_se": tau_se,
       "tau_expected": expected,
       "z_tau": (tau_cycle - expected) / tau_se if tau_se > 0 else 0.0,
@@ -238,18 +268,19 @@ def _metrics(alpha, k, length_B, prompt_len_B, st, costs, c, mc_cycles, seed) ->
 EAGLE = "eagle"  # the `draft` that times a random EAGLE-shaped head on the target
 _DEFAULTS = dict(batch=1, max_new_tokens=96, prompt_len=32, temperature=1.0, c=None,
                  draft="default", models=None, repeats=3, mc_cycles=20_000, seed=0,
-                 target=None, prompts="code", chat_template=True)
+                 target=None, prompts="code", chat_template=True, tree=None)
 
 
 def point(alpha: float, k: int, batch: int = 1, max_new_tokens: int = 96, prompt_len: int = 32,
           temperature: float = 1.0, c: float | None = None, draft: str = "default",
           models: str | None = None, repeats: int = 3, mc_cycles: int = 20_000,
           seed: int = 0, target: str | None = None, prompts: str = "code",
-          chat_template: bool = True) -> dict:
+          chat_template: bool = True, tree: tuple | None = None) -> dict:
   return group([dict(alpha=alpha, k=k, batch=batch, max_new_tokens=max_new_tokens,
                      prompt_len=prompt_len, temperature=temperature, c=c, draft=draft,
                      models=models, repeats=repeats, mc_cycles=mc_cycles, seed=seed,
-                     target=target, prompts=prompts, chat_template=chat_template)])[0]
+                     target=target, prompts=prompts, chat_template=chat_template,
+                     tree=tree)])[0]
 
 
 # ----------------------------------------------------------------------------- report
@@ -332,10 +363,10 @@ def _run_length_plot(groups, ks_all, run_dir) -> str:
   for j, (a, r) in enumerate(top):
     h = np.asarray(r["metrics"]["histogram"], float)
     freq = h / max(h.sum(), 1)
-    theo = np.where(n < kmax, a ** n * (1 - a), a ** kmax)
-    bars = ax.bar(n + j * width - 0.4 + width / 2, freq, width, label=f"α={a:g}")
-    ax.plot(n + j * width - 0.4 + width / 2, theo, "k_", ms=8)
-    del bars
+    ax.bar(n + j * width - 0.4 + width / 2, freq, width, label=f"α={a:g}")
+    if r["params"].get("tree") is None:  # a chain's geometric law (a tree's differs)
+      theo = np.where(n < kmax, a ** n * (1 - a), a ** kmax)
+      ax.plot(n + j * width - 0.4 + width / 2, theo, "k_", ms=8)
   ax.set_xlabel(f"accepted drafts per cycle (k = {kmax}); black: αⁿ(1 − α), α^k")
   ax.set_ylabel("fraction of cycles")
   ax.legend(fontsize=7)
@@ -350,7 +381,9 @@ def report(records: list[dict], run_dir) -> str:
   heat_png = _heatmap(groups, ks_all, run_dir)
   hist_png = _run_length_plot(groups, ks_all, run_dir)
   worst_z = max(abs(r["metrics"]["z_tau"]) for r in records)
-  worst_za = max(abs(r["metrics"]["z_alpha"]) for r in records)
+  worst_za = max((abs(r["metrics"]["z_alpha"]) for r in records
+                  if r["metrics"]["z_alpha"] is not None), default=float("nan"))
+  shapes = sorted({r["metrics"].get("shape", "chain") for r in records})
   cost = records[0]["metrics"]["cost"]
   return "\n".join([
       "## α × k", "",
@@ -360,8 +393,9 @@ def report(records: list[dict], run_dir) -> str:
       + ("E[τ](α, k) ÷ the calibrated cycle of the real draft's chain(k) in plain target "
          "steps, timed in the compiled loop (docs/cost_model.md, \"Calibrated loop costs\")"
          if cost == "measured" else "E[τ](α, k) / (k·c + v) at the modelled c")
-      + f". Largest |z| of measured α vs the "
-      f"dial: {worst_za:.2f}; of measured τ vs E[τ]: {worst_z:.2f} (|z| > 3.3 would flag a "
-      "disagreement at the 1e-3 level).", "",
+      + f". Shapes: {', '.join(shapes)} (a tree's E[τ] from the rank law α(1 − α)^r of "
+      f"i.i.d. siblings). Largest |z| of measured α vs the dial (chains): {worst_za:.2f}; "
+      f"of measured τ vs E[τ]: {worst_z:.2f} (|z| > 3.3 would flag a disagreement at the "
+      "1e-3 level).", "",
       f"![speedup vs k]({speed_png})", "", f"![tau vs k]({tau_png})", "",
       f"![alpha x k heatmap]({heat_png})", "", f"![run lengths]({hist_png})", ""])

@@ -19,12 +19,13 @@ def _env():
   return env
 
 
-SCALE_PHASES = ["scale", "alpha_k_scale", "breakeven_scale", "eagle_scale", "scale_flags"]
+SCALE_PHASES = ["scale", "alpha_k_scale", "breakeven_scale", "eagle_scale", "tree_scale",
+                "scale_flags"]
 
 
 def test_the_scale_phases_are_skipped_on_a_cpu(tmp_path):
   env = _env()
-  env.pop("DEVICE_CHECK_PHASES", None)  # the default phases: the five scale phases
+  env.pop("DEVICE_CHECK_PHASES", None)  # the default phases: the six scale phases
   proc = subprocess.run(["bash", "benchmarks/device_check.sh", str(tmp_path / "out")],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr
@@ -57,7 +58,8 @@ def test_the_scale_phases_run_on_a_tiny_shape_when_forced(tmp_path):
   assert set(flags["plain_by_batch"]) == {"1"} and "forward_ms" not in flags
   assert sorted(r["params"]["alpha"] for r in summary["eagle_scale"]) == [0.6, 0.8, 0.9]
   assert all(r["params"]["draft"] == "eagle" for r in summary["eagle_scale"])
-  for row in points + summary["breakeven_scale"] + summary["eagle_scale"]:
+  assert [r["metrics"]["shape"] for r in summary["tree_scale"]] == ["tree 14 nodes, depth 4"] * 3
+  for row in points + summary["breakeven_scale"] + summary["eagle_scale"] + summary["tree_scale"]:
     assert row["status"] == "ok" and row["metrics"]["predicted_from"] == "calibrated"
     assert row["metrics"]["speedup"] > 0 and row["metrics"]["speedup_formula"] > 0
 

@@ -130,6 +130,29 @@ def test_alpha_k_sweep_runs_vectorised_and_tracks_the_dial(tmp_path, monkeypatch
 
 
 @pytest.mark.slow
+def test_alpha_k_sweep_tree_tracks_the_rank_law(tmp_path, monkeypatch):
+  """A static tree at the same α: measured τ agrees with E[τ] of i.i.d. siblings (rank law
+  α(1 − α)^r; |z| < 4) and is far from a chain's E[τ] of the same depth (the negative
+  control: the tree's extra siblings are counted)."""
+  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))
+  s = launch.run("alpha_k_sweep", out=str(tmp_path / "ak"), progress=False,
+                 bindings=['sweeps.Sweep.axes = {"alpha": [0.5]}',
+                           'sweeps.Sweep.fixed = {"models": "random", "k": 3, '
+                           '"tree": (2, 2, 1), "max_new_tokens": 120, "batch": 8, '
+                           '"repeats": 1, "mc_cycles": 5000, "temperature": 0.0}'])
+  assert (s.total, s.ok, s.failed) == (1, 1, 0)
+  (record,) = runner.read_results(tmp_path / "ak" / runner.RESULTS).values()
+  m = record["metrics"]
+  assert m["shape"] == "tree 10 nodes, depth 3" and m["z_alpha"] is None
+  assert m["tau_expected"] == pytest.approx(1 + 0.75 + 0.75 ** 2 + 0.75 ** 2 * 0.5)
+  assert abs(m["z_tau"]) < 4.0, m
+  assert abs(m["tau_mc"] - m["tau_expected"]) < 5 * m["tau_mc_se"]
+  chain = 1 + 0.5 + 0.25 + 0.125  # E[τ] of a chain of 3 at α = 0.5
+  assert (m["tau_cycle"] - chain) / m["tau_cycle_se"] > 4.0
+  assert "Shapes: tree 10 nodes, depth 3" in (tmp_path / "ak" / "report.md").read_text()
+
+
+@pytest.mark.slow
 def test_alpha_k_sweep_times_a_random_eagle_head(tmp_path, monkeypatch):
   """draft='eagle': the oracle's α with a random EAGLE-shaped head's measured chain cost
   (the accelerator check's form): calibrated speedup and prediction, no standalone column,
@@ -152,6 +175,9 @@ def test_alpha_k_sweep_times_a_random_eagle_head(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("change, match", [
     ({"draft": "eagle", "c": 0.1}, "c must be None with draft='eagle'"),
+    ({"k": 2, "tree": (2, 2, 1)}, r"tree \(2, 2, 1\) is 3 deep but k is 2"),
+    ({"tree": (2, 0)}, "tree must be None .* tuple of widths >= 1"),
+    ({"tree": "wide"}, "tree must be None"),
     ({"alpha": 1.2}, "alpha must lie in"),
     ({"alpha": [0.5]}, "alpha must be one number per point"),
     ({"k": 0}, "k must be an int >= 1"),
