@@ -23,9 +23,9 @@
 #   quickstart, batch_breakeven, bench_core   the embedded pair and GPT-2-small shapes
 #                    (opt-in; measured on an H200 before: BUILD_NOTES.md).
 # The six scale phases run on a GPU only (skipped and recorded on a CPU, unless
-# DEVICE_CHECK_FORCE=1: the tests run them on a tiny shape). The studies' random targets
-# use the byte vocabulary (264 ids), so the two study phases' 8B shape reads no 128k LM
-# head (~6% of its weights). Phase limits follow the first runs on an H200 (BUILD_NOTES.md):
+# DEVICE_CHECK_FORCE=1: the tests run them on a tiny shape). The study phases' random
+# target keeps the shape's vocabulary (DEVICE_CHECK_VOCAB, default 128,256: its LM head is
+# ~6% of an 8B model's weights) behind byte prompts ("random:NAME:vocab_size=N"). Phase limits follow the first runs on an H200 (BUILD_NOTES.md):
 # quickstart 152 s with the pair's training (38 s there), a batch_breakeven point ~72 s
 # (compiles and calibration dominate), bench_core > 170 s for fp32 + bf16.
 #
@@ -70,6 +70,7 @@ phase() {  # phase NAME SECONDS COMMAND...: runs it, logs to OUT_DIR/NAME.log, r
 
 PHASES=${DEVICE_CHECK_PHASES:-scale alpha_k_scale breakeven_scale eagle_scale tree_scale scale_flags}
 TARGET=${DEVICE_CHECK_TARGET:-llama3-8b}
+STUDY_TARGET="random:$TARGET:vocab_size=${DEVICE_CHECK_VOCAB:-128256}"
 DRAFT=${DEVICE_CHECK_DRAFT:-llama3-draft}
 wanted() { [[ " $PHASES " == *" $1 "* ]]; }
 rm -f "$OUT_DIR/phases.jsonl"
@@ -93,19 +94,19 @@ scale_phase scale && phase scale 170 "$PY" benchmarks/bench_core.py --target "$T
   --cache-len "${DEVICE_CHECK_CACHE_LEN:-1024}" --bandwidth-from copy \
   --out "$OUT_DIR/scale.json"
 scale_phase alpha_k_scale && phase alpha_k_scale 100 "$PY" -m specjax.cli run alpha_k_sweep \
-  --no-progress --out "$OUT_DIR/alpha_k_scale" --set "target=random:$TARGET" \
+  --no-progress --out "$OUT_DIR/alpha_k_scale" --set "target=$STUDY_TARGET" \
   --set "draft=$DRAFT" --set temperature=0.0 --axis alpha=0.6,0.8,0.9 --axis k=4,2,8 \
   --set max_new_tokens=64 --set prompt_len=64 --set repeats=2 --set mc_cycles=2000
 scale_phase breakeven_scale && phase breakeven_scale 60 "$PY" -m specjax.cli run \
-  alpha_k_sweep --no-progress --out "$OUT_DIR/breakeven_scale" --set "target=random:$TARGET" \
+  alpha_k_sweep --no-progress --out "$OUT_DIR/breakeven_scale" --set "target=$STUDY_TARGET" \
   --set "draft=$DRAFT" --set temperature=0.0 --set alpha=0.8 --set k=4 --axis batch=1,8,64 \
   --set max_new_tokens=32 --set prompt_len=64 --set repeats=2 --set mc_cycles=2000
 scale_phase eagle_scale && phase eagle_scale 50 "$PY" -m specjax.cli run alpha_k_sweep \
-  --no-progress --out "$OUT_DIR/eagle_scale" --set "target=random:$TARGET" --set draft=eagle \
+  --no-progress --out "$OUT_DIR/eagle_scale" --set "target=$STUDY_TARGET" --set draft=eagle \
   --set temperature=0.0 --axis alpha=0.6,0.8,0.9 --set k=4 --set max_new_tokens=64 \
   --set prompt_len=64 --set repeats=2 --set mc_cycles=2000
 scale_phase tree_scale && phase tree_scale 50 "$PY" -m specjax.cli run alpha_k_sweep \
-  --no-progress --out "$OUT_DIR/tree_scale" --set "target=random:$TARGET" --set "draft=$DRAFT" \
+  --no-progress --out "$OUT_DIR/tree_scale" --set "target=$STUDY_TARGET" --set "draft=$DRAFT" \
   --set temperature=0.0 --axis alpha=0.6,0.8,0.9 --set k=4 --set "tree=(2, 2, 1, 1)" \
   --set max_new_tokens=64 --set prompt_len=64 --set repeats=2 --set mc_cycles=2000
 scale_phase scale_flags && XLA_FLAGS="${XLA_FLAGS:-} ${DEVICE_CHECK_XLA_FLAGS:-\

@@ -67,9 +67,8 @@ def target_config(ref: str, name: str = "target"):
     return PRESETS[RANDOM_PRESET]
   kind, sep, spec = ref.partition(":")
   if kind == "random" and sep:
-    from specjax.data.tokenizer import ByteTokenizer
-    from specjax.resolve import config_from_ref
-    return config_from_ref(name, spec, ByteTokenizer().vocab_size)
+    from specjax.resolve import random_target_config
+    return random_target_config(name, spec)
   if not os.path.isdir(ref):
     raise ValueError(f"{name} must be 'default', 'random', 'random:SPEC' or a model directory "
                      f"(Hugging Face or specjax), got {ref!r} (no such directory)")

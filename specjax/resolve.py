@@ -8,7 +8,10 @@
 target:
   "default"        the shipped embedded target (`training.defaults`)
   "random:SPEC"    random weights of a model config spec (`models.presets.parse_config`:
-                   a preset name, NAME:field=value,..., JSON), byte vocabulary
+                   a preset name, NAME:field=value,..., JSON), byte vocabulary; or a
+                   larger one that NAME:...,vocab_size=N names (a padded vocabulary: the
+                   prompts are bytes, the LM head has the shape's N rows, e.g.
+                   "random:llama3-8b:vocab_size=128256")
   a directory      a Hugging Face model directory (imported on first use and cached under
                    $SPECJAX_CACHE_DIR/hf, keyed by the sha256 of its files: `imported_hf`)
                    or a specjax checkpoint (`checkpoints.load_model`)
@@ -95,7 +98,7 @@ def load_target(ref: str = "default", *, seed: int = 0, flag: str = "target"):
     from specjax.data.tokenizer import ByteTokenizer
     from specjax.models.transformer import Transformer
     tok = ByteTokenizer()
-    return Transformer(config_from_ref(flag, spec, tok.vocab_size), rngs=nnx.Rngs(seed)), tok
+    return Transformer(random_target_config(flag, spec), rngs=nnx.Rngs(seed)), tok
   return load_from_ref(flag, _model_dir(ref))
 
 
@@ -140,15 +143,31 @@ def imported_hf(directory):
   return entry
 
 
-def config_from_ref(flag: str, spec: str, vocab_size: int):
-  """parse_config, its errors naming the argument."""
+def config_from_ref(flag: str, spec: str, vocab_size: int | None):
+  """parse_config (with `vocab_size` unless None), its errors naming the argument."""
   from specjax.models.presets import parse_config
   try:
-    return parse_config(spec, vocab_size=vocab_size)
+    return parse_config(spec, **({} if vocab_size is None else {"vocab_size": vocab_size}))
   except (ValueError, TypeError) as e:  # bad JSON, unknown preset or field, bad value
     raise ValueError(f"{flag} {spec!r}: {e}") from None
   except OSError as e:
     raise OSError(e.errno, e.strerror, f"{flag} {spec}") from None
+
+
+def random_target_config(flag: str, spec: str):
+  """The config of a "random:SPEC" target: the byte tokenizer's vocabulary, unless a
+  NAME:field=value spec sets vocab_size (at least the tokenizer's; the rows past it are a
+  padded vocabulary no prompt uses). ValueError naming `flag` otherwise."""
+  from specjax.data.tokenizer import ByteTokenizer
+  byte_vocab = ByteTokenizer.vocab_size
+  fields = [] if spec.lstrip().startswith("{") else spec.partition(":")[2].split(",")
+  if not any(item.partition("=")[0].strip() == "vocab_size" for item in fields):
+    return config_from_ref(flag, spec, byte_vocab)
+  config = config_from_ref(flag, spec, None)
+  if config.vocab_size < byte_vocab:
+    raise ValueError(f"{flag} {spec!r}: vocab_size must be >= {byte_vocab} (the byte "
+                     f"tokenizer's ids), got {config.vocab_size}")
+  return config
 
 
 def load_from_ref(flag: str, path: str):

@@ -41,7 +41,7 @@ def test_the_scale_phases_run_on_a_tiny_shape_when_forced(tmp_path):
   """The GPU phases' commands, run on a CPU on a tiny shape (DEVICE_CHECK_FORCE=1): each
   phase ends with rc 0 and leaves its rows in the summary."""
   env = dict(_env(), DEVICE_CHECK_FORCE="1", DEVICE_CHECK_TARGET="tiny-llama",
-             DEVICE_CHECK_DRAFT="tiny-llama", DEVICE_CHECK_CONTEXT="64",
+             DEVICE_CHECK_DRAFT="tiny-llama", DEVICE_CHECK_CONTEXT="64", DEVICE_CHECK_VOCAB="512",
              DEVICE_CHECK_CACHE_LEN="256", DEVICE_CHECK_PHASES=" ".join(SCALE_PHASES))
   proc = subprocess.run(["bash", "benchmarks/device_check.sh", str(tmp_path / "out")],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -60,6 +60,7 @@ def test_the_scale_phases_run_on_a_tiny_shape_when_forced(tmp_path):
   assert all(r["params"]["draft"] == "eagle" for r in summary["eagle_scale"])
   assert [r["metrics"]["shape"] for r in summary["tree_scale"]] == ["tree 14 nodes, depth 4"] * 3
   for row in points + summary["breakeven_scale"] + summary["eagle_scale"] + summary["tree_scale"]:
+    assert row["params"]["target"] == "random:tiny-llama:vocab_size=512"
     assert row["status"] == "ok" and row["metrics"]["predicted_from"] == "calibrated"
     assert row["metrics"]["speedup"] > 0 and row["metrics"]["speedup_formula"] > 0
 

@@ -52,6 +52,23 @@ def test_random_models_by_spec():
   assert run.draft.config.vocab_size == run.target.config.vocab_size
 
 
+def test_a_random_target_keeps_a_vocabulary_its_spec_names():
+  """vocab_size=N in a random target's spec is kept (a padded vocabulary behind byte
+  prompts, e.g. an 8B shape's LM head), the draft follows it, and the studies' planning
+  reads the same config; without it the byte tokenizer's vocabulary is used."""
+  from specjax.experiments import references
+  run = resolve.load("random:tiny-llama:vocab_size=1000", "random:tiny-llama:n_layers=1", k=2)
+  assert run.target.config.vocab_size == run.draft.config.vocab_size == 1000
+  assert references.target_config("random:tiny-llama:vocab_size=1000").vocab_size == 1000
+  assert resolve.load("random:tiny-llama", "self", k=2).target.config.vocab_size == 259
+  out = decoding.speculative_generate(run.target, run.drafter, PROMPT, max_new_tokens=6,
+                                      **run.shape)
+  assert len(out.tokens[0]) == 6
+  with pytest.raises(ValueError, match=r"target 'tiny-llama:vocab_size=100': vocab_size "
+                                       r"must be >= 259 \(the byte tokenizer's ids\), got 100"):
+    resolve.load("random:tiny-llama:vocab_size=100", "self")
+
+
 @pytest.mark.parametrize("target, draft, message", [
     ("default", "layer-skip:x", "draft 'layer-skip:x': write layer-skip:M"),
     ("default", "eagle:", "draft 'eagle:': write eagle:DIR or eagle:default"),
