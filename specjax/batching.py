@@ -53,12 +53,14 @@ def check_int(name: str, value, lo: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
-  """Validated, padded inputs for one call of a loop."""
+  """Validated, padded inputs for one call of a loop. `padded`: the last rows that only
+  pad the batch for a mesh (`pad_rows`), dropped from the result."""
 
   prompt_BP: np.ndarray
   prompt_len_B: np.ndarray
   budget_B: np.ndarray
   cache_len: int
+  padded: int = 0
 
 
 def prepare_batch(prompts: Sequence[Sequence[int]], *, vocab_size: int, max_len: int,
@@ -137,7 +139,7 @@ def prepare_batch(prompts: Sequence[Sequence[int]], *, vocab_size: int, max_len:
 def pad_rows(batch: Batch, multiple: int) -> Batch:
   """`batch` with rows appended up to the next multiple of `multiple` (a mesh's `data`
   axis, which must divide the rows): copies of its last prompt with a budget of one token,
-  so they end at the first cycle. The caller keeps the first rows of the result. Rows are
+  so they end at the first cycle, counted in `padded` (the host API drops them). Rows are
   appended, never interleaved: with partitionable threefry (JAX's default) a draw of shape
   [B', ...] begins with the draw of shape [B, ...], so the kept rows see the same random
   numbers as an unpadded run."""
@@ -152,7 +154,7 @@ def pad_rows(batch: Batch, multiple: int) -> Batch:
 
   return dataclasses.replace(batch, prompt_BP=more(batch.prompt_BP),
                              prompt_len_B=more(batch.prompt_len_B),
-                             budget_B=more(batch.budget_B, 1))
+                             budget_B=more(batch.budget_B, 1), padded=batch.padded + extra)
 
 
 def key_of(seed) -> Array:

@@ -200,12 +200,11 @@ class NonFiniteLogitsError(ValueError):
 
 
 def _collect(state: loop.LoopState, batch: Batch, seconds: float, k: int,
-             tree: Any = None, policy: Any = None, rows: int | None = None) -> Generation:
-  """The loop's final state as a Generation on the host, its first `rows` rows (all when
-  None; the rest pad the batch for a mesh, `batching.pad_rows`); raises
-  NonFiniteLogitsError when the loop counted non-finite logits (a run can never silently
-  return NaN-driven tokens)."""
-  rows = len(batch.prompt_len_B) if rows is None else rows
+             tree: Any = None, policy: Any = None) -> Generation:
+  """The loop's final state as a Generation on the host, without the rows that only pad the
+  batch for a mesh (`Batch.padded`); raises NonFiniteLogitsError when the loop counted
+  non-finite logits (a run can never silently return NaN-driven tokens)."""
+  rows = len(batch.prompt_len_B) - batch.padded
   tokens = np.asarray(state.tokens)
   length = np.asarray(state.length)
   out = [tokens[b, p:l + 1].tolist()
@@ -253,7 +252,6 @@ def generate(target, prompts, *, max_new_tokens, sampler=None, seed=0, eos_id=No
   cfg = target.config
   batch = sized_batch([cfg], prompts, max_new_tokens=max_new_tokens, cache_len=cache_len,
                       allow_beyond_max_len=allow_beyond_max_len)
-  rows = len(batch.budget_B)
   batch = pad_rows(batch, sharding.data_size(mesh))
   with sharding.on(mesh):  # a cache split over the mesh is checked per device
     kv.check_fits(cfg, len(batch.budget_B), batch.cache_len, what="target KV cache")
@@ -265,7 +263,7 @@ def generate(target, prompts, *, max_new_tokens, sampler=None, seed=0, eos_id=No
   with sharding.on(mesh):
     state = loop.generate_jit(*args, cache_len=batch.cache_len, **_precision_kw(precision))
   state = sharding.fetched(jax.block_until_ready(state))  # gathered from every process
-  return _collect(state, batch, time.perf_counter() - start, 0, rows=rows)
+  return _collect(state, batch, time.perf_counter() - start, 0)
 
 
 def speculative_generate(target, draft, prompts, *, k: int | str | None = None,
@@ -309,4 +307,4 @@ def speculative_generate(target, draft, prompts, *, k: int | str | None = None,
     state = compiled(*args, **run.loop_kwargs(), **_precision_kw(precision))
   state = sharding.fetched(jax.block_until_ready(state))  # gathered from every process
   return _collect(state, run.batch, time.perf_counter() - start, spec.k, spec.tree,
-                  spec.policy, rows=len(prompts))  # the caller's rows, validated by prepare
+                  spec.policy)

@@ -182,7 +182,7 @@ def test_appended_rows_leave_the_kept_rows_unchanged(tree):
 
   batch = _loop_inputs(target, RAGGED[:3], 16)
   padded = decoding.pad_rows(batch, 4)
-  assert padded.prompt_BP.shape[0] == 4 and padded.budget_B.tolist()[3] == 1
+  assert padded.prompt_BP.shape[0] == 4 and padded.budget_B.tolist()[3] == 1 and padded.padded == 1
   assert np.array_equal(padded.prompt_BP[3], batch.prompt_BP[2])
   assert decoding.pad_rows(batch, 3) is batch
   (tokens, log), (tokens_p, log_p) = run(batch), run(padded)
