@@ -140,28 +140,25 @@ def _costs(tree: trees.TreeSpec, batch: int, max_new_tokens: int, prompt_len: in
   (t_1, t_verify of the shape's nodes, the draft's passes) at the mean decoding context,
   and the real draft's α from one run of its loop (already compiled by the calibration)."""
   target, tok, texts = measure.target_model(models)
-  if draft == EAGLE:  # random weights: acceptance comes from the oracle, cost from the head
-    drafter = draft_lm = EagleDrafter.of(target, seed=seed + 1)
+  # sampled candidates, as the oracle's; a head's weights are random: acceptance comes from
+  # the oracle, cost from the head (which has no standalone forward: draft_lm None)
+  if draft == EAGLE:
+    draft_lm, drafter = None, EagleDrafter.of(target, seed=seed + 1)
   else:
     draft_lm = measure.draft_model(draft, models)
     drafter = ModelDrafter.of(draft_lm, deterministic=False)
   prompt_ids = references.workload(models, tok, texts, prompts, batch, prompt_len,
                                    chat_template=chat_template).ids
-  cache_len = calibration.default_cache_len(target, draft_lm, prompt_ids, [tree],
+  cache_len = calibration.default_cache_len(target, drafter, prompt_ids, [tree],
                                             max_new_tokens)
-  costs = calibration.calibrate(target, draft_lm, prompt_ids, [tree],
+  costs = calibration.calibrate(target, drafter, prompt_ids, [tree],
                                 max_new_tokens=max_new_tokens, repeats=repeats,
                                 temperature=temperature, seed=seed, cache_len=cache_len)
   run = decoding.speculative_generate(
       target, drafter, prompt_ids, tree=tree, max_new_tokens=max_new_tokens,
       sampler=sampling.make_sampler(temperature), seed=seed, cache_len=cache_len)
-  context = prompt_len + max_new_tokens // 2
-  if draft == EAGLE:
-    t1 = measure.forward_seconds(target, batch, 1, context, cache_len, repeats)
-    v = measure.forward_seconds(target, batch, tree.n_nodes, context, cache_len, repeats) / t1
-    sc = measure.StepCosts(t1=t1, t_verify=v * t1, t_draft=None, passes=tree.max_depth)
-  else:
-    sc = measure.step_costs(target, draft_lm, batch, tree, context, cache_len, repeats)
+  sc = measure.step_costs(target, draft_lm, batch, tree, prompt_len + max_new_tokens // 2,
+                          cache_len, repeats)
   return {"t_step": costs.t_step, "t_cycle_real": costs.cycle_seconds(tree),
           "cycle_steps": costs.cycle_steps(tree),
           "calibration_cached": bool(costs.meta.get("cached")),

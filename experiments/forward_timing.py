@@ -141,11 +141,15 @@ class StepCosts:
 
 def step_costs(target, draft, batch: int, tree, context: int, cache_len: int,
                repeats: int) -> StepCosts:
-  """The costs every prediction here uses, timed standalone at `context` (module doc)."""
+  """The costs every prediction here uses, timed standalone at `context` (module doc).
+  draft None: a drafter with no standalone forward (a head): t_draft None."""
   passes, width = draft_passes(tree)
   t1 = forward_seconds(target, batch, 1, context, cache_len, repeats)
   t_verify = forward_seconds(target, batch, tree.n_nodes, context, cache_len, repeats)
-  t_draft = forward_seconds(draft, batch, 2, context, cache_len, repeats)
-  if passes > 1:
-    t_draft += (passes - 1) * forward_seconds(draft, batch, width, context, cache_len, repeats)
+  t_draft = None
+  if draft is not None:
+    t_draft = forward_seconds(draft, batch, 2, context, cache_len, repeats)
+    if passes > 1:
+      t_draft += (passes - 1) * forward_seconds(draft, batch, width, context, cache_len,
+                                                repeats)
   return StepCosts(t1=t1, t_verify=t_verify, t_draft=t_draft, passes=passes)
