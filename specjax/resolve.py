@@ -159,9 +159,9 @@ def random_target_config(flag: str, spec: str):
   NAME:field=value spec sets vocab_size (at least the tokenizer's; the rows past it are a
   padded vocabulary no prompt uses). ValueError naming `flag` otherwise."""
   from specjax.data.tokenizer import ByteTokenizer
+  from specjax.models.presets import spec_sets
   byte_vocab = ByteTokenizer.vocab_size
-  fields = [] if spec.lstrip().startswith("{") else spec.partition(":")[2].split(",")
-  if not any(item.partition("=")[0].strip() == "vocab_size" for item in fields):
+  if not spec_sets(spec, "vocab_size"):
     return config_from_ref(flag, spec, byte_vocab)
   config = config_from_ref(flag, spec, None)
   if config.vocab_size < byte_vocab:

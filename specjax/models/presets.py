@@ -60,6 +60,18 @@ def _coerce(field: dataclasses.Field, text: str):
   return text
 
 
+def _items(rest: str) -> list[tuple[str, str, str]]:
+  """The (field, '=', value) items of the `field=value,...` part of a NAME spec."""
+  return [item.partition("=") for item in filter(None, rest.split(","))]
+
+
+def spec_sets(spec: str, field: str) -> bool:
+  """Whether a `NAME:field=value,...` spec sets `field` itself (JSON specs: never)."""
+  if spec.lstrip().startswith("{") or os.path.isfile(spec):
+    return False
+  return any(key == field for key, _, _ in _items(spec.partition(":")[2]))
+
+
 def parse_config(spec: str, **overrides) -> ModelConfig:
   """A ModelConfig from `NAME`, `NAME:field=value,...`, a JSON object, or a JSON file path."""
   if spec.lstrip().startswith("{"):
@@ -76,10 +88,9 @@ def parse_config(spec: str, **overrides) -> ModelConfig:
                        f"or a JSON object / file of ModelConfig fields")
     base = PRESETS[name]
     fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
-    for item in filter(None, rest.split(",")):
-      key, eq, value = item.partition("=")
+    for key, eq, value in _items(rest):
       if not eq or key not in fields:
-        raise ValueError(f"bad config override {item!r} in {spec!r}: expected field=value with "
-                         f"field one of {sorted(fields)}")
+        raise ValueError(f"bad config override {key + eq + value!r} in {spec!r}: expected "
+                         f"field=value with field one of {sorted(fields)}")
       overrides.setdefault(key, _coerce(fields[key], value))
   return base.replace(**overrides) if overrides else base
