@@ -129,20 +129,26 @@ def test_alpha_k_sweep_runs_vectorised_and_tracks_the_dial(tmp_path, monkeypatch
   assert len(list((tmp_path / "cache" / "calibration").glob("*.json"))) == 1  # one per k
 
 
+def _one_alpha_k_point(tmp_path, monkeypatch, alpha: float, fixed: str) -> dict:
+  """The metrics of a one-point α × k run (random target, a fresh calibration cache) whose
+  fixed parameters are `fixed` (gin dict items)."""
+  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))
+  s = launch.run("alpha_k_sweep", out=str(tmp_path / "ak"), progress=False,
+                 bindings=[f'sweeps.Sweep.axes = {{"alpha": [{alpha}]}}',
+                           f'sweeps.Sweep.fixed = {{"models": "random", "repeats": 1, {fixed}}}'])
+  assert (s.total, s.ok, s.failed) == (1, 1, 0)
+  (record,) = runner.read_results(tmp_path / "ak" / runner.RESULTS).values()
+  return record["metrics"]
+
+
 @pytest.mark.slow
 def test_alpha_k_sweep_tree_tracks_the_rank_law(tmp_path, monkeypatch):
   """A static tree at the same α: measured τ agrees with E[τ] of i.i.d. siblings (rank law
   α(1 − α)^r; |z| < 4) and is far from a chain's E[τ] of the same depth (the negative
   control: the tree's extra siblings are counted)."""
-  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))
-  s = launch.run("alpha_k_sweep", out=str(tmp_path / "ak"), progress=False,
-                 bindings=['sweeps.Sweep.axes = {"alpha": [0.5]}',
-                           'sweeps.Sweep.fixed = {"models": "random", "k": 3, '
-                           '"tree": (2, 2, 1), "max_new_tokens": 120, "batch": 8, '
-                           '"repeats": 1, "mc_cycles": 5000, "temperature": 0.0}'])
-  assert (s.total, s.ok, s.failed) == (1, 1, 0)
-  (record,) = runner.read_results(tmp_path / "ak" / runner.RESULTS).values()
-  m = record["metrics"]
+  m = _one_alpha_k_point(tmp_path, monkeypatch, 0.5,
+                         '"k": 3, "tree": (2, 2, 1), "max_new_tokens": 120, "batch": 8, '
+                         '"mc_cycles": 5000, "temperature": 0.0')
   assert m["shape"] == "tree 10 nodes, depth 3" and m["z_alpha"] is None
   assert m["tau_expected"] == pytest.approx(1 + 0.75 + 0.75 ** 2 + 0.75 ** 2 * 0.5)
   assert abs(m["z_tau"]) < 4.0, m
@@ -157,15 +163,9 @@ def test_alpha_k_sweep_times_a_random_eagle_head(tmp_path, monkeypatch):
   """draft='eagle': the oracle's α with a random EAGLE-shaped head's measured chain cost
   (the accelerator check's form): calibrated speedup and prediction, no standalone column,
   and the calibration timed the head's loop."""
-  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))
-  s = launch.run("alpha_k_sweep", out=str(tmp_path / "ak"), progress=False,
-                 bindings=['sweeps.Sweep.axes = {"alpha": [0.8], "k": [3]}',
-                           'sweeps.Sweep.fixed = {"models": "random", "draft": "eagle", '
-                           '"max_new_tokens": 32, "batch": 2, "repeats": 1, '
-                           '"mc_cycles": 500, "temperature": 0.0}'])
-  assert (s.total, s.ok, s.failed) == (1, 1, 0)
-  (record,) = runner.read_results(tmp_path / "ak" / runner.RESULTS).values()
-  m = record["metrics"]
+  m = _one_alpha_k_point(tmp_path, monkeypatch, 0.8,
+                         '"k": 3, "draft": "eagle", "max_new_tokens": 32, "batch": 2, '
+                         '"mc_cycles": 500, "temperature": 0.0')
   assert m["predicted_from"] == "calibrated" and m["cycle_steps"] > 0
   assert m["speedup"] == pytest.approx(m["tau_cycle"] / m["cycle_steps"])
   assert m["speedup_formula_standalone"] is None and m["c"] is None
