@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+import pathlib
 import statistics
 
 import numpy as np
@@ -40,11 +41,14 @@ import numpy as np
 from specjax.experiments import measure
 from specjax import decoding, metrics, resolve, sampling, timing, trees
 from specjax.prompts import encode_prompt, load_prompts
+from specjax.sweeps.report import cell
 
 EMBEDDED_COUNT, EMBEDDED_LEN = 16, 64  # the embedded sets' questions and their length
 
 
 def validate(params: dict) -> None:
+  """The values of a point, checked without loading a model (`specjax run` checks every
+  point with it before any work; `preflight` loads the models once and checks the rest)."""
   for name in ("max_new_tokens", "batch", "repeats"):
     value = params.get(name)
     if value is not None and (not isinstance(value, int) or isinstance(value, bool)
@@ -54,10 +58,80 @@ def validate(params: dict) -> None:
   if params.get("tree_widths") is None and k != "auto" and (
       not isinstance(k, int) or isinstance(k, bool) or k < 1):
     raise ValueError(f"k must be an int >= 1 or 'auto', got {k!r}")
+  widths = params.get("tree_widths")
+  if widths is not None:
+    try:
+      trees.branching(widths)
+    except ValueError as e:
+      raise ValueError(f"tree_widths must be a list of ints >= 1 (candidates per depth, e.g. "
+                       f"(2, 1)) or None, got {widths!r}: {e}") from None
   sampling.make_sampler(params.get("temperature", 0.0), params.get("top_k", 0),
                         params.get("top_p", 1.0))  # the sampler's own checks
-  if not isinstance(params.get("multi_turn", False), bool):
-    raise ValueError(f"multi_turn must be True or False, got {params['multi_turn']!r}")
+  for name in ("multi_turn", "chat_template", "allow_beyond_max_len"):
+    if not isinstance(params.get(name, False), bool):
+      raise ValueError(f"{name} must be True or False, got {params[name]!r}")
+  dtype = params.get("target_dtype")
+  if dtype not in DTYPES:
+    raise ValueError(f"target_dtype must be one of {DTYPES} (None: as stored), got {dtype!r}")
+  if "question" in params and "prompts" in params:
+    ids = question_ids(params["prompts"])
+    if params["question"] not in ids:
+      shown = ", ".join(map(repr, ids[:5])) + (", ..." if len(ids) > 5 else "")
+      raise ValueError(f"question {params['question']!r} is not a question id of prompts "
+                       f"{params['prompts']!r} (its ids: {shown}); leave the question axis "
+                       f"out to decode them all, or `specjax bench --prompts "
+                       f"{params['prompts']}`")
+
+
+DTYPES = (None, "float32", "bfloat16")
+
+
+def default_axes(fixed: dict) -> dict:
+  """The axis a config may leave out: every question id of the prompt set (`prompts`), in
+  file order, so `specjax run specbench --set prompts=FILE` decodes the file's questions."""
+  return {"question": question_ids(fixed.get("prompts", "code"))}
+
+
+def preflight(params: dict, mesh=None) -> None:
+  """What `specjax bench` checks once before any question, after `validate`: the models
+  load (target, draft, its tokenizer, tree, dtype), the mesh fits the devices and the
+  models, and a one-token prompt fits the context with `max_new_tokens` and the shape.
+  ValueError naming the value, as `specjax generate` reports it."""
+  from specjax import chat, plan, sharding
+  from specjax.sweeps.runner import with_defaults
+  params = with_defaults(point, params)
+  key = _key(params)
+  run = loaded(*key)
+  chat.template_of(run.tokenizer, use_chat_template=params["chat_template"])
+  mesh = sharding.check_mesh(mesh)
+  if mesh is not None:
+    sharding.check_heads(run.target.config, mesh)
+    if run.draft is not None and run.draft is not run.target:
+      sharding.check_heads(run.draft.config, mesh, "draft")
+  with sharding.on(mesh):
+    try:
+      plan.prepare(run.target, run.drafter, [[0]] * params["batch"], plan.of(**run.shape),
+                   max_new_tokens=params["max_new_tokens"],
+                   sampler=sampling.make_sampler(params["temperature"], params["top_k"],
+                                                 params["top_p"]),
+                   allow_beyond_max_len=params["allow_beyond_max_len"],
+                   row_multiple=sharding.data_size(mesh))
+    except ValueError as e:
+      raise ValueError(f"max_new_tokens {params['max_new_tokens']} with the shape "
+                       f"({_shape_name(params)}) does not fit even a one-token question: "
+                       f"{e}") from None
+
+
+def _shape_name(params: dict) -> str:
+  w = params.get("tree_widths")
+  return f"k {params.get('k')}" if w is None else "tree " + ",".join(map(str, w))
+
+
+def _key(params: dict) -> tuple:
+  """The arguments of `loaded` (and, with multi_turn, of `prompt_set`) of a point."""
+  w = params["tree_widths"]
+  return (params["target"], params["draft"], params["k"], None if w is None else tuple(w),
+          params["temperature"], params["target_dtype"])
 
 
 def memory(params: dict) -> int:
@@ -85,19 +159,32 @@ def prompt_set(ref: str, target: str, draft: str, k, tree_widths, temperature, t
 
 
 def question_ids(ref: str) -> list:
-  """The question ids of a prompt set, in file order (the sweep's axis)."""
+  """The question ids of a prompt set, in file order (the sweep's axis): the embedded
+  sets' 0..EMBEDDED_COUNT-1 (`prompts.embedded_prompts`), a file's own ids."""
   if ref in ("code", "prose"):
-    return list(range(1, EMBEDDED_COUNT + 1))
-  return [p.question_id for p in load_prompts(ref)]
+    return list(range(EMBEDDED_COUNT))
+  path = pathlib.Path(ref)
+  try:
+    st = path.stat()
+  except OSError:
+    return [p.question_id for p in load_prompts(ref)]  # load_prompts says what is wrong
+  return list(_file_ids(str(path), st.st_ino, st.st_size, st.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=8)
+def _file_ids(path: str, inode: int, size: int, mtime_ns: int) -> tuple:
+  """A prompt file's ids, read once per version of the file (`validate` asks per point)."""
+  return tuple(p.question_id for p in load_prompts(path))
 
 
 def point(question, target: str = "default", draft: str = "eagle:default",
           prompts: str = "code", k=4, tree_widths=None, temperature: float = 0.0,
           top_k: int = 0, top_p: float = 1.0, max_new_tokens: int = 128, batch: int = 1,
           repeats: int = 3, seed: int = 0, chat_template: bool = True,
-          target_dtype: str | None = None, multi_turn: bool = False) -> dict:
-  key = (target, draft, k, None if tree_widths is None else tuple(tree_widths), temperature,
-         target_dtype)
+          target_dtype: str | None = None, multi_turn: bool = False,
+          allow_beyond_max_len: bool = False) -> dict:
+  key = _key(dict(target=target, draft=draft, k=k, tree_widths=tree_widths,
+                  temperature=temperature, target_dtype=target_dtype))
   run = loaded(*key)
   questions = prompt_set(prompts, *key, multi_turn)
   if question not in questions:
@@ -105,7 +192,7 @@ def point(question, target: str = "default", draft: str = "eagle:default",
   prompt = questions[question]
   eos = _eos_ids(run.tokenizer)
   common = dict(sampler=sampling.make_sampler(temperature, top_k, top_p), seed=seed,
-                eos_id=eos)
+                eos_id=eos, allow_beyond_max_len=allow_beyond_max_len)
   turns, answers = [], []
   for turn in range(prompt.n_turns):  # one unless multi_turn read every turn
     ids = encode_prompt(prompt, run.tokenizer, turn=turn, answers=answers,
@@ -171,7 +258,8 @@ def _row(turns: list[dict], temperature) -> dict:
       "plain_tok_s": sum(g.emitted for g in plain) / total["plain"],
       "spec_tok_s": sum(g.emitted for g in spec) / total["spec"],
       "speedup": total["plain"] / total["spec"],
-      "speedup_decode": decode["speedup"] if decode else float("nan"),
+      "speedup_decode": decode["speedup"] if decode else None, **({} if decode else {
+          "speedup_decode_note": NO_DECODE_PHASE}),
       "plain_s": total["plain"], "spec_s": total["spec"],
       "accept_by_position": [float(a / t) if t else None for a, t in zip(accepted, tried)],
       "loop_fraction": metrics.loop_fraction([r for g in spec for r in g.tokens]),
@@ -180,6 +268,12 @@ def _row(turns: list[dict], temperature) -> dict:
   if len(turns) > 1:
     out["turn_prompt_tokens"] = [len(t["rows"][0]) for t in turns]
   return out
+
+
+NO_DECODE_PHASE = ("decode phase lost in timing noise (the call of max_new_tokens was not "
+                   "slower than the one-token call): raise max_new_tokens or repeats")
+NO_TAU = ("no speculative cycle ran (--k auto chose plain steps throughout), so no tokens "
+          "were accepted per verification")
 
 
 def _eos_ids(tokenizer):
@@ -204,7 +298,7 @@ def table(records: list[dict]) -> list[dict]:
     plain_s, spec_s = sum(m["plain_s"] for m in ms), sum(m["spec_s"] for m in ms)
     out.append({"category": name, "questions": len(ms),
                 "tau": statistics.mean(m["tau"] for m in ms if m["tau"] is not None)
-                if any(m["tau"] is not None for m in ms) else float("nan"),
+                if any(m["tau"] is not None for m in ms) else None,
                 "speedup": plain_s / spec_s,
                 "mean_speedup": statistics.mean(m["speedup"] for m in ms),
                 "plain_tok_s": sum(m["plain_tok_s"] * m["plain_s"] for m in ms) / plain_s,
@@ -230,10 +324,12 @@ def report(records: list[dict], run_dir) -> str:
            "| category | questions | mean accepted tokens (τ) | speedup | mean speedup | "
            "plain tok/s | spec tok/s | identical at T=0 |",
            "|---|---|---|---|---|---|---|---|"]
-  for row in table(ok):
+  rows = table(ok)
+  for row in rows:
     same = "-" if row["identical"] is None else f"{row['identical']}/{row['questions']}"
     same += f" ({row['ties']} at ties)" if row.get("ties") else ""
-    lines.append(f"| {row['category']} | {row['questions']} | {row['tau']:.2f} | "
+    tau = "n/a" if row["tau"] is None else f"{row['tau']:.2f}"
+    lines.append(f"| {cell(row['category'])} | {row['questions']} | {tau} | "
                  f"{row['speedup']:.2f}× | {row['mean_speedup']:.2f}× | "
                  f"{row['plain_tok_s']:.1f} | {row['spec_tok_s']:.1f} | {same} |")
   depth = max(len(r["metrics"]["accept_by_position"]) for r in ok)
@@ -244,11 +340,17 @@ def report(records: list[dict], run_dir) -> str:
             and r["metrics"]["accept_by_position"][d] is not None]
     by_pos.append(f"{statistics.mean(vals):.3f}" if vals else "-")
   decode = [r["metrics"]["speedup_decode"] for r in ok
-            if not math.isnan(r["metrics"]["speedup_decode"])]
+            if r["metrics"].get("speedup_decode") is not None
+            and not math.isnan(r["metrics"]["speedup_decode"])]
+  lost = len(ok) - len(decode)
+  if any(r["tau"] is None for r in rows):
+    lines += ["", f"τ n/a: {NO_TAU}."]
   lines += ["", "Acceptance by draft position (accepted ÷ tried, mean over questions): "
             + " ".join(by_pos),
             "", f"Decode-phase speedup (prefill subtracted), mean over questions: "
-            + (f"{statistics.mean(decode):.2f}×" if decode else "n/a"),
+            + (f"{statistics.mean(decode):.2f}×" if decode else "n/a")
+            + (f" ({lost} of {len(ok)} questions without one: {NO_DECODE_PHASE})"
+               if lost else ""),
             f"Loop fraction (tokens continuing a repeated n-gram, period <= 8), mean: "
             f"{statistics.mean(r['metrics']['loop_fraction'] for r in ok):.3f}"]
   return "\n".join(lines)

@@ -64,6 +64,9 @@ def add_parser(subparsers) -> None:
   p.add_argument("--multi-turn", action="store_true",
                  help="decode every turn of a question in order, each model answer fed back "
                  "as the assistant turn (default: the first turn only)")
+  p.add_argument("--allow-beyond-max-len", action="store_true",
+                 help="let a RoPE target generate past max_len, the length it was trained "
+                 "for (refused by default: quality past it is not guaranteed)")
   p.add_argument("--out", default=None, help="run directory (default runs/specbench/TIME)")
   p.add_argument("--no-progress", action="store_true")
   p.add_argument("--json", action="store_true", help="print the run summary as JSON")
@@ -72,7 +75,9 @@ def add_parser(subparsers) -> None:
 
 
 def bindings(args) -> list[str]:
-  """The gin bindings of the flags: the question axis and every fixed value."""
+  """The gin bindings of the flags: the question axis and every fixed value, checked as
+  `specjax generate` checks its flags (`specbench.validate` and `preflight`: a bad target,
+  draft, tokenizer pair, mesh or context is one line, exit 2, before any question)."""
   from specjax.experiments import specbench
   if args.limit is not None and args.limit < 1:
     raise ValueError(f"--limit must be an int >= 1, got {args.limit}")
@@ -85,7 +90,10 @@ def bindings(args) -> list[str]:
            "batch": args.batch, "repeats": args.repeats, "seed": args.seed,
            "chat_template": not args.no_chat_template, "target_dtype": dtype,
            "multi_turn": args.multi_turn}
+  if args.allow_beyond_max_len:  # only when given: earlier runs keep their fingerprints
+    fixed["allow_beyond_max_len"] = True
   specbench.validate(fixed)
+  specbench.preflight(fixed)  # the models, mesh and context, once before any question
   return [f"sweeps.Sweep.axes = {{'question': {ids!r}}}",
           f"sweeps.Sweep.fixed = {fixed!r}"]
 

@@ -174,6 +174,7 @@ def load_sweep(config: str, bindings: Sequence[str] = (),
     given = f" with --gin_param {', '.join(map(repr, bindings))}" if bindings else ""
     raise ValueError(f"bad gin config {str(path)!r}{given}: "
                      f"{_gin_message(e, [text, *bindings])}") from None
+  sweep = sweep.with_default_axes()
   sweep.check()
   return sweep, gin.config_str()
 

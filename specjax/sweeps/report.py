@@ -16,7 +16,13 @@ def _fmt(v: Any) -> str:
     return f"{v:.4g}"
   if isinstance(v, (list, tuple)):
     return "[" + ", ".join(_fmt(x) for x in v) + "]"
-  return " ".join(str(v).split()).replace("|", "\\|")  # one table cell: no newlines or pipes
+  return cell(v)
+
+
+def cell(v: Any) -> str:
+  """`v` as the text of one markdown table cell: whitespace runs (newlines included) as one
+  space, pipes escaped."""
+  return " ".join(str(v).split()).replace("|", "\\|")
 
 
 def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
@@ -41,6 +47,7 @@ def results_table(name: str, records: Sequence[dict], axes: Sequence[str]) -> st
         metric_names.append(k)
   rows = [{**{a: (r.get("params") or {}).get(a) for a in axes}, **(r.get("metrics") or {})}
           for r in sorted(ok, key=_index)]
+  metric_names = [m for m in metric_names if not _repeats_axis(m, axes, rows)]
   text = f"# {name}\n\n{len(ok)} points finished, {len(failed)} failed.\n\n"
   if rows:
     text += markdown_table(rows, list(axes) + metric_names) + "\n"
@@ -49,6 +56,13 @@ def results_table(name: str, records: Sequence[dict], axes: Sequence[str]) -> st
         [{**(r.get("params") or {}), "error": r.get("error", "")} for r in failed],
         list(axes) + ["error"]) + "\n"
   return text
+
+
+def _repeats_axis(metric: str, axes: Sequence[str], rows: Sequence[dict]) -> bool:
+  """Whether `metric` only repeats an axis named like it (specbench's `question_id` beside
+  its `question` axis): equal to the axis value in every row, so not shown twice."""
+  return any(metric != a and metric.startswith(a) and all(
+      row.get(a) == row.get(metric) for row in rows) for a in axes)
 
 
 def _index(record: dict) -> int:

@@ -15,6 +15,8 @@ experiment modules need gin decorators (gin itself is imported by `launch.py` on
 
 Every key of `axes` and `fixed` must be a parameter of `point_fn`; `validate_fn` checks types
 and ranges and `memory_fn` estimates bytes per point, both before any work starts.
+`axes_fn(fixed)` gives the axes a config may leave out, from the fixed values (specbench:
+every question id of its prompt set); an axis the config or the command line gives wins.
 `vectorized` names runtime-valued axes: points that differ only there share static shapes
 and run as one group through `group_fn` (vectorised, spread over the local devices).
 
@@ -53,6 +55,7 @@ class Sweep:
   validate_fn: Callable[[dict], None] | None = None
   memory_fn: Callable[[dict], int] | None = None
   report_fn: Callable[..., str] | None = None
+  axes_fn: Callable[[dict], Mapping[str, Sequence]] | None = None
   summary_columns: Sequence[str] = ()  # metrics `specjax run` prints when the sweep ends
   seed: int | None = None
 
@@ -99,7 +102,7 @@ class Sweep:
                         f"({type(value).__name__})")
     if not callable(self.point_fn):
       raise bad("point_fn", self.point_fn, "a function (e.g. @module.point)")
-    for field in ("group_fn", "validate_fn", "memory_fn", "report_fn"):
+    for field in ("group_fn", "validate_fn", "memory_fn", "report_fn", "axes_fn"):
       value = getattr(self, field)
       if value is not None and not callable(value):
         raise bad(field, value, "a function or None")
@@ -130,6 +133,16 @@ class Sweep:
     if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                   or not 0 <= self.seed < 2**31):
       raise bad("seed", self.seed, "None or an int in [0, 2**31)")
+
+  def with_default_axes(self) -> "Sweep":
+    """The sweep with the axes `axes_fn` fills in, where neither `axes` nor `fixed` name
+    them (itself without an `axes_fn`)."""
+    if self.axes_fn is None or not callable(self.axes_fn) or not isinstance(
+        self.fixed, Mapping) or not isinstance(self.axes, Mapping):
+      return self  # `check` names a bad field
+    filled = {name: values for name, values in self.axes_fn(self.fixed_params()).items()
+              if name not in self.axes and name not in self.fixed}
+    return dataclasses.replace(self, axes={**filled, **self.axes}) if filled else self
 
   def fixed_params(self) -> dict:
     """`fixed`, plus `seed = Sweep.seed` when set and the point function takes a seed."""
