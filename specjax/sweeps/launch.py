@@ -29,7 +29,7 @@ from typing import Mapping, Sequence
 import gin
 
 from specjax import sharding
-from specjax.sweeps import overrides, report, run_directory, runner
+from specjax.sweeps import inputs, overrides, report, run_directory, runner
 from specjax.sweeps.sweep import Sweep
 
 def _config_dir() -> pathlib.Path:
@@ -245,16 +245,20 @@ def run(config: str, bindings: Sequence[str] = (), out: str | None = None,
   sweep, config_text = load_sweep(config, bindings, changes)
   points = plan(sweep, shard_index, num_shards)
   mesh = sharding.default_mesh_shape()  # the CLI's --mesh: another mesh is another run
-  fp = run_directory.fingerprint(config_text, shard_index, num_shards, mesh)
+  digests = inputs.digests(sweep.axes, sweep.fixed_params())  # what its paths point at
+  ident = run_directory.Identity(
+      run_directory.fingerprint(config_text, shard_index, num_shards, mesh, digests),
+      run_directory.fingerprint(config_text, shard_index, num_shards, mesh), tuple(digests))
 
   def init(run_dir: pathlib.Path) -> None:
     runner.atomic_write_text(run_dir / "config.gin", config_text)
     runner.atomic_write_text(run_dir / "config.json", json.dumps({
-        "name": sweep.name, "fingerprint": fp, "shard_index": shard_index,
+        "name": sweep.name, **ident.record(), "shard_index": shard_index,
         "num_shards": num_shards, "mesh": mesh, "axes": dict(sweep.axes), "fixed": dict(sweep.fixed),
         "vectorized": list(sweep.vectorized), "points": len(points)}, indent=2, default=repr))
 
-  with run_directory.open_run_dir(root, sweep.name, fp, out, init=init) as (run_dir, resumed):
+  with run_directory.open_run_dir(root, sweep.name, ident, out, init=init) as (run_dir,
+                                                                              resumed):
     runner.atomic_write_text(run_dir / "environment.json",
                              json.dumps(run_directory.environment(sweep.seed), indent=2,
                                         default=repr))

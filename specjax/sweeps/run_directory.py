@@ -13,6 +13,7 @@ directory holds and how results are appended: `runner.py` (docs/run_directories.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as _dt
 import errno
 import fcntl
@@ -22,7 +23,7 @@ import os
 import pathlib
 import platform
 import sys
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 
 class RunDirError(OSError, ValueError):
@@ -71,13 +72,44 @@ def environment(seed: int | None = None) -> dict:
 
 
 def fingerprint(config_text: str, shard_index: int, num_shards: int,
-                mesh: tuple[int, int] | None = None) -> str:
-  """The run's identity: the operative config, the shard and the decoding mesh (--mesh;
-  None, one device, adds nothing, so runs without one keep their fingerprints)."""
+                mesh: tuple[int, int] | None = None, inputs: Sequence[Mapping] = ()) -> str:
+  """The run's identity: the operative config, the shard, the decoding mesh (--mesh;
+  None, one device, adds nothing, so runs without one keep their fingerprints) and the
+  contents its paths name (`inputs.digests`; none for embedded references, which keep
+  their fingerprints)."""
   blob = f"{config_text}\n--shard {shard_index}/{num_shards}"
   if mesh is not None:
     blob += f"\n--mesh data={mesh[0]},model={mesh[1]}"
+  for e in inputs:
+    blob += f"\n--input {e['param']} {e['path']} sha256:{e['sha256']}"
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+  """What a run directory is claimed by: `fingerprint` (all of it), and to name what
+  changed when it differs, the fingerprint of the config alone and the input digests."""
+  fingerprint: str
+  config_fingerprint: str | None = None
+  inputs: tuple = ()
+
+  def record(self) -> dict:
+    """The fields config.json keeps of it."""
+    return {"fingerprint": self.fingerprint, "config_fingerprint": self.config_fingerprint,
+            "inputs": list(self.inputs)}
+
+  def other_inputs(self, old: dict) -> str:
+    """What changed when the run recorded in `old` (a config.json) has this config on other
+    inputs ("" when it is another config, or nothing tells)."""
+    from specjax.sweeps.inputs import changed
+    if self.config_fingerprint is None or old.get("config_fingerprint") != \
+        self.config_fingerprint:
+      return ""
+    return changed(old.get("inputs"), self.inputs)
+
+
+def _identity(fp: "str | Identity") -> Identity:
+  return fp if isinstance(fp, Identity) else Identity(fp)
 
 
 LOCK = ".lock"
@@ -122,17 +154,27 @@ def read_run_config(run_dir: str | os.PathLike) -> dict:
   return config
 
 
-def _claim(out: pathlib.Path, fp: str) -> bool:
-  """Whether `out` holds this run (resume) or nothing yet; refuses anything else, and a
-  damaged config.json as damaged (naming it), not as another run."""
+def _claim(out: pathlib.Path, fp: "str | Identity") -> bool:
+  """Whether `out` holds this run (resume) or nothing yet; refuses anything else (naming
+  the inputs whose contents changed, for this config on other inputs), and a damaged
+  config.json as damaged (naming it), not as another run."""
+  ident = _identity(fp)
+  fp = ident.fingerprint
   cfg = out / "config.json"
   if cfg.exists():
     try:
-      old = read_run_config(out)["fingerprint"]
+      recorded = read_run_config(out)
+      old = recorded["fingerprint"]
     except DamagedConfig as e:
       raise DamagedConfig(f"--out {str(out)!r}: {e}, so this run cannot tell whether to "
                           f"resume there; remove that directory (or repair the file) or "
                           f"choose another --out: nothing was written") from None
+    changed = ident.other_inputs(recorded) if old != fp else ""
+    if changed:
+      raise ValueError(f"--out {str(out)!r} holds this config's run on other inputs, whose "
+                       f"contents changed since: {changed}; resuming would mix results of "
+                       f"both: choose another --out (or remove that directory to start "
+                       f"over): nothing was written")
     if old != fp:
       raise ValueError(f"--out {str(out)!r} holds a different run (fingerprint {old}, this "
                        f"config {fp}); choose another directory: nothing was written")
@@ -143,27 +185,36 @@ def _claim(out: pathlib.Path, fp: str) -> bool:
   return False
 
 
-def resolve_run_dir(root: str | os.PathLike, name: str, fp: str,
+def resolve_run_dir(root: str | os.PathLike, name: str, fp: "str | Identity",
                     out: str | os.PathLike | None = None) -> tuple[pathlib.Path, bool]:
   """(directory, resuming). `out` pins the directory; otherwise root/name/TIMESTAMP, reusing
-  the newest directory there with the same fingerprint."""
+  the newest directory there with the same fingerprint (a run of this config on inputs
+  changed since is named on stderr and left alone: the new one starts fresh)."""
   if out is not None:
     out = pathlib.Path(out)
     check_writable(out, "--out")
     return out, _claim(out, fp)
+  ident = _identity(fp)
   base = pathlib.Path(root) / name
   check_writable(base)
+  stale = None
   if base.exists():
     for d in sorted(base.iterdir(), reverse=True):
       if (d / "config.json").exists():
         try:
-          if read_run_config(d)["fingerprint"] == fp:
+          recorded = read_run_config(d)
+          if recorded["fingerprint"] == ident.fingerprint:
             return d, True
+          if stale is None and ident.other_inputs(recorded):
+            stale = (d, ident.other_inputs(recorded))
         except DamagedConfig as e:
           print(f"specjax: warning: ignoring run directory {str(d)!r}: {e} (if it is this "
                 f"run, repair that file or remove the directory)", file=sys.stderr,
                 flush=True)
           continue
+  if stale is not None:
+    print(f"specjax: note: {str(stale[0])!r} ran this config on other inputs ({stale[1]}); "
+          f"starting a fresh run directory", file=sys.stderr, flush=True)
   stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
   d = base / stamp
   n = 1
@@ -218,7 +269,7 @@ class RunLock:
 
 
 @contextlib.contextmanager
-def open_run_dir(root: str | os.PathLike, name: str, fp: str,
+def open_run_dir(root: str | os.PathLike, name: str, fp: "str | Identity",
                  out: str | os.PathLike | None = None,
                  init: Callable[[pathlib.Path], None] | None = None):
   """Finds or creates the run directory and holds its lock: yields (directory, resuming).

@@ -452,6 +452,12 @@ def merge(run_dirs: Sequence[str | os.PathLike], out: str | os.PathLike) -> path
       raise RunDirError(f"cannot read {str(gin)!r}: {e.strerror or e}", e.errno) from None
   if len(texts) != 1:
     raise ValueError("cannot merge runs of different configs (their config.gin differ)")
+  from specjax.sweeps.inputs import changed
+  for d, c in zip(dirs[1:], configs[1:]):
+    other = changed(configs[0].get("inputs"), c.get("inputs") or [])
+    if other:
+      raise ValueError(f"cannot merge {str(dirs[0])!r} and {str(d)!r}: one config on "
+                       f"different inputs ({other}): nothing was written")
   out = pathlib.Path(out)
   check_writable(out, "merge --out")
   if out.exists() and any(out.iterdir()):
