@@ -35,3 +35,12 @@ def report(records, run_dir) -> str:
   fig, ax = rep.new_figure()
   ax.plot([r["params"]["x"] for r in records], [r["metrics"]["value"] for r in records], "o")
   return f"![values]({rep.save(fig, run_dir / 'values.png')})\n"
+
+
+def read_point(x: int, prompts: str = "", draft: str = "") -> dict:
+  """Reads what its paths name (a prompt file; a draft reference KIND:DIR whose DIR holds
+  weights.bin): results that change with the contents, not the paths."""
+  text = pathlib.Path(prompts).read_text() if prompts else ""
+  weights = draft.partition(":")[2] or draft
+  blob = (pathlib.Path(weights) / "weights.bin").read_bytes() if draft else b""
+  return {"text": text, "weights": blob.hex(), "x": x}
