@@ -125,9 +125,26 @@ def load_prompts(ref: str | os.PathLike, *, multi_turn: bool = False, count: int
   path = pathlib.Path(ref)
   if not path.is_file():
     raise ValueError(f"prompts must be one of {EMBEDDED} or a path to a JSONL file, "
-                     f"got {str(ref)!r} ({'a directory' if path.is_dir() else 'no such file'})")
+                     f"got {str(ref)!r} ({_not_a_file(path)})")
   prompts = read_jsonl(path, multi_turn=multi_turn)
   return prompts if count is None else prompts[:count]
+
+
+def _not_a_file(path: pathlib.Path) -> str:
+  """What a path that is not a regular file is, for the message."""
+  import stat
+  try:
+    mode = path.stat().st_mode
+  except OSError as e:
+    return "no such file" if isinstance(e, FileNotFoundError) else (e.strerror or str(e))
+  if stat.S_ISDIR(mode):
+    return "a directory"
+  if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISCHR(mode):
+    kind = ("a pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a terminal or character device")
+    return (f"{kind}, not a regular file: a prompt set is read more than once (its ids, "
+            f"then its questions); save it to a file first")
+  return "not a regular file"
 
 
 def encode_prompt(prompt: Prompt, tokenizer, *, turn: int = 0, answers: Sequence[str] = (),
@@ -230,6 +247,10 @@ def _parse_line(raw: bytes, path: pathlib.Path, lineno: int, multi_turn: bool
     record = json.loads(text)
   except json.JSONDecodeError as e:
     raise ValueError(f"{where}: invalid JSON at column {e.colno}: {e.msg}") from e
+  except ValueError:  # an integer past Python's digit limit (sys.get_int_max_str_digits)
+    import sys
+    raise ValueError(f"{where}: a number with more than {sys.get_int_max_str_digits()} "
+                     f"digits, too long to read; write a long id as a string") from None
   if not isinstance(record, dict):
     raise ValueError(f"{where}: expected a JSON object, got {_json_type(record)}")
   formats = [k for k in _FORMATS if k in record]

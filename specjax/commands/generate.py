@@ -48,9 +48,10 @@ def add_parser(subparsers) -> None:
                  "prompt; `specjax bench` renders its prompts the same way)")
   p.add_argument("--batch", type=int, default=1, help="copies of the prompt list (default 1)")
   p.add_argument("--max-new-tokens", type=int, default=64)
-  p.add_argument("--k", type=_k_arg, default=4,
+  p.add_argument("--k", type=_k_arg, default=None,
                  help="drafted tokens per verification, or 'auto': the adaptive policy picks "
-                 "a chain k in {0, 1, 2, 4, 6} every cycle (specjax.adaptive)")
+                 "a chain k in {0, 1, 2, 4, 6} every cycle (specjax.adaptive) (default 4; "
+                 "not with --tree or --dynamic-tree, which set their own nodes)")
   p.add_argument("--tree", type=ints_arg(1), default=None, metavar="W1,W2,...",
                  help="verify a static tree instead of a chain: W_d candidates per node at "
                  "depth d (e.g. 2,1,1); drafted as distinct top candidates at T = 0")
@@ -160,7 +161,18 @@ def _plan(args):
   try:
     return plan.of(k=None if tree is not None else args.k, tree=tree)
   except ValueError as e:
-    raise ValueError(f"--{e}" if str(e).startswith("k ") else f"--k {args.k}: {e}") from None
+    raise ValueError(f"--{e}" if str(e).startswith("k ") else f"{_shape_flag(args)}: {e}"
+                     ) from None
+
+
+def _shape_flag(args) -> str:
+  """The flag that sets the shape, as the user gave it: --k K, --tree W1,W2,... or
+  --dynamic-tree BUDGET,DEPTH,WIDTH."""
+  if args.tree is not None:
+    return "--tree " + ",".join(map(str, args.tree))
+  if args.dynamic_tree is not None:
+    return "--dynamic-tree " + ",".join(map(str, args.dynamic_tree))
+  return f"--k {args.k}"
 
 
 def _k_max(args) -> int:
@@ -184,6 +196,11 @@ def _check_args(args) -> None:
   if (args.tree is not None or args.dynamic_tree is not None) and args.k == "auto":
     raise ValueError("--k auto chooses chains each cycle: leave it out with --tree or "
                      "--dynamic-tree")
+  if (args.tree is not None or args.dynamic_tree is not None) and args.k is not None:
+    raise ValueError(f"--k {args.k} with {_shape_flag(args)}: a tree sets its own nodes "
+                     f"(the drafts one cycle verifies), so --k would be ignored; give one")
+  if args.k is None:
+    args.k = 4  # the default chain
   _plan(args)  # --k / the tree, checked once by the library
   if args.draft_stop != 0.0:
     from specjax import adaptive
@@ -230,8 +247,16 @@ def _check_context(args, configs, n_prompt_tokens: int, known: bool = True) -> N
         "trained for")
     raise ValueError(
         f"{'the longest prompt (' if known else 'a prompt (at least '}{n_prompt_tokens} "
-        f"tokens) + --max-new-tokens {args.max_new_tokens} + --k {args.k} + 1 = {need} positions exceeds the models' "
-        f"max_len {max_len}: shorten the prompt or lower --max-new-tokens or --k{opt_in}")
+        f"tokens) + --max-new-tokens {args.max_new_tokens} + {_slots_text(args)} + 1 = "
+        f"{need} positions exceeds the models' max_len {max_len}: shorten the prompt or "
+        f"lower --max-new-tokens or {_shape_flag(args).split()[0]}{opt_in}")
+
+
+def _slots_text(args) -> str:
+  """The drafts one cycle verifies, named by the flag that sets them."""
+  if args.tree is None and args.dynamic_tree is None:
+    return f"--k {args.k}"
+  return f"{_shape_flag(args)} ({_k_max(args)} nodes)"
 
 
 DEFAULT_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
@@ -245,8 +270,11 @@ def _encode(args, tok, text: str) -> list[int]:
     return tok.encode(text, bos=True)
   from specjax import chat
   if chat.template_of(tok) is None:
+    target = (f"--target {args.target}" if args.target is not None
+              else f"a random target from --target-config {args.target_config} (byte "
+              f"tokenizer)")
     raise ValueError(f"--chat: the target's tokenizer has no chat template (chat_template in "
-                     f"tokenizer_config.json, or chat_template.jinja), --target {args.target}; "
+                     f"tokenizer_config.json, or chat_template.jinja), {target}; "
                      f"leave out --chat to encode the prompt as plain text")
   return chat.encode_messages(tok, [{"role": "user", "content": text}])
 

@@ -127,6 +127,19 @@ def _read_config(path: pathlib.Path) -> str:
                      f"at offset {e.start}): give a .gin config") from None
 
 
+def _import_hint(message: str) -> str:
+  """The new home of what a config written before packaging imports: `Sweep` (from
+  `experiments.common`), a study (`experiments.NAME`, now `specjax.experiments.NAME`)."""
+  if "experiments.common" in message:
+    return ("\n`Sweep` now lives in the library: `import specjax.sweeps as sweeps` and bind "
+            "`sweeps.Sweep`")
+  m = re.search(r"import\s+experiments\.(\w+)", message)
+  if m and "experiments" in message.split(" In file ")[0]:  # the import itself failed
+    return (f"; the studies now install inside the package: write `import "
+            f"specjax.experiments.{m.group(1)}` (was `import experiments.{m.group(1)}`)")
+  return ""
+
+
 def _gin_message(err: Exception, texts: list[str]) -> str:
   """One message for anything in _GIN_ERRORS: the closest valid names for an unknown
   binding, the line of an unclosed bracket, the new home of `Sweep` for an old import."""
@@ -136,9 +149,7 @@ def _gin_message(err: Exception, texts: list[str]) -> str:
     line = f" (line {where[0]})" if isinstance(where, tuple) and where else ""
     return f"{what}{line}: an unclosed bracket, brace or string?"
   if isinstance(err, ImportError):  # gin re-raises it with the config line appended
-    hint = ("\n`Sweep` now lives in the library: `import specjax.sweeps as sweeps` and bind "
-            "`sweeps.Sweep`" if "experiments.common" in str(err) else "")
-    return f"{err}{hint}"
+    return f"{err}{_import_hint(str(err))}"
   return _explain_gin_error(err, texts)
 
 
