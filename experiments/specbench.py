@@ -1,7 +1,8 @@
 """Spec-Bench: every question of a prompt set decoded plainly and speculatively, side by side.
 
-One point = one question (`question` = its `question_id`; the sweep's axis is the set's ids,
-which `specjax bench` fills in). Models and drafters by reference (`specjax.resolve`: any
+One point = one question (`question` = its `question_id`; the sweep's axis is the set's ids:
+the embedded sets' 0..15, a file's own; `specjax bench` fills it in, and a config that leaves
+it out gets every id of its `prompts`, `default_axes`). Models and drafters by reference (`specjax.resolve`: any
 target, any drafter kind), prompts by reference (`specjax.prompts`: a Spec-Bench / MT-Bench
 question file, a plain JSONL file, or the embedded `code` / `prose` sets), rendered with the
 target tokenizer's chat template when it has one (`chat_template=False` opts out). The first
@@ -24,7 +25,8 @@ at every EOS id of the target. Two speeds, labelled:
 
 Row fields: question_id, category, prompt_tokens, new_tokens, tau (mean accepted tokens per
 verification, Spec-Bench's "mean accepted tokens"), alpha, plain_tok_s, spec_tok_s, speedup,
-speedup_decode, accept_by_position (accepted ÷ tried per draft depth), loop_fraction, and at
+speedup_decode (None with `speedup_decode_note` when the decode phase is lost in timing
+noise), accept_by_position (accepted ÷ tried per draft depth), loop_fraction, and at
 T = 0 identical_to_plain (where not, `divergences` and `only_ties`: `measure.divergences`). The report: Spec-Bench's table per category and overall (mean
 accepted tokens, speedup, tokens/s) and acceptance by draft position.
 """

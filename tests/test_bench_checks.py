@@ -180,3 +180,18 @@ def test_an_old_study_import_gets_its_new_path(tmp_path, monkeypatch):
   monkeypatch.setitem(sys.modules, "experiments", None)  # as outside the checkout
   with pytest.raises(ValueError, match="import specjax.experiments.exactness"):
     launch.load_sweep(str(config))
+
+
+@pytest.mark.slow
+def test_bench_on_an_edited_prompt_file_never_resumes_the_old_rows(tmp_path, capsys):
+  qs = _questions(tmp_path / "q.jsonl", 1)
+  argv = ["bench", "--prompts", qs, "--repeats", "1", "--max-new-tokens", "2",
+          "--no-progress", "--out", str(tmp_path / "run")] + RANDOM
+  assert cli.main(argv) == 0
+  rows = (tmp_path / "run" / "results.jsonl").read_text()
+  (tmp_path / "q.jsonl").write_text(json.dumps({"question_id": 1, "category": "c",
+                                                "turns": ["a longer question: def g():"]}))
+  capsys.readouterr()
+  line = _one_line_error(capsys, argv)
+  assert "other inputs" in line and "prompts" in line and "q.jsonl" in line
+  assert (tmp_path / "run" / "results.jsonl").read_text() == rows
