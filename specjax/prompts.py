@@ -230,6 +230,8 @@ def _parse_line(raw: bytes, path: pathlib.Path, lineno: int, multi_turn: bool
     record = json.loads(text)
   except json.JSONDecodeError as e:
     raise ValueError(f"{where}: invalid JSON at column {e.colno}: {e.msg}") from e
+  except RecursionError:
+    raise ValueError(f"{where}: its JSON is nested too deeply") from None
   if not isinstance(record, dict):
     raise ValueError(f"{where}: expected a JSON object, got {_json_type(record)}")
   formats = [k for k in _FORMATS if k in record]

@@ -27,11 +27,9 @@ def load_tokenizer_for(directory: str | os.PathLike, hf_config: dict | None = No
   path = pathlib.Path(directory) / "tokenizer.json"
   if not path.is_file():
     return ByteTokenizer()
-  try:
-    data = json.loads(path.read_text())
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ValueError(f"cannot read {str(path)!r}: {e}") from e
-  if isinstance(data, dict) and data.get("kind") == "byte":
+  from specjax.data.json_files import read_object
+  data = read_object(path)
+  if data.get("kind") == "byte":
     return ByteTokenizer()
   vocab = {t.get("content") for t in data.get("added_tokens", []) if isinstance(t, dict)}
   if set(BPETokenizer.SPECIALS) <= vocab:
@@ -55,11 +53,11 @@ def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list
 
 
 def _is_byte_marker(path: pathlib.Path) -> bool:
+  from specjax.data.json_files import read_object
   try:
-    data = json.loads(path.read_text())
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    return read_object(path).get("kind") == "byte"
+  except ValueError:
     return False
-  return isinstance(data, dict) and data.get("kind") == "byte"
 
 
 def generation_eos_ids(config: Mapping, path: str | os.PathLike = "generation_config.json"
@@ -115,12 +113,10 @@ class HFTokenizer:
       backend = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
     except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception type
       raise ValueError(f"cannot read {str(d / 'tokenizer.json')!r}: {e}") from e
+    from specjax.data.json_files import read_object
     extra = {}
     for name in ("generation_config.json", "tokenizer_config.json"):
-      try:
-        extra[name] = json.loads((d / name).read_text())
-      except (OSError, json.JSONDecodeError):
-        extra[name] = {}
+      extra[name] = read_object(d / name) if (d / name).is_file() else {}
     tc, gc, mc = extra["tokenizer_config.json"], extra["generation_config.json"], hf_config or {}
 
     def token_id(field: str) -> int | None:

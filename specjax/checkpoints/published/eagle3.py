@@ -88,21 +88,24 @@ def capture_to_hidden_state(c: int, n_layers: int) -> int:
 def _head_fields(config: Mapping, d_model: int) -> dict:
   """The decoder-layer fields config.json gives (`eagle3.HEAD_FIELDS`)."""
   from specjax.checkpoints.hf.config import rope_fields_of
-  act = config.get("hidden_act", "silu")
+  from specjax.data.json_files import field
+  act = field(config, "hidden_act", "str", where="config.json", default="silu", null_ok=True)
   if act != "silu":
     raise ValueError(f"config.json: hidden_act={act!r} is not supported (EAGLE-3 heads use "
                      "silu)")
   for flag in ("attention_bias", "mlp_bias"):
     if config.get(flag):
       raise ValueError(f"config.json: {flag}=true is not supported (EAGLE-3 heads have none)")
-  need = [k for k in ("num_attention_heads", "intermediate_size") if k not in config]
-  if need:
-    raise ValueError(f"config.json lacks {need[0]}")
-  heads = int(config["num_attention_heads"])
-  fields = {"n_heads": heads, "n_kv_heads": int(config.get("num_key_value_heads", heads)),
-            "d_ff": int(config["intermediate_size"]),
-            "norm_eps": float(config.get("rms_norm_eps", 1e-6)), **rope_fields_of(config)}
-  head_dim = config.get("head_dim")
+  from specjax.data.json_files import field
+  w = "config.json"
+  heads = field(config, "num_attention_heads", "positive int", where=w)
+  fields = {"n_heads": heads,
+            "n_kv_heads": field(config, "num_key_value_heads", "positive int", where=w,
+                                default=heads, null_ok=True),
+            "d_ff": field(config, "intermediate_size", "positive int", where=w),
+            "norm_eps": float(field(config, "rms_norm_eps", "positive number", where=w,
+                                    default=1e-6, null_ok=True)), **rope_fields_of(config)}
+  head_dim = field(config, "head_dim", "positive int", where=w, default=None, null_ok=True)
   fields["head_dim_override"] = (None if head_dim is None or heads * int(head_dim) == d_model
                                  else int(head_dim))
   return fields
@@ -116,7 +119,11 @@ def head_params(config: Mapping, tensors: Mapping[str, np.ndarray], target) -> t
   d, v = tc.d_model, tc.vocab_size
   layers = _layers(config, tc.n_layers)
   fields = _head_fields(config, d)
-  vd = int(config.get("draft_vocab_size") or config.get("vocab_size") or v)
+  from specjax.data.json_files import field
+  vd = (field(config, "draft_vocab_size", "positive int", where="config.json", default=None,
+              null_ok=True)
+        or field(config, "vocab_size", "positive int", where="config.json", default=None,
+                 null_ok=True) or v)
   if "d2t" in tensors:
     d2t = np.asarray(tensors["d2t"])
     if d2t.shape != (vd,):

@@ -39,13 +39,8 @@ def read_config(directory: str | os.PathLike, required: bool = True) -> dict:
     if required:
       raise ValueError(f"{str(directory)!r} holds no {CONFIG}")
     return {}
-  try:
-    data = json.loads(path.read_text())
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ValueError(f"cannot read {str(path)!r}: {e}") from None
-  if not isinstance(data, dict):
-    raise ValueError(f"{str(path)!r} must hold a JSON object, got {type(data).__name__}")
-  return data
+  from specjax.data.json_files import read_object
+  return read_object(path)
 
 
 def weight_files(directory: str | os.PathLike) -> list[pathlib.Path]:
