@@ -25,6 +25,8 @@ FORMATS = {
     "medusa": medusa,
 }
 
+_NAMES = {"eagle": "an EAGLE-1/2", "eagle3": "an EAGLE-3", "medusa": "a Medusa"}
+
 
 def _format(name: str, flag: str):
   if name not in FORMATS:
@@ -76,6 +78,14 @@ def _check_out(out_dir, overwrite: bool, source, target) -> None:
 def import_head(src_dir: str | os.PathLike, target, out_dir: str | os.PathLike, *,
                 kind: str | None = None, **kwargs) -> pathlib.Path:
   """Import a published head (kind None: `detect_kind`) as a specjax head directory."""
+  if kind is not None and kind in FORMATS:
+    try:
+      found = detect_kind(src_dir)
+    except ValueError:  # the files do not tell: the kind given is taken
+      found = kind
+    if found != kind:
+      raise ValueError(f"--kind {kind}: {str(src_dir)!r} is {_NAMES[found]} head (its "
+                       f"config.json and tensor names say so): use --kind {found}")
   kind = detect_kind(src_dir) if kind is None else kind
   _check_out(out_dir, kwargs.get("overwrite", False), src_dir, target)
   return _format(kind, "kind").import_head(src_dir, target, out_dir, **kwargs)

@@ -128,7 +128,9 @@ def import_head(src_dir: str | os.PathLike, target, out_dir: str | os.PathLike, 
   (`eagle:OUT_DIR`)."""
   module, tok = files.target_of(target, tokenizer)
   hf = files.read_config(src_dir, required=False)
-  kind, params = head_params(hf, files.read_weights(src_dir), module.config)
+  tensors = files.read_weights(src_dir)
+  kind, params = head_params(hf, tensors, module.config)
+  files.check_embedding(tensors, module)  # a copy of another model's embedding: refused
   meta = {"source": {"format": FORMAT, "path": str(pathlib.Path(src_dir).resolve()),
                      "config": hf}}
   return files.save_bound_head(out_dir, kind, params, module, tok, meta, overwrite)

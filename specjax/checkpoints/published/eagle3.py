@@ -136,7 +136,7 @@ def head_params(config: Mapping, tensors: Mapping[str, np.ndarray], target) -> t
                      f"{v})")
   ids = check_draft_ids(ids, v, "d2t")
   _check_t2d(tensors, ids, config, v)
-  _check_embedding(tensors, target)
+  files.check_embedding(tensors, target)
   module = nnx.eval_shape(lambda: Eagle3Head(tc, len(layers), ids, head=fields,
                                              rngs=nnx.Rngs(0)))
   where = f"a head for this target ({tc.n_layers} layers, d_model {d}, vocabulary {v})"
@@ -176,21 +176,6 @@ def _check_t2d(tensors, ids: np.ndarray, config: Mapping, v: int) -> None:
   mask[ids] = True
   if not np.array_equal(mask[:t2d.shape[0]], t2d) or mask[t2d.shape[0]:].any():
     raise ValueError("tensor t2d does not mark exactly the target ids d2t maps to")
-
-
-def _check_embedding(tensors, target) -> None:
-  """A head that ships its own copy of the embedding must ship the target's, up to bfloat16
-  rounding (specjax drafts with the target's embedding, as EAGLE-3 does)."""
-  if "embed_tokens.weight" not in tensors:
-    return
-  ours = np.asarray(target.embed[...], np.float32)
-  theirs = np.asarray(tensors["embed_tokens.weight"])
-  if theirs.shape != ours.shape:
-    raise ValueError(f"tensor embed_tokens.weight has shape {theirs.shape} but the target's "
-                     f"embedding is {ours.shape}")
-  if not np.allclose(theirs.astype(np.float32), ours, rtol=2.0 ** -7, atol=0.0):
-    raise ValueError("tensor embed_tokens.weight differs from the target's embedding beyond "
-                     "bfloat16 rounding (specjax drafts with the target's own)")
 
 
 # ----------------------------------------------------------------------------- head directories
