@@ -63,15 +63,16 @@ def _layers(config: Mapping, n_layers: int) -> tuple[int, ...]:
   if hf is None:
     return eagle3_layers(n_layers)
   if (not isinstance(hf, list) or not hf or not all(isinstance(i, int) for i in hf)
-      or min(hf) < 1 or max(hf) > n_layers):
+      or min(hf) < 0 or max(hf) > n_layers):
     raise ValueError(f"config.json: eagle_aux_hidden_state_layer_ids={hf!r} must list hidden-"
-                     f"state indices in [1, {n_layers}] of the {n_layers}-layer target")
+                     f"state indices in [0, {n_layers}] of the {n_layers}-layer target")
   return tuple(hidden_state_to_capture(i, n_layers) for i in hf)
 
 
 def hidden_state_to_capture(i: int, n_layers: int) -> int:
-  """The specjax capture index of Hugging Face hidden state i: the output of block i - 1
-  for i < N, the final norm's output for i = N (transformers' last hidden state is normed)."""
+  """The specjax capture index of Hugging Face hidden state i: the embedding output (-1) for
+  i = 0, the output of block i - 1 for 0 < i < N, the final norm's output for i = N
+  (transformers' last hidden state is normed)."""
   return i - 1 if i < n_layers else n_layers
 
 
