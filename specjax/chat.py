@@ -358,6 +358,10 @@ def _read_json(path: pathlib.Path) -> dict:
   except json.JSONDecodeError as e:
     raise ValueError(f"cannot read {str(path)!r}: invalid JSON at line {e.lineno} "
                      f"column {e.colno}: {e.msg}") from e
+  except (RecursionError, ValueError):
+    from specjax.data.json_files import loads
+    loads(_read_text(path), repr(str(path)))
+    raise
   if not isinstance(data, dict):
     raise ValueError(f"{str(path)!r} must hold a JSON object, got {type(data).__name__}")
   return data

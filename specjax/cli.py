@@ -20,6 +20,7 @@ import argparse
 import decimal
 import errno
 import importlib
+import os
 import re
 import sys
 
@@ -140,16 +141,33 @@ EXPECTED = (ValueError, OSError, KeyboardInterrupt)
 
 def main(argv: list[str] | None = None) -> int:
   """Runs one subcommand. Expected failures print one line, `specjax: error: ...`, on
-  stderr and return 2; a bug raises (traceback)."""
-  parser = build_parser()
-  args = parser.parse_args(argv)
+  stderr and return 2; a bug raises (traceback).
+
+  As the program (`argv` None), an interrupt (Ctrl-C) leaves through `os._exit(2)` once the
+  streams are flushed: the interpreter's own shutdown, with JAX's runtime threads stopped
+  mid-work, can crash (SIGSEGV) after the command has already reported and saved its data."""
   try:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     from specjax.commands.models import mesh_context  # --mesh, for the commands that have it
     with mesh_context(args):
       return int(args.func(args) or 0)
   except EXPECTED as e:
     print(f"specjax: error: {error_message(e)}", file=sys.stderr)
+    if isinstance(e, KeyboardInterrupt) and argv is None:
+      _leave(2)
     return 2
+
+
+def _leave(code: int) -> None:
+  """Exit now with `code`, after flushing stdout and stderr, skipping the interpreter's
+  finalisation."""
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except Exception:  # a closed pipe: nothing more can be said
+      pass
+  os._exit(code)
 
 
 if __name__ == "__main__":

@@ -251,6 +251,8 @@ def _parse_line(raw: bytes, path: pathlib.Path, lineno: int, multi_turn: bool
     import sys
     raise ValueError(f"{where}: a number with more than {sys.get_int_max_str_digits()} "
                      f"digits, too long to read; write a long id as a string") from None
+  except RecursionError:
+    raise ValueError(f"{where}: its JSON is nested too deeply") from None
   if not isinstance(record, dict):
     raise ValueError(f"{where}: expected a JSON object, got {_json_type(record)}")
   formats = [k for k in _FORMATS if k in record]

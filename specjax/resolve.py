@@ -99,7 +99,7 @@ def load_target(ref: str = "default", *, seed: int = 0, flag: str = "target"):
     from specjax.models.transformer import Transformer
     tok = ByteTokenizer()
     return Transformer(random_target_config(flag, spec), rngs=nnx.Rngs(seed)), tok
-  return load_from_ref(flag, _model_dir(ref))
+  return load_from_ref(flag, ref)
 
 
 def _model_dir(ref: str) -> str:
@@ -171,10 +171,11 @@ def random_target_config(flag: str, spec: str):
 
 
 def load_from_ref(flag: str, path: str):
-  """checkpoints.load_model, its errors naming the argument."""
+  """checkpoints.load_model of a model directory (a Hugging Face one through its cached
+  import, `imported_hf`), its errors naming the argument."""
   from specjax.checkpoints import load_model
   try:
-    return load_model(path)
+    return load_model(_model_dir(path))
   except ValueError as e:
     raise ValueError(f"{flag} {path}: {e}") from None
   except OSError as e:

@@ -196,8 +196,8 @@ def test_cli_import_inspect_export(tmp_path, capsys):
   assert cli("export-hf", tmp_path / "ckpt", "--out", tmp_path / "out", "--overwrite") == 0
   assert hf.import_hf(tmp_path / "out").config.dtype == "bfloat16"
   assert cli("export-hf", tmp_path / "ckpt", "--out", tmp_path / "flax", "--layout", "flax") == 0
-  assert sorted(p.name for p in (tmp_path / "flax").iterdir()) == ["config.json",
-                                                                     hf.FLAX_MSGPACK]
+  assert sorted(p.name for p in (tmp_path / "flax").iterdir()) == [
+      hf.OUTPUT_MARKER, "config.json", hf.FLAX_MSGPACK]
   flax = hf.import_hf(tmp_path / "flax")
   assert flax.layout == "flax" and flax.config == config
   assert_params_equal(flax.params, params)

@@ -426,3 +426,37 @@ def test_training_the_eagle3_structure_then_export_and_import(tmp_path):
   again = _drafter(target, tmp_path / "again")
   for a, b in zip(jax.tree.leaves(drafter.head.params), jax.tree.leaves(again.head.params)):
     assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_formats_layers_for_small_targets():
+  """hidden_states (2, N // 2, N - 3) as capture indices (-1: the embedding output); N = 4..6
+  read a state twice, as the format does; N < 3 has no such states (issue 40, item 11)."""
+  from specjax.drafters.eagle3 import eagle3_layers
+  assert eagle3_layers(3) == (1, 0, -1)
+  assert [eagle3_layers(n) for n in (4, 5, 6, 7, 8)] == [(1, 1, 0), (1, 1, 1), (1, 2, 2),
+                                                          (1, 2, 3), (1, 3, 4)]
+  for n in (1, 2):
+    with pytest.raises(ValueError, match="needs 3 layers or more"):
+      eagle3_layers(n)
+
+
+@pytest.mark.slow
+def test_a_three_layer_target_reads_the_embedding_output(tmp_path):
+  """For N = 3 the format reads hidden_states 2, 1 and 0 (0: the embedding output): parity
+  with the reference; control: the old clamp to block 0 read twice breaks it."""
+  torch.manual_seed(3)
+  cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=FF,
+                                 num_hidden_layers=3, num_attention_heads=HEADS,
+                                 num_key_value_heads=KV, max_position_embeddings=256,
+                                 initializer_range=0.1, rms_norm_eps=1e-6, bos_token_id=None,
+                                 eos_token_id=None, pad_token_id=None)
+  model = transformers.LlamaForCausalLM(cfg).eval()
+  model.save_pretrained(tmp_path / "target")
+  target = hf.import_hf(tmp_path / "target").model()
+  tensors = _published(tmp_path / "pub", vocab=V, d_model=D, draft_ids=DRAFT_IDS, seed=5)
+  pub.import_head(tmp_path / "pub", target, tmp_path / "head")
+  good = _drafter(target, tmp_path / "head")
+  assert good.layers == (1, 0, -1)
+  assert parity_error(target, good, model, tensors, layers=(2, 1, 0)) < 1e-4
+  clamped = EagleDrafter.of(target, good.head, (1, 0, 0))
+  assert parity_error(target, clamped, model, tensors, layers=(2, 1, 0)) > 1e-2

@@ -415,3 +415,24 @@ def test_a_hf_target_by_reference_is_imported_once_and_cached_by_its_files(model
   cfg.write_text(cfg.read_text() + "\n")  # another file: another key
   resolve.load_target(str(src))
   assert len(calls) == 2 and len(list((tmp_path / "cache" / "hf").iterdir())) == 2
+
+
+def test_generate_target_dir_uses_the_cached_import(models, tmp_path, monkeypatch):
+  """`generate --target DIR` (commands.models.target_from_flags) reads a Hugging Face
+  directory's cached import as `bench` and `resolve.load_target` do, not a fresh import on
+  every call (issue 40, item 10)."""
+  import argparse
+  import shutil
+
+  from specjax.checkpoints import hf
+  from specjax.commands.models import target_from_flags
+  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))
+  src = tmp_path / "llama_dir"
+  shutil.copytree(models["llama"][1], src)
+  calls = []
+  real = hf.import_hf
+  monkeypatch.setattr(hf, "import_hf", lambda *a, **k: calls.append(a) or real(*a, **k))
+  args = argparse.Namespace(target=str(src), target_config=None)
+  target_from_flags(args)
+  target_from_flags(args)
+  assert len(calls) == 1 and len(list((tmp_path / "cache" / "hf").iterdir())) == 1

@@ -65,7 +65,8 @@ def test_exported_safetensors_get_the_umask_modes(tmp_path, umask, mask):
   params = {k: np.zeros(shape, np.float32) for k, shape in hf.param_shapes(config).items()}
   out = hf.export_hf((config, params), tmp_path / "hf")
   modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
-  assert modes == {"config.json": 0o666 & ~mask, "model.safetensors": 0o666 & ~mask}, modes
+  assert modes == {"config.json": 0o666 & ~mask, "model.safetensors": 0o666 & ~mask,
+                   dirs.MARKER: 0o666 & ~mask}, modes
   assert out.stat().st_mode & 0o777 == 0o777 & ~mask
 
 

@@ -59,8 +59,9 @@ def _randn(g, *shape, scale=0.17):
   return torch.randn(*shape, generator=g) * scale
 
 
-def eagle_tensors(seed: int, *, d=D, h=H, kv=KV, f=F, vocab=V, bias=True) -> dict:
-  """A random EAGLE-1/2 head in the published layout."""
+def eagle_tensors(seed: int, *, d=D, h=H, kv=KV, f=F, vocab=V, bias=True, embed=False) -> dict:
+  """A random EAGLE-1/2 head in the published layout (with a random copy of an embedding
+  when `embed`: another model's)."""
   g = torch.Generator().manual_seed(seed)
   hd = d // h
   w = {"fc.weight": _randn(g, d, 2 * d),
@@ -71,8 +72,9 @@ def eagle_tensors(seed: int, *, d=D, h=H, kv=KV, f=F, vocab=V, bias=True) -> dic
        "layers.0.post_attention_layernorm.weight": 1 + _randn(g, d, scale=0.1),
        "layers.0.mlp.gate_proj.weight": _randn(g, f, d),
        "layers.0.mlp.up_proj.weight": _randn(g, f, d),
-       "layers.0.mlp.down_proj.weight": _randn(g, d, f),
-       "embed_tokens.weight": _randn(g, vocab, d)}
+       "layers.0.mlp.down_proj.weight": _randn(g, d, f)}
+  if embed:
+    w["embed_tokens.weight"] = _randn(g, vocab, d)
   if bias:
     w["fc.bias"] = _randn(g, d)
   return w

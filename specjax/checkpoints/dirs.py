@@ -112,24 +112,50 @@ def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
     pass
 
 
-def prepare_output_dir(out: str | os.PathLike, overwrite: bool) -> pathlib.Path:
+MARKER = ".specjax-output"
+"""The file every directory `assembling` publishes holds: `--overwrite` replaces only a
+directory that has it (one specjax wrote), never one a user made."""
+
+
+def _inside(path: pathlib.Path, root: pathlib.Path) -> bool:
+  return path == root or root in path.parents
+
+
+def prepare_output_dir(out: str | os.PathLike, overwrite: bool,
+                       inputs: tuple = ()) -> pathlib.Path:
   """Refuse a non-empty output directory unless `overwrite`, and a location that cannot be
   written (read-only file system, no permission, a file where a directory belongs): checked
   before any work, by creating and removing a probe directory where `out` will be
-  assembled. Raises ValueError or OSError naming `out`."""
+  assembled. `overwrite` replaces only a directory specjax wrote (it holds `MARKER`), never
+  the working directory or one above it, nor one holding any of `inputs` (the paths the
+  output is made from). Raises ValueError or OSError naming `out`."""
   out = pathlib.Path(out)
+  real = pathlib.Path(os.path.realpath(out))
+  if _inside(pathlib.Path(os.path.realpath(os.getcwd())), real):
+    raise ValueError(f"output directory {str(out)!r} is the working directory or holds it: "
+                     f"name a new directory to write")
+  for source in inputs:
+    if source is not None and _inside(pathlib.Path(os.path.realpath(source)), real):
+      raise ValueError(f"output directory {str(out)!r} holds the input {str(source)!r}: "
+                       f"name a directory outside it")
   if out.exists() and not out.is_dir():
     raise ValueError(f"output path {str(out)!r} exists and is not a directory")
-  if out.is_dir() and any(out.iterdir()) and not overwrite:
-    raise ValueError(f"output directory {str(out)!r} is not empty (pass overwrite to replace it)")
-  parent = out.absolute().parent
+  if out.is_dir() and any(out.iterdir()):
+    if not overwrite:
+      raise ValueError(f"output directory {str(out)!r} is not empty (pass overwrite to "
+                       f"replace it)")
+    if not (out / MARKER).is_file():
+      raise ValueError(f"output directory {str(out)!r} was not written by specjax (it has no "
+                       f"{MARKER} file), so overwrite will not delete it: remove it yourself "
+                       f"or name another directory")
+  parent = real.parent
   while not parent.exists():  # the directories assembling() will create start here
     parent = parent.parent
   if not parent.is_dir():
     raise NotADirectoryError(errno.ENOTDIR, f"cannot create it: {str(parent)!r} is a file",
                              str(out))
   try:
-    os.rmdir(make_temp_dir(parent, out.name, "probe"))
+    os.rmdir(make_temp_dir(parent, real.name, "probe"))
   except OSError as e:
     raise OSError(e.errno, f"cannot write under {str(parent)!r}: {e.strerror or e}",
                   str(out)) from None
@@ -155,6 +181,7 @@ def assembling(out: pathlib.Path) -> Iterator[pathlib.Path]:
   out.parent.mkdir(parents=True, exist_ok=True)
   tmp = make_temp_dir(out.parent, out.name)
   try:
+    (tmp / MARKER).write_text("written by specjax; --overwrite may replace this directory\n")
     yield tmp
     publish_dir(tmp, out)
   except BaseException:

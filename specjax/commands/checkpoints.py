@@ -86,11 +86,11 @@ def _human(n: float) -> str:
   return str(n)
 
 
-def _output_dir(args: argparse.Namespace) -> pathlib.Path:
-  """hf.prepare_output_dir, its errors naming --out."""
+def _output_dir(args: argparse.Namespace, source) -> pathlib.Path:
+  """hf.prepare_output_dir, its errors naming --out (which may not hold `source`)."""
   from specjax.checkpoints import hf
   try:
-    return hf.prepare_output_dir(args.out, args.overwrite)
+    return hf.prepare_output_dir(args.out, args.overwrite, inputs=(source,))
   except ValueError as e:
     raise ValueError(f"--out: {e}" + (" (--overwrite)" if "overwrite" in str(e) else "")) \
         from None
@@ -132,7 +132,7 @@ def _import_tokenizer(args: argparse.Namespace, src: pathlib.Path, hf_config: di
 def run_import(args: argparse.Namespace) -> int:
   from specjax.checkpoints import describe, hf, save_model
   src = pathlib.Path(args.src)
-  _output_dir(args)  # fail before reading gigabytes
+  _output_dir(args, src)  # fail before reading gigabytes
   imported = hf.import_hf(src, dtype=args.dtype)
   tokenizer, tok_dir = _import_tokenizer(args, src, imported.hf_config,
                                          imported.config.vocab_size)
@@ -159,8 +159,8 @@ def run_export(args: argparse.Namespace) -> int:
   from specjax.checkpoints import hf, is_hf_dir, load_checkpoint, load_model
   from specjax.checkpoints.trained import TRAINED_KIND
   max_bytes = parse_size(args.max_shard_size)
-  _output_dir(args)
   src = pathlib.Path(args.ckpt)
+  _output_dir(args, src)
   if is_hf_dir(src):
     model, tokenizer = load_model(src)
     base = hf.read_hf_config(src)
@@ -179,7 +179,7 @@ def run_export(args: argparse.Namespace) -> int:
   out = hf.export_hf(model, args.out, dtype=args.dtype, tokenizer_dir=src, base_config=base,
                      max_shard_bytes=max_bytes, overwrite=args.overwrite,
                      layout=getattr(args, "layout", "safetensors"))
-  files = sorted(p.name for p in out.iterdir())
+  files = sorted(p.name for p in out.iterdir() if p.name != hf.OUTPUT_MARKER)
   print(f"exported {hf.family_for(model.config)} -> {out}: {', '.join(files)}")
   return 0
 

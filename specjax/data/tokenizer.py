@@ -189,11 +189,12 @@ def load_tokenizer(path: str | pathlib.Path | None = None) -> Tokenizer:
   if not p.is_file():
     raise ValueError(f"tokenizer path {str(path)!r} is not a tokenizer.json file or a "
                      "directory holding one (use None or 'byte' for the byte tokenizer)")
+  from specjax.data.json_files import loads
   try:
     text = p.read_text()
-    data = json.loads(text)
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+  except (OSError, UnicodeDecodeError) as e:
     raise ValueError(f"cannot read tokenizer file {str(p)!r}: {e}") from e
+  data = loads(text, f"tokenizer file {str(p)!r}")
   if isinstance(data, dict) and data.get("kind") == "byte":
     return ByteTokenizer()
   return BPETokenizer.from_json(text)

@@ -109,11 +109,11 @@ def default_layers(n_layers: int) -> tuple[int, ...]:
 
 def check_layers(target: ModelConfig, layers) -> tuple[int, ...]:
   if (not isinstance(layers, (tuple, list)) or not layers or not all(
-      isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= target.n_layers
+      isinstance(i, int) and not isinstance(i, bool) and -1 <= i <= target.n_layers
       for i in layers)):
     raise ValueError(f"layers must be a non-empty sequence of target layer indices in "
-                     f"[0, {target.n_layers}] ({target.n_layers} = the final norm's output), "
-                     f"got {layers!r}")
+                     f"[-1, {target.n_layers}] (-1 = the embedding output, {target.n_layers} = "
+                     f"the final norm's output), got {layers!r}")
   return tuple(int(i) for i in layers)
 
 

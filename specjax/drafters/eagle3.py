@@ -3,7 +3,8 @@ EAGLE-3, as vLLM and SGLang run it), driven by the same `EagleDrafter` as our `E
 
 With f_t = the target's residual streams entering three of its layers at position t (the
 published default: Hugging Face `output_hidden_states` indices 2, N // 2 and N - 3 of an
-N-layer target, i.e. specjax `capture` indices 1, N // 2 - 1 and N - 4: `eagle3_layers`),
+N-layer target, i.e. specjax `capture` indices 1, N // 2 - 1 and N - 4, -1 being the embedding
+output: `eagle3_layers`),
 e(x) the target's token embedding, and the head's own weights:
 
     u_t   = fc(concat_3 f_t)                       (3D -> D, no bias)
@@ -49,10 +50,18 @@ class DraftIds(nnx.Variable):
 
 
 def eagle3_layers(n_layers: int) -> tuple[int, ...]:
-  """The format's three target layers as specjax `capture` indices: the residual streams
-  entering Hugging Face layers 2, N // 2 and N - 3 (`output_hidden_states[i]` = the output
-  of block i - 1 = capture index i - 1), clamped to block 0 for targets under 5 layers."""
-  return tuple(max(0, i - 1) for i in (2, n_layers // 2, n_layers - 3))
+  """The format's three target layers as specjax `capture` indices: Hugging Face
+  `output_hidden_states[i]` for i in (2, N // 2, N - 3), where hidden_states[0] is the
+  embedding output (capture -1) and hidden_states[i] the output of block i - 1 (capture
+  i - 1; i = N, the normed last state, is capture N). N = 4, 5 and 6 name a state twice, as
+  the format does; N < 3 names an index below 0 or past the last one, which the format does
+  not define (ValueError)."""
+  ids = (2, n_layers // 2, n_layers - 3)
+  if n_layers < 3:
+    raise ValueError(f"the EAGLE-3 format reads the target's hidden states {ids} "
+                     f"(2, N // 2, N - 3), which a {n_layers}-layer target does not have: "
+                     f"it needs 3 layers or more")
+  return tuple(i - 1 for i in ids)
 
 
 def eagle3_config(target: ModelConfig, head: dict | None = None) -> ModelConfig:

@@ -241,13 +241,17 @@ def from_params(config: ModelConfig, params) -> "Transformer":
   return nnx.merge(graphdef_for(config), params)
 
 
+EMBEDDING = -1  # the `capture` index of the embedding output (Hugging Face hidden_states[0])
+
+
 def check_capture(config: ModelConfig, capture) -> tuple[int, ...]:
-  """Validates a `capture` tuple (layer indices 0..n_layers, see `Transformer.__call__`)."""
+  """Validates a `capture` tuple (layer indices -1..n_layers, see `Transformer.__call__`)."""
   if not isinstance(capture, tuple) or not all(
-      isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= config.n_layers
+      isinstance(i, int) and not isinstance(i, bool) and EMBEDDING <= i <= config.n_layers
       for i in capture):
-    raise ValueError(f"capture must be a tuple of layer indices in [0, {config.n_layers}] "
-                     f"(n_layers = the final norm's output), got {capture!r}")
+    raise ValueError(f"capture must be a tuple of layer indices in [{EMBEDDING}, "
+                     f"{config.n_layers}] ({EMBEDDING} = the embedding output, n_layers = the "
+                     f"final norm's output), got {capture!r}")
   return capture
 
 
@@ -522,7 +526,8 @@ class Transformer(nnx.Module):
 
     capture: a static tuple of layer indices whose outputs the caller also wants (drafters
     that read the target's hidden states: EAGLE, Medusa). Index i < n_layers is the residual
-    stream after block i; i = n_layers is the final norm's output (what the LM head reads).
+    stream after block i; i = n_layers is the final norm's output (what the LM head reads);
+    i = -1 (`EMBEDDING`) is the embedding output entering block 0.
     With a non-empty `capture` a fourth item is returned: features_BTCD float32, C =
     len(capture), in the order given. The computation is the same pass either way.
     """
@@ -530,7 +535,7 @@ class Transformer(nnx.Module):
     x = jnp.take(self.embed[...], tokens_BT, axis=0).astype(jnp.float32)
     if self.pos_embed is not None:
       x = x + jnp.take(self.pos_embed[...], positions_BT, axis=0).astype(jnp.float32)
-    kept = {}
+    kept = {EMBEDDING: x} if EMBEDDING in capture else {}
     for layer, block in enumerate(self.blocks):
       x, cache = block(x, positions_BT, cache, layer, block_mask_TT)
       if layer in capture:

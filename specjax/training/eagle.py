@@ -32,9 +32,9 @@ def check_unroll(steps, decay, layers) -> tuple[int, ...] | None:
   if layers is None:
     return None
   if not isinstance(layers, (tuple, list)) or not layers or not all(
-      isinstance(i, (int, np.integer)) and not isinstance(i, bool) and i >= 0 for i in layers):
-    raise ValueError(f"layers must be a non-empty sequence of layer indices >= 0, got "
-                     f"{layers!r}")
+      isinstance(i, (int, np.integer)) and not isinstance(i, bool) and i >= -1 for i in layers):
+    raise ValueError(f"layers must be a non-empty sequence of layer indices >= -1 (-1: the "
+                     f"embedding output), got {layers!r}")
   return tuple(int(i) for i in layers)
 
 

@@ -17,6 +17,7 @@ One file per concern:
 
 from __future__ import annotations
 
+from specjax.checkpoints.dirs import MARKER as OUTPUT_MARKER
 from specjax.checkpoints.dirs import prepare_output_dir, publish_dir
 from specjax.checkpoints.hf.config import (ARCHITECTURES, FAMILIES, config_from_hf, detect_family,
                                            family_for, hf_config_for, read_hf_config,
@@ -39,7 +40,7 @@ __all__ = [
     "build_model", "checkpoint_layout", "config_from_hf", "convert_in", "convert_out",
     "copy_tokenizer_files", "detect_family", "export_hf", "family_for", "hf_config_for",
     "import_hf", "itemsize", "load_tokenizer_for", "model_params", "nest", "param_shapes",
-    "prepare_output_dir", "publish_dir", "read_flax_msgpack", "read_hf_config",
+    "OUTPUT_MARKER", "prepare_output_dir", "publish_dir", "read_flax_msgpack", "read_hf_config",
     "read_safetensors", "read_tensors", "rope_fields_of", "rope_theta_of", "rules_for",
     "safetensors_specs",
     "tensor_headers", "write_flax_msgpack", "write_safetensors",

@@ -15,7 +15,6 @@ config.json may leave out take transformers' defaults.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from typing import Iterable, Mapping
@@ -32,13 +31,8 @@ def read_hf_config(directory: str | os.PathLike) -> dict:
   path = pathlib.Path(directory) / "config.json"
   if not path.is_file():
     raise ValueError(f"{str(directory)!r} is not a Hugging Face model directory: no config.json")
-  try:
-    config = json.loads(path.read_text())
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ValueError(f"cannot read {str(path)!r}: {e}") from e
-  if not isinstance(config, dict):
-    raise ValueError(f"{str(path)!r} does not hold a JSON object")
-  return config
+  from specjax.data.json_files import read_object
+  return read_object(path)
 
 
 def detect_family(hf: Mapping) -> str:

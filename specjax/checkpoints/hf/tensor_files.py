@@ -220,11 +220,9 @@ def checkpoint_layout(directory: str | os.PathLike) -> str:
 
 
 def _read_index(directory: pathlib.Path) -> dict[str, str]:
-  try:
-    index = json.loads((directory / SAFETENSORS_INDEX).read_text())
-    weight_map = index["weight_map"]
-  except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-    raise ValueError(f"cannot read {SAFETENSORS_INDEX} in {str(directory)!r}: {e}") from e
+  from specjax.data.json_files import field, read_object
+  path = directory / SAFETENSORS_INDEX
+  weight_map = field(read_object(path), "weight_map", "object", where=repr(str(path)))
   for name, file in weight_map.items():
     if not isinstance(file, str) or pathlib.Path(file).name != file:
       raise ValueError(f"{SAFETENSORS_INDEX}: tensor {name!r} maps to {file!r}, not a file name")

@@ -20,18 +20,75 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja")
 
 
+_SLOW_FILES = ("vocab.json", "merges.txt", "tokenizer.model")
+
+
+def _backend(d: pathlib.Path, tokenizers):
+  """The `tokenizers.Tokenizer` of a directory, as transformers loads it: tokenizer.json;
+  else GPT-2's byte-level BPE from vocab.json + merges.txt; else a SentencePiece
+  tokenizer.model converted by transformers (refused, naming what to install, without it)."""
+  from specjax.data.json_files import read_object
+  if (d / "tokenizer.json").is_file():
+    try:
+      return tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception type
+      raise ValueError(f"cannot read {str(d / 'tokenizer.json')!r}: {e}") from e
+  if (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
+    try:
+      bpe = tokenizers.models.BPE.from_file(str(d / "vocab.json"), str(d / "merges.txt"))
+    except Exception as e:  # noqa: BLE001
+      raise ValueError(f"cannot read {str(d / 'vocab.json')!r} with merges.txt as a byte-level "
+                       f"BPE: {' '.join(str(e).split())}") from None
+    backend = tokenizers.Tokenizer(bpe)
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    backend.post_processor = tokenizers.processors.ByteLevel(trim_offsets=False)
+    tc = read_object(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() \
+        else {}
+    specials = []
+    for entry in (tc.get("added_tokens_decoder") or {}).values():
+      if isinstance(entry, Mapping) and isinstance(entry.get("content"), str):
+        specials.append(entry["content"])
+    for field in ("bos_token", "eos_token", "unk_token", "pad_token"):
+      tok = tc.get(field)
+      tok = tok.get("content") if isinstance(tok, Mapping) else tok
+      if isinstance(tok, str):
+        specials.append(tok)
+    known = [t for t in dict.fromkeys(specials) if backend.token_to_id(t) is not None]
+    if known:
+      backend.add_special_tokens(known)
+    return backend
+  if (d / "tokenizer.model").is_file():
+    try:
+      import transformers
+    except ImportError:
+      raise ValueError(f"{str(d / 'tokenizer.model')!r} is a SentencePiece tokenizer, which "
+                       f"specjax reads through transformers: pip install transformers "
+                       f"sentencepiece (or give the model's tokenizer.json)") from None
+    try:
+      fast = transformers.AutoTokenizer.from_pretrained(str(d), use_fast=True)
+      return fast.backend_tokenizer
+    except Exception as e:  # noqa: BLE001 - conversion raises many kinds
+      raise ValueError(f"cannot convert {str(d / 'tokenizer.model')!r} with transformers "
+                       f"({' '.join(str(e).split())[:160]}): pip install sentencepiece "
+                       f"protobuf, or give the model's tokenizer.json") from None
+  present = [n for n in _SLOW_FILES if (d / n).is_file()]
+  raise ValueError(f"{str(d)!r} holds {present} but no tokenizer.json: a byte-level BPE "
+                   f"needs both vocab.json and merges.txt")
+
+
 def load_tokenizer_for(directory: str | os.PathLike, hf_config: dict | None = None) -> Any:
   """The tokenizer stored in `directory`: a Hugging Face tokenizer.json (HFTokenizer), a
   specjax tokenizer file, or the byte tokenizer when there is no tokenizer.json."""
   from specjax.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
   path = pathlib.Path(directory) / "tokenizer.json"
   if not path.is_file():
+    if any((pathlib.Path(directory) / n).is_file() for n in _SLOW_FILES):
+      return HFTokenizer.from_dir(directory, hf_config)  # what transformers loads: never bytes
     return ByteTokenizer()
-  try:
-    data = json.loads(path.read_text())
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ValueError(f"cannot read {str(path)!r}: {e}") from e
-  if isinstance(data, dict) and data.get("kind") == "byte":
+  from specjax.data.json_files import read_object
+  data = read_object(path)
+  if data.get("kind") == "byte":
     return ByteTokenizer()
   vocab = {t.get("content") for t in data.get("added_tokens", []) if isinstance(t, dict)}
   if set(BPETokenizer.SPECIALS) <= vocab:
@@ -55,11 +112,11 @@ def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list
 
 
 def _is_byte_marker(path: pathlib.Path) -> bool:
+  from specjax.data.json_files import read_object
   try:
-    data = json.loads(path.read_text())
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    return read_object(path).get("kind") == "byte"
+  except ValueError:
     return False
-  return isinstance(data, dict) and data.get("kind") == "byte"
 
 
 def generation_eos_ids(config: Mapping, path: str | os.PathLike = "generation_config.json"
@@ -111,16 +168,11 @@ class HFTokenizer:
     except ImportError as e:
       raise ImportError("reading a Hugging Face tokenizer.json needs the `tokenizers` package "
                         "(pip install 'specjax[hf]')") from e
-    try:
-      backend = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
-    except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception type
-      raise ValueError(f"cannot read {str(d / 'tokenizer.json')!r}: {e}") from e
+    backend = _backend(d, tokenizers)
+    from specjax.data.json_files import read_object
     extra = {}
     for name in ("generation_config.json", "tokenizer_config.json"):
-      try:
-        extra[name] = json.loads((d / name).read_text())
-      except (OSError, json.JSONDecodeError):
-        extra[name] = {}
+      extra[name] = read_object(d / name) if (d / name).is_file() else {}
     tc, gc, mc = extra["tokenizer_config.json"], extra["generation_config.json"], hf_config or {}
 
     def token_id(field: str) -> int | None:

@@ -25,6 +25,8 @@ FORMATS = {
     "medusa": medusa,
 }
 
+_NAMES = {"eagle": "an EAGLE-1/2", "eagle3": "an EAGLE-3", "medusa": "a Medusa"}
+
 
 def _format(name: str, flag: str):
   if name not in FORMATS:
@@ -61,14 +63,36 @@ def detect_kind(src_dir: str | os.PathLike) -> str:
                    f"tensor names: pass the kind ({', '.join(sorted(FORMATS))})")
 
 
+def _check_out(out_dir, overwrite: bool, source, target) -> None:
+  """The output directory's refusals (`dirs.prepare_output_dir`) before any reading, naming
+  --out; it may not hold the source nor a target directory."""
+  from specjax.checkpoints.dirs import prepare_output_dir
+  inputs = (source,) + ((target,) if isinstance(target, (str, os.PathLike))
+                        and os.path.exists(target) else ())
+  try:
+    prepare_output_dir(out_dir, overwrite, inputs=inputs)
+  except ValueError as e:
+    raise ValueError(f"--out: {e}") from None
+
+
 def import_head(src_dir: str | os.PathLike, target, out_dir: str | os.PathLike, *,
                 kind: str | None = None, **kwargs) -> pathlib.Path:
   """Import a published head (kind None: `detect_kind`) as a specjax head directory."""
+  if kind is not None and kind in FORMATS:
+    try:
+      found = detect_kind(src_dir)
+    except ValueError:  # the files do not tell: the kind given is taken
+      found = kind
+    if found != kind:
+      raise ValueError(f"--kind {kind}: {str(src_dir)!r} is {_NAMES[found]} head (its "
+                       f"config.json and tensor names say so): use --kind {found}")
   kind = detect_kind(src_dir) if kind is None else kind
+  _check_out(out_dir, kwargs.get("overwrite", False), src_dir, target)
   return _format(kind, "kind").import_head(src_dir, target, out_dir, **kwargs)
 
 
 def export_head(head_dir: str | os.PathLike, target, out_dir: str | os.PathLike, *,
                 format: str, **kwargs) -> pathlib.Path:
   """Export a specjax head directory in a published format."""
+  _check_out(out_dir, kwargs.get("overwrite", False), head_dir, target)
   return _format(format, "format").export_head(head_dir, target, out_dir, **kwargs)

@@ -64,8 +64,10 @@ def _check_config(hf: dict, config) -> None:
   """The head's config must describe the target's layer (one line naming the field)."""
   fields = [("num_attention_heads", config.n_heads), ("num_key_value_heads", config.n_kv_heads),
             ("rms_norm_eps", config.norm_eps), ("rope_theta", config.rope_theta)]
+  from specjax.data.json_files import field
   for name, want in fields:
-    have = hf.get(name)
+    have = field(hf, name, "number" if isinstance(want, float) else "positive int",
+                 where="config.json", default=None, null_ok=True)
     if have is None:
       continue
     if (float(have) != float(want)) if isinstance(want, float) else have != want:
@@ -126,7 +128,9 @@ def import_head(src_dir: str | os.PathLike, target, out_dir: str | os.PathLike, 
   (`eagle:OUT_DIR`)."""
   module, tok = files.target_of(target, tokenizer)
   hf = files.read_config(src_dir, required=False)
-  kind, params = head_params(hf, files.read_weights(src_dir), module.config)
+  tensors = files.read_weights(src_dir)
+  kind, params = head_params(hf, tensors, module.config)
+  files.check_embedding(tensors, module)  # a copy of another model's embedding: refused
   meta = {"source": {"format": FORMAT, "path": str(pathlib.Path(src_dir).resolve()),
                      "config": hf}}
   return files.save_bound_head(out_dir, kind, params, module, tok, meta, overwrite)

@@ -63,15 +63,16 @@ def _layers(config: Mapping, n_layers: int) -> tuple[int, ...]:
   if hf is None:
     return eagle3_layers(n_layers)
   if (not isinstance(hf, list) or not hf or not all(isinstance(i, int) for i in hf)
-      or min(hf) < 1 or max(hf) > n_layers):
+      or min(hf) < 0 or max(hf) > n_layers):
     raise ValueError(f"config.json: eagle_aux_hidden_state_layer_ids={hf!r} must list hidden-"
-                     f"state indices in [1, {n_layers}] of the {n_layers}-layer target")
+                     f"state indices in [0, {n_layers}] of the {n_layers}-layer target")
   return tuple(hidden_state_to_capture(i, n_layers) for i in hf)
 
 
 def hidden_state_to_capture(i: int, n_layers: int) -> int:
-  """The specjax capture index of Hugging Face hidden state i: the output of block i - 1
-  for i < N, the final norm's output for i = N (transformers' last hidden state is normed)."""
+  """The specjax capture index of Hugging Face hidden state i: the embedding output (-1) for
+  i = 0, the output of block i - 1 for 0 < i < N, the final norm's output for i = N
+  (transformers' last hidden state is normed)."""
   return i - 1 if i < n_layers else n_layers
 
 
@@ -88,21 +89,24 @@ def capture_to_hidden_state(c: int, n_layers: int) -> int:
 def _head_fields(config: Mapping, d_model: int) -> dict:
   """The decoder-layer fields config.json gives (`eagle3.HEAD_FIELDS`)."""
   from specjax.checkpoints.hf.config import rope_fields_of
-  act = config.get("hidden_act", "silu")
+  from specjax.data.json_files import field
+  act = field(config, "hidden_act", "str", where="config.json", default="silu", null_ok=True)
   if act != "silu":
     raise ValueError(f"config.json: hidden_act={act!r} is not supported (EAGLE-3 heads use "
                      "silu)")
   for flag in ("attention_bias", "mlp_bias"):
     if config.get(flag):
       raise ValueError(f"config.json: {flag}=true is not supported (EAGLE-3 heads have none)")
-  need = [k for k in ("num_attention_heads", "intermediate_size") if k not in config]
-  if need:
-    raise ValueError(f"config.json lacks {need[0]}")
-  heads = int(config["num_attention_heads"])
-  fields = {"n_heads": heads, "n_kv_heads": int(config.get("num_key_value_heads", heads)),
-            "d_ff": int(config["intermediate_size"]),
-            "norm_eps": float(config.get("rms_norm_eps", 1e-6)), **rope_fields_of(config)}
-  head_dim = config.get("head_dim")
+  from specjax.data.json_files import field
+  w = "config.json"
+  heads = field(config, "num_attention_heads", "positive int", where=w)
+  fields = {"n_heads": heads,
+            "n_kv_heads": field(config, "num_key_value_heads", "positive int", where=w,
+                                default=heads, null_ok=True),
+            "d_ff": field(config, "intermediate_size", "positive int", where=w),
+            "norm_eps": float(field(config, "rms_norm_eps", "positive number", where=w,
+                                    default=1e-6, null_ok=True)), **rope_fields_of(config)}
+  head_dim = field(config, "head_dim", "positive int", where=w, default=None, null_ok=True)
   fields["head_dim_override"] = (None if head_dim is None or heads * int(head_dim) == d_model
                                  else int(head_dim))
   return fields
@@ -116,7 +120,11 @@ def head_params(config: Mapping, tensors: Mapping[str, np.ndarray], target) -> t
   d, v = tc.d_model, tc.vocab_size
   layers = _layers(config, tc.n_layers)
   fields = _head_fields(config, d)
-  vd = int(config.get("draft_vocab_size") or config.get("vocab_size") or v)
+  from specjax.data.json_files import field
+  vd = (field(config, "draft_vocab_size", "positive int", where="config.json", default=None,
+              null_ok=True)
+        or field(config, "vocab_size", "positive int", where="config.json", default=None,
+                 null_ok=True) or v)
   if "d2t" in tensors:
     d2t = np.asarray(tensors["d2t"])
     if d2t.shape != (vd,):
@@ -129,7 +137,7 @@ def head_params(config: Mapping, tensors: Mapping[str, np.ndarray], target) -> t
                      f"{v})")
   ids = check_draft_ids(ids, v, "d2t")
   _check_t2d(tensors, ids, config, v)
-  _check_embedding(tensors, target)
+  files.check_embedding(tensors, target)
   module = nnx.eval_shape(lambda: Eagle3Head(tc, len(layers), ids, head=fields,
                                              rngs=nnx.Rngs(0)))
   where = f"a head for this target ({tc.n_layers} layers, d_model {d}, vocabulary {v})"
@@ -169,21 +177,6 @@ def _check_t2d(tensors, ids: np.ndarray, config: Mapping, v: int) -> None:
   mask[ids] = True
   if not np.array_equal(mask[:t2d.shape[0]], t2d) or mask[t2d.shape[0]:].any():
     raise ValueError("tensor t2d does not mark exactly the target ids d2t maps to")
-
-
-def _check_embedding(tensors, target) -> None:
-  """A head that ships its own copy of the embedding must ship the target's, up to bfloat16
-  rounding (specjax drafts with the target's embedding, as EAGLE-3 does)."""
-  if "embed_tokens.weight" not in tensors:
-    return
-  ours = np.asarray(target.embed[...], np.float32)
-  theirs = np.asarray(tensors["embed_tokens.weight"])
-  if theirs.shape != ours.shape:
-    raise ValueError(f"tensor embed_tokens.weight has shape {theirs.shape} but the target's "
-                     f"embedding is {ours.shape}")
-  if not np.allclose(theirs.astype(np.float32), ours, rtol=2.0 ** -7, atol=0.0):
-    raise ValueError("tensor embed_tokens.weight differs from the target's embedding beyond "
-                     "bfloat16 rounding (specjax drafts with the target's own)")
 
 
 # ----------------------------------------------------------------------------- head directories

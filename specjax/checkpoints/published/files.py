@@ -39,18 +39,16 @@ def read_config(directory: str | os.PathLike, required: bool = True) -> dict:
     if required:
       raise ValueError(f"{str(directory)!r} holds no {CONFIG}")
     return {}
-  try:
-    data = json.loads(path.read_text())
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ValueError(f"cannot read {str(path)!r}: {e}") from None
-  if not isinstance(data, dict):
-    raise ValueError(f"{str(path)!r} must hold a JSON object, got {type(data).__name__}")
-  return data
+  from specjax.data.json_files import read_object
+  return read_object(path)
 
 
 def weight_files(directory: str | os.PathLike) -> list[pathlib.Path]:
   """The weight files of a head directory: its safetensors files, else its pickles."""
   d = pathlib.Path(directory)
+  if d.exists() and not d.is_dir():
+    raise ValueError(f"head directory {str(directory)!r} is a file, not a directory: give "
+                     f"the directory holding the head's config.json and weights")
   if not d.is_dir():
     raise ValueError(f"head directory {str(directory)!r} does not exist")
   files = sorted(d.glob("*.safetensors"))
@@ -75,6 +73,11 @@ def _read_pickle(path: pathlib.Path) -> dict[str, np.ndarray]:
   try:
     state = torch.load(path, map_location="cpu", weights_only=True)
   except Exception as e:  # torch raises many kinds for a damaged or unsafe pickle
+    if "weights_only" in str(e) or "Unsupported global" in str(e):
+      raise ValueError(f"{path.name!r} is a PyTorch pickle that holds more than tensors "
+                       f"(code or objects a safe load refuses to run), so specjax will not "
+                       f"load it: re-save the head's state dict alone, or as safetensors") \
+          from None
     raise ValueError(f"cannot read {path.name!r} as PyTorch weights: "
                      f"{' '.join(str(e).split())[:200]}") from None
   if not isinstance(state, Mapping):
@@ -101,6 +104,10 @@ def read_weights(directory: str | os.PathLike) -> dict[str, np.ndarray]:
       x = np.asarray(tensors[name])
       out[name] = x.astype(np.float32) if x.dtype.kind == "f" or x.dtype.name == "bfloat16" \
           else x
+      if out[name].dtype.kind == "f" and not np.isfinite(out[name]).all():
+        bad = int(np.size(out[name]) - np.isfinite(out[name]).sum())
+        raise ValueError(f"tensor {name!r} of {path.name!r} holds {bad} non-finite values "
+                         f"(NaN or inf): the head's weights are damaged")
   return out
 
 
@@ -110,6 +117,21 @@ def check_shape(name: str, array, want: tuple[int, ...], what: str) -> None:
   if have != tuple(want):
     raise ValueError(f"tensor {name!r} has shape {have} but the target needs {tuple(want)} "
                      f"({what}): the head was made for another model")
+
+
+def check_embedding(tensors, target) -> None:
+  """A head that ships its own copy of the embedding must ship the target's, up to bfloat16
+  rounding (specjax drafts with the target's embedding, as EAGLE and EAGLE-3 do)."""
+  if "embed_tokens.weight" not in tensors:
+    return
+  ours = np.asarray(target.embed[...], np.float32)
+  theirs = np.asarray(tensors["embed_tokens.weight"])
+  if theirs.shape != ours.shape:
+    raise ValueError(f"tensor embed_tokens.weight has shape {theirs.shape} but the target's "
+                     f"embedding is {ours.shape}")
+  if not np.allclose(theirs.astype(np.float32), ours, rtol=2.0 ** -7, atol=0.0):
+    raise ValueError("tensor embed_tokens.weight differs from the target's embedding beyond "
+                     "bfloat16 rounding (specjax drafts with the target's own)")
 
 
 def write_dir(out: str | os.PathLike, tensors: Mapping[str, np.ndarray], weights_name: str,

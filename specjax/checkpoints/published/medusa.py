@@ -39,11 +39,11 @@ def _sizes(hf: dict, names) -> tuple[int, int]:
   found = [m.groups() for m in map(_NAME.match, names) if m]
   if not found:
     raise ValueError("no Medusa head tensors ({i}.{r}.linear.weight, {i}.{R}.weight) found")
-  k = hf.get("medusa_num_heads", 1 + max(int(i) for i, _, _ in found))
-  r = hf.get("medusa_num_layers", max(int(j) for _, j, _ in found))
-  if not isinstance(k, int) or not isinstance(r, int) or k < 1 or r < 1:
-    raise ValueError(f"config.json medusa_num_heads and medusa_num_layers must be ints >= 1, "
-                     f"got {k!r} and {r!r}")
+  from specjax.data.json_files import field
+  k = field(hf, "medusa_num_heads", "positive int", where="config.json",
+            default=1 + max(int(i) for i, _, _ in found))
+  r = field(hf, "medusa_num_layers", "positive int", where="config.json",
+            default=max(int(j) for _, j, _ in found))
   return k, r
 
 
