@@ -86,9 +86,13 @@ class GGUFFile:
     if kind not in TENSOR_TYPES:
       raise ValueError(f"GGUF file {str(self.path)!r}: tensor {name!r} has type {kind}, not "
                        f"supported (supported: {', '.join(TENSOR_TYPES)})")
-    gguf = gguf_package()
-    x = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+    x = dequantize(np.asarray(t.data), t.tensor_type)
     return np.asarray(x, np.float32).reshape(self.shape(name))
+
+
+def dequantize(data: np.ndarray, qtype) -> np.ndarray:
+  """A tensor's stored blocks as floats: `gguf.quants.dequantize` (ggml-org's reference)."""
+  return gguf_package().quants.dequantize(data, qtype)
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
