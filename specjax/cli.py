@@ -32,6 +32,7 @@ COMMANDS = {
     "theory": "specjax.commands.theory",
     "train": "specjax.commands.train",
     "import-hf, export-hf, inspect": "specjax.commands.checkpoints",
+    "import-gguf": "specjax.commands.gguf",
     "run, merge": "specjax.commands.run",
     "bench": "specjax.commands.bench",
     "import-head, export-head": "specjax.commands.heads",

@@ -15,6 +15,9 @@ target:
   a directory      a Hugging Face model directory (imported on first use and cached under
                    $SPECJAX_CACHE_DIR/hf, keyed by the sha256 of its files: `imported_hf`)
                    or a specjax checkpoint (`checkpoints.load_model`)
+  a .gguf file     a GGUF model file (llama.cpp's format), imported on first use and cached
+                   under $SPECJAX_CACHE_DIR/gguf, keyed by the sha256 of the file:
+                   `imported_gguf`
 draft:
   "default"        the embedded pair's distilled draft model (with the default target)
   "self"           the target as its own draft
@@ -27,7 +30,7 @@ draft:
   "medusa:DIR"     Medusa heads ("medusa:default"); k is the node budget of the best static
                    tree for their measured acceptance
   "random:SPEC"    a random draft model on the target's vocabulary
-  a directory      a draft model checkpoint
+  a directory      a draft model checkpoint (or a .gguf file, as for the target)
 The shape: `k` (a chain; "auto" for adaptive speculation) or `tree` (a `trees` spec),
 returned as the keyword arguments `decoding.speculative_generate` takes (`Loaded.shape`).
 Errors name the argument (`flag`: the CLI passes its flag names) and what is allowed.
@@ -104,7 +107,7 @@ def load_target(ref: str = "default", *, seed: int = 0, flag: str = "target"):
 
 def _model_dir(ref: str) -> str:
   """A model directory to load: a Hugging Face one's cached import (`imported_hf`), else
-  the reference itself."""
+  the reference itself (a GGUF file is imported by `load_from_ref`)."""
   from specjax.checkpoints import is_hf_dir
   return str(imported_hf(ref)) if is_hf_dir(ref) else ref
 
@@ -143,6 +146,25 @@ def imported_hf(directory):
   return entry
 
 
+def imported_gguf(path):
+  """The specjax checkpoint of a GGUF file: imported once (float32) into
+  $SPECJAX_CACHE_DIR/gguf/<file stem>-<first 16 hex digits of the file's sha256> and reused
+  after; written all or nothing (`gguf.save_gguf`)."""
+  import pathlib
+
+  from specjax.checkpoints.dirs import file_sha256
+  from specjax.checkpoints.gguf import open_gguf, save_gguf
+  from specjax.training.defaults import cache_dir
+  src = pathlib.Path(path)
+  open_gguf(src)  # a missing, foreign or truncated file is named before it is hashed
+  key = file_sha256(src)
+  entry = cache_dir() / "gguf" / f"{src.name.removesuffix('.gguf')}-{key[:16]}"
+  if not entry.is_dir():
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    save_gguf(src, entry, metadata={"source": str(src.resolve()), "sha256": key})
+  return entry
+
+
 def config_from_ref(flag: str, spec: str, vocab_size: int | None):
   """parse_config (with `vocab_size` unless None), its errors naming the argument."""
   from specjax.models.presets import parse_config
@@ -172,9 +194,13 @@ def random_target_config(flag: str, spec: str):
 
 def load_from_ref(flag: str, path: str):
   """checkpoints.load_model of a model directory (a Hugging Face one through its cached
-  import, `imported_hf`), its errors naming the argument."""
+  import, `imported_hf`; a GGUF file through `imported_gguf`), its errors naming the
+  argument."""
   from specjax.checkpoints import load_model
+  from specjax.checkpoints.gguf.read import is_gguf_file
   try:
+    if str(path).endswith(".gguf") or is_gguf_file(path):
+      return load_model(imported_gguf(path))
     return load_model(_model_dir(path))
   except ValueError as e:
     raise ValueError(f"{flag} {path}: {e}") from None

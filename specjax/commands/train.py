@@ -409,11 +409,8 @@ def _head_target(args):
                                  "cached default targets)"))
   from flax import nnx
 
-  from specjax.checkpoints import load_model
-  try:
-    model, tokenizer = load_model(args.target)
-  except ValueError as e:
-    raise ValueError(f"--target {args.target}: {e}") from None
+  from specjax.resolve import load_from_ref  # a checkpoint, HF directory or .gguf file
+  model, tokenizer = load_from_ref("--target", args.target)
   return model.config, nnx.state(model, nnx.Param), tokenizer
 
 
