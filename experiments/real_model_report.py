@@ -78,8 +78,10 @@ def report(records: list[dict], run_dir) -> str:
   for m in ms:
     per_cat.setdefault((m["temperature"], m["category"]), set()).add(m["question_id"])
   lines = ["## Spec-Bench on a real model", "",
-           f"Target `{params.get('target')}`, transformers on `{params.get('hf_model') or params.get('target')}` "
-           f"(same float32 weights), prompts `{params.get('prompts')}` "
+           f"Target `{params.get('target')}`, "
+           + (f"transformers on `{params.get('hf_model') or params.get('target')}` (same "
+              f"float32 weights), " if params.get("hf_systems") else "no transformers, ")
+           + f"prompts `{params.get('prompts')}` "
            f"({max(len(v) for v in per_cat.values())} per category at most), chat template, "
            f"batch 1, {params.get('max_new_tokens')} new tokens at most, median of "
            f"{params.get('repeats')} alternated calls, torch threads "
