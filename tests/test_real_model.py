@@ -187,3 +187,28 @@ def test_real_model_run_beside_transformers_resumes(tmp_path, monkeypatch):
   assert "### T = 0" in report and "| rag | 1 |" in report
   assert front.main(argv) == 0  # resumed: nothing left to do
   assert len((out / "results.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.slow  # transformers' import and generate: tens of seconds on a loaded CPU
+def test_hf_peer_generate_is_greedy_and_counts_forwards():
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from specjax.experiments import hf_peer
+  torch.manual_seed(0)
+  cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1, initializer_range=0.5)
+  model = transformers.LlamaForCausalLM(cfg).eval()
+  prompt = [3, 5, 7, 3, 5, 7, 3, 5]
+  ids = list(prompt)
+  with torch.inference_mode():
+    for _ in range(6):  # the greedy law, by hand
+      ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+  plain = hf_peer.generate(model, prompt, 6, min_new_tokens=6)
+  assert plain.tokens == ids[len(prompt):]
+  assert plain.forwards == 6 and plain.tau == 1.0  # one forward per token
+  lookup = hf_peer.generate(model, prompt, 6, min_new_tokens=6, lookup_tokens=3)
+  assert lookup.tokens == plain.tokens and lookup.forwards <= plain.forwards
+  sampled = [hf_peer.generate(model, prompt, 6, temperature=1.0, seed=s).tokens
+             for s in (1, 1, 2)]
+  assert sampled[0] == sampled[1]  # seeded: the same draw again
