@@ -31,7 +31,12 @@ def table(records: list[dict]) -> list[dict]:
   speedup, speedup_decode, predicted_speedup, efficiency, identical (at T = 0: how many of
   the questions gave the library's plain tokens; None at T > 0)."""
   ok = [r["metrics"] for r in records if r.get("metrics")]
-  systems = list(dict.fromkeys(n for m in ok for n in m["systems"]))
+  named = [f"specjax {s}" for s in (records[0].get("params") or {}).get("systems", [])]
+  found = list(dict.fromkeys(n for m in ok for n in m["systems"]))
+  # the columns: each library's plain first, specjax's systems in the order asked
+  order = ["specjax plain", *named, "transformers plain"]
+  systems = sorted(found, key=lambda n: (n.startswith("transformers"),
+                                         order.index(n) if n in order else len(order), n))
   out = []
   for temp in sorted({m["temperature"] for m in ok}):
     at_t = [m for m in ok if m["temperature"] == temp]
