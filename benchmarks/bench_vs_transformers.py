@@ -64,13 +64,9 @@ def build_models(directory: str, seed: int):
 
 
 def hf_generate(model, prompt, n, assistant=None):
-  import torch
-  ids = torch.tensor([prompt])
-  with torch.inference_mode():
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                         min_new_tokens=n, do_sample=False, num_beams=1, eos_token_id=None,
-                         pad_token_id=0, assistant_model=assistant)
-  return out[0, len(prompt):].tolist()
+  """Greedy transformers `generate` of exactly n tokens (`hf_peer.generate`)."""
+  from specjax.experiments import hf_peer
+  return hf_peer.generate(model, prompt, n, assistant=assistant, min_new_tokens=n).tokens
 
 
 def pick_torch_threads(model, prompt) -> int:
@@ -88,13 +84,6 @@ def pick_torch_threads(model, prompt) -> int:
     if best is None or elapsed < best[1]:
       best = (threads, elapsed)
   return best[0]
-
-
-def pin_assistant(model, k: int) -> None:
-  """Fixed draft length k for transformers' assisted generation (its default adapts k)."""
-  model.generation_config.num_assistant_tokens = k
-  model.generation_config.num_assistant_tokens_schedule = "constant"
-  model.generation_config.assistant_confidence_threshold = 0.0
 
 
 def main() -> None:
@@ -118,6 +107,7 @@ def main() -> None:
 
   from specjax import decoding
   from specjax.checkpoints import load_model
+  from specjax.experiments.hf_peer import pin_assistant
 
   transformers.logging.set_verbosity_error()
   load_before = _uptime()
