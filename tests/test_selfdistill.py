@@ -179,6 +179,7 @@ def test_masked_loss_counts_only_answer_positions(target):
   assert abs(float(masked) - float(plain)) > 1e-4  # the mask reaches the loss
 
 
+@pytest.mark.slow  # trains (two steps of each trainer)
 def test_head_and_draft_trainers_read_the_shards(data_dir, tmp_path, capsys):
   from specjax.cli import main
   common = ["--corpus", f"selfdistill:{data_dir}", "--steps", "2", "--batch-size", "2",

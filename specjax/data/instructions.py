@@ -166,6 +166,15 @@ def _head(passage: str, code: bool) -> str:
 def _code_passages(max_chars: int, corpus_bytes: int) -> tuple[tuple[str, str, str, str], ...]:
   """(document, name, "function" | "class", source) of every top-level or class-level def
   and class of at most max_chars characters (and 3 lines or more), in corpus order."""
+  out = tuple(d for d in _code_defs(corpus_bytes) if len(d[3]) <= max_chars)
+  if not out:
+    raise ValueError("the code corpus yielded no passages")
+  return out
+
+
+@functools.lru_cache(maxsize=2)
+def _code_defs(corpus_bytes: int) -> tuple[tuple[str, str, str, str], ...]:
+  """Every top-level or class-level def and class of 3 lines or more (`_code_passages`)."""
   out = []
   for doc in load_corpus("code", max_bytes=corpus_bytes).train:
     try:
@@ -181,11 +190,9 @@ def _code_passages(max_chars: int, corpus_bytes: int) -> tuple[tuple[str, str, s
         continue
       start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
       source = textwrap.dedent("\n".join(lines[start:node.end_lineno]))
-      if 3 <= source.count("\n") + 1 and len(source) <= max_chars:
+      if source.count("\n") + 1 >= 3:
         kind = "class" if isinstance(node, ast.ClassDef) else "function"
         out.append((doc.name, prefix + node.name, kind, source))
-  if not out:
-    raise ValueError("the code corpus yielded no passages")
   return tuple(out)
 
 
