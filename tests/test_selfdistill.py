@@ -133,6 +133,13 @@ def test_cli_one_line_errors(tmp_path, capsys):
   rc = main(["train", "selfdistill-data", "--target", TARGET, "--out", str(tmp_path / "o"),
              "--prompts", "4", "--sample-fraction", "2"])
   assert rc == 2 and "--sample-fraction must be in [0, 1]" in capsys.readouterr().err
+  for flag, value, message in (("--target", str(tmp_path / "none"), "is not a directory"),
+                               ("--exclude", str(tmp_path / "q.jsonl"), "does not exist")):
+    argv = ["train", "selfdistill-data", "--target", TARGET, "--out", str(tmp_path / "o"),
+            "--prompts", "16", flag, value]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"specjax: error: {flag} ") and message in err[0]
 
 
 # ----------------------------------------------------------------------------- trainers

@@ -60,7 +60,7 @@ def run(args) -> int:
                          exclude=args.exclude)
   except ValueError as e:
     message = str(e)
-    for name in ("prompts", "max_new_tokens", "batch", "out", "exclude"):
+    for name in ("prompts", "max_new_tokens", "batch", "out", "exclude", "target"):
       if message.startswith(name + " "):
         message = "--" + name.replace("_", "-") + message[len(name):]
     raise ValueError(message) from None
