@@ -184,6 +184,13 @@ def test_masked_loss_counts_only_answer_positions(target):
   half = jnp.zeros_like(tokens).at[:, 10:].set(1)
   masked = kind.loss(params, target_pass(kind, lm, tokens, half))[0]
   assert abs(float(masked) - float(plain)) > 1e-4  # the mask reaches the loss
+  # held-out acceptance counts only guesses of tokens the mask keeps
+  from specjax.training.heads import head_acceptance
+  windows = np.asarray(tokens)
+  every = head_acceptance(kind, params, lm, windows, batch=2)
+  some = head_acceptance(kind, params, lm, windows, batch=2, masks_NT=np.asarray(half))
+  # head 0 at t (0..18) guesses token t + 2: kept from t = 8 on (the last repeats its own)
+  assert every.positions == 2 * 19 and some.positions == 2 * 11
 
 
 @pytest.mark.slow  # trains (two steps of each trainer)
