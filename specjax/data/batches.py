@@ -97,3 +97,17 @@ class TokenData:
       return None
     starts = self._validation_starts(seq_len, max_windows)
     return self.validation_mask[starts[:, None] + np.arange(seq_len + 1)[None, :]]
+
+
+def padded_chunks(batch: int, windows: np.ndarray, masks: np.ndarray | None = None):
+  """Chunks (windows, weight, masks) of `batch` rows for an evaluation in equal-size calls:
+  the last chunk padded with copies of the first row at weight 0 (masks None stays None)."""
+  n = len(windows)
+  pad = (-n) % batch
+  def padded(a):
+    return None if a is None else np.concatenate([a, np.repeat(a[:1], pad, axis=0)])
+  windows, masks = padded(windows), padded(masks)
+  weight = np.concatenate([np.ones((n,), np.float32), np.zeros((pad,), np.float32)])
+  for i in range(0, n + pad, batch):
+    yield (windows[i:i + batch], weight[i:i + batch],
+           None if masks is None else masks[i:i + batch])

@@ -67,7 +67,7 @@ from flax import struct
 
 from specjax import trees
 from specjax.checkpoints import orbax_io
-from specjax.data.batches import TokenData
+from specjax.data.batches import TokenData, padded_chunks
 from specjax.data.tokenizer import Tokenizer, tokenizer_from_spec
 from specjax.drafters.base import LM
 from specjax.models.transformer import ModelConfig, cast_floats
@@ -162,7 +162,7 @@ def frozen_target(config: ModelConfig, params) -> LM:
 def target_pass(kind: HeadKind, target: LM, tokens_BT: Array,
                 mask_BT: Array | None = None) -> TargetPass:
   """One target forward with the kind's feature layers captured (inside jit); mask_BT: the
-  tokens' loss mask (None: every token)."""
+  tokens' loss mask (`TargetPass.weights`)."""
   layers = tuple(kind.feature_layers(target.config))
   logits, hidden, _, *rest = target(tokens_BT, positions_for(tokens_BT), capture=layers)
   features = rest[0] if layers else hidden[:, :, None]
@@ -275,8 +275,7 @@ def _hits_for(kind: HeadKind, ranks: int) -> Callable:
 
 @functools.lru_cache(maxsize=16)
 def _loss_for(kind: HeadKind) -> Callable:
-  """Jitted loss(params, target, tokens_NT, masks_NT=None) -> the kind's scalar loss on one
-  chunk."""
+  """Jitted loss(params, target, tokens_NT, masks_NT=None) -> the kind's loss on a chunk."""
   return jax.jit(lambda params, target, tokens, masks=None: kind.loss(
       params, target_pass(kind, target, tokens, masks))[0])
 
@@ -285,13 +284,11 @@ def validation_loss(kind: HeadKind, params, target: LM, windows_NT: np.ndarray,
                     batch: int = 16, masks_NT: np.ndarray | None = None) -> float:
   """The kind's loss averaged over held-out windows (whole chunks of `batch` windows;
   masks_NT: their loss masks)."""
-  loss_fn = _loss_for(kind)
-  starts = list(range(0, len(windows_NT) - batch + 1, batch)) or [0]
-  size = batch if len(windows_NT) >= batch else len(windows_NT)
+  loss_fn, size = _loss_for(kind), min(batch, len(windows_NT))
+  extra = lambda i: () if masks_NT is None else (jnp.asarray(masks_NT[i:i + size]),)  # noqa: E731
   return float(np.mean([float(loss_fn(params, target, jnp.asarray(windows_NT[i:i + size]),
-                                      *(() if masks_NT is None else
-                                        (jnp.asarray(masks_NT[i:i + size]),))))
-                        for i in starts]))
+                                      *extra(i)))
+                        for i in range(0, len(windows_NT) - size + 1, size)]))
 
 
 # ----------------------------------------------------------------------------- acceptance
@@ -334,17 +331,10 @@ def head_acceptance(kind: HeadKind, params, target: LM, windows_NT: np.ndarray, 
   held-out windows (module doc), in equal-size chunks (the last padded, weight 0); masks_NT:
   the windows' loss masks (only guesses of tokens the mask keeps count)."""
   hits_fn = _hits_for(kind, ranks)
-  n = len(windows_NT)
-  pad = (-n) % batch
-  windows = np.concatenate([windows_NT, np.repeat(windows_NT[:1], pad, axis=0)])
-  weight = np.concatenate([np.ones(n, np.float32), np.zeros(pad, np.float32)])
-  masks = (None if masks_NT is None else
-           np.concatenate([masks_NT, np.repeat(masks_NT[:1], pad, axis=0)]))
   hits = tried = chain = 0.0
-  for i in range(0, len(windows), batch):
-    extra = () if masks is None else (jnp.asarray(masks[i:i + batch]),)
-    h, t, c = hits_fn(params, target, jnp.asarray(windows[i:i + batch]), weight[i:i + batch],
-                      *extra)
+  for windows, weight, masks in padded_chunks(batch, windows_NT, masks_NT):
+    h, t, c = hits_fn(params, target, jnp.asarray(windows), weight,
+                      *(() if masks is None else (jnp.asarray(masks),)))
     hits, tried, chain = hits + np.asarray(h, np.float64), tried + np.asarray(t), \
         chain + np.asarray(c, np.float64)
   probs = hits / np.maximum(tried, 1.0)[:, None]

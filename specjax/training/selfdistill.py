@@ -50,7 +50,8 @@ def batch_seed(seed: int, k: int) -> int:
   return int.from_bytes(hashlib.sha256(f"{seed}/{k}".encode()).digest()[:4], "big") >> 1
 
 
-def select_prompts(recipe: Recipe, count: int, reference=frozenset()) -> tuple[list[int], list[int]]:
+def select_prompts(recipe: Recipe, count: int,
+                   reference=frozenset()) -> tuple[list[int], list[int]]:
   """(kept, skipped) recipe indices: the first `count` prompts sharing no NGRAM-gram with
   `reference` (`instructions.reference_ngrams`), and those passed over."""
   kept, skipped, i = [], [], 0

@@ -32,7 +32,7 @@ import optax
 from flax import nnx
 
 from specjax.checkpoints.trained import TRAINED_KIND
-from specjax.data.batches import TokenData
+from specjax.data.batches import TokenData, padded_chunks
 from specjax.data.tokenizer import Tokenizer
 from specjax.models.transformer import ModelConfig, Transformer, abstract_model, graphdef_for
 from specjax.training import losses
@@ -329,17 +329,10 @@ def evaluate(eval_step, params, windows_NT1: np.ndarray, batch: int, byte_len_V:
              teacher_params=None, masks_NT1: np.ndarray | None = None) -> dict:
   """Validation over fixed windows in equal-size chunks (the last one padded, weight 0);
   masks_NT1: the windows' loss masks (None: every token counts)."""
-  n = len(windows_NT1)
-  pad = (-n) % batch
-  windows = np.concatenate([windows_NT1, np.repeat(windows_NT1[:1], pad, axis=0)])
-  weight = np.concatenate([np.ones((n,), np.float32), np.zeros((pad,), np.float32)])
-  masks = (None if masks_NT1 is None else
-           np.concatenate([masks_NT1, np.repeat(masks_NT1[:1], pad, axis=0)]))
   totals: dict[str, float] = {}
-  for i in range(0, len(windows), batch):
-    extra = () if masks is None else (masks[i:i + batch],)
-    sums = eval_step(params, windows[i:i + batch], weight[i:i + batch], byte_len_V,
-                     teacher_params, *extra)
+  for windows, weight, masks in padded_chunks(batch, windows_NT1, masks_NT1):
+    sums = eval_step(params, windows, weight, byte_len_V, teacher_params,
+                     *(() if masks is None else (masks,)))
     for key, value in sums.items():
       totals[key] = totals.get(key, 0.0) + float(value)
   out = {"nll": totals["nats"] / totals["tokens"],
