@@ -10,6 +10,8 @@
                          (an EAGLE head; `specjax generate --draft eagle:DIR`)
   specjax train eagle3   --target CKPT|default --draft-vocab 1024 --steps 120 --out DIR
                          (an EAGLE-3-structured head; `--draft eagle3:DIR`, `export-head`)
+  specjax train selfdistill-data --target REF --out DIR --prompts N --max-new-tokens M
+                         (the target's own answers as token shards: --corpus selfdistill:DIR)
 
 A run that is interrupted (Ctrl-C, SIGTERM) saves a checkpoint; rerunning the same command
 resumes from the newest checkpoint in --out with the same data order.
@@ -41,8 +43,10 @@ def _common(p: argparse.ArgumentParser) -> None:
   p.add_argument("--preset", default=None,
                  help="size preset: base, tiny or small (default: the embedded pair's, base)")
   p.add_argument("--corpus", default=None,
-                 help="'code', 'code+tests', 'prose' (embedded, from Python's standard library) "
-                      "or a directory of text files (default: the preset's own corpus)")
+                 help="'code', 'code+tests', 'prose' (embedded, from Python's standard library), "
+                      "a directory of text files, or selfdistill:DIR (a target's own answers, "
+                      "`train selfdistill-data`; loss on the answers only) (default: the "
+                      "preset's own corpus)")
   p.add_argument("--max-bytes", type=int, default=None,
                  help="cap on the training text in bytes (default: the whole corpus)")
 
@@ -103,8 +107,9 @@ def add_parser(subparsers) -> None:
   p = sub.add_parser("draft", help="train a draft: distilled from a target (default) or plain")
   _training_args(p)
   p.add_argument("--teacher", default=None,
-                 help="target checkpoint to distill from (default: the cached default target "
-                      "of --preset/--corpus, trained on first use)")
+                 help="the model to distill from: a trainer checkpoint or any target reference "
+                      "(a Hugging Face or specjax model directory, random:SPEC) (default: the "
+                      "cached default target of --preset/--corpus, trained on first use)")
   p.add_argument("--plain", action="store_true",
                  help="plain next-token training instead of distillation (a baseline)")
   p.set_defaults(func=run_draft)
@@ -135,6 +140,9 @@ def add_parser(subparsers) -> None:
   p.add_argument("--windows", type=int, default=256, help="validation windows for bits/byte")
   p.add_argument("--json", action="store_true", help="print one JSON object")
   p.set_defaults(func=run_measure)
+
+  from specjax.commands import selfdistill
+  selfdistill.add_parser(sub)
 
   for name, (help_text, add_kind_args, _) in HEAD_KINDS.items():
     p = sub.add_parser(name, help=help_text)
@@ -227,9 +235,10 @@ HEAD_KINDS = {
 
 
 def _head_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--target", required=True, metavar="CKPT|default",
+  p.add_argument("--target", required=True, metavar="REF|default",
                  help="the frozen target: a checkpoint directory (trainer, specjax or Hugging "
-                      "Face) or 'default' (the cached default target of --preset/--corpus)")
+                      "Face), any target reference (random:SPEC, ...) or 'default' (the "
+                      "cached default target of --preset/--corpus)")
   _common(p)
   _schedule_args(p, "the default heads'", "acceptance", dtype=False)
   p.add_argument("--tree-budget", type=int, default=16,
@@ -265,11 +274,41 @@ def _train_config(base, args, objective: str):
 
 
 def _load_data(args, tokenizer):
+  """(corpus, TokenData) of --corpus: a text corpus, or `selfdistill:DIR` (a target's own
+  answers, `specjax.data.selfdistill`; corpus None), loss-masked to the answers."""
+  from specjax.data import selfdistill
   from specjax.data.batches import TokenData
   from specjax.data.corpus import load_corpus
+  if str(args.corpus).startswith(selfdistill.PREFIX):
+    if args.max_bytes is not None:
+      raise ValueError(f"--max-bytes caps a text corpus; --corpus {args.corpus} is token "
+                       "data (make fewer prompts instead)")
+    data = selfdistill.token_data(args.corpus[len(selfdistill.PREFIX):], tokenizer)
+    print(f"corpus {args.corpus}: {len(data.train):,} train tokens "
+          f"({int(data.train_mask.sum()):,} answer tokens), {len(data.validation):,} "
+          f"validation tokens, fingerprint {data.fingerprint}", file=sys.stderr)
+    return None, data
   corpus = load_corpus(args.corpus, max_bytes=args.max_bytes)
   print(corpus.summary(), file=sys.stderr)
   return corpus, TokenData.from_corpus(corpus, tokenizer)
+
+
+def _frozen_target(ref: str, flag: str):
+  """(config, params, tokenizer) of a frozen model: a trainer checkpoint as it stores it
+  (`load_trained`), else any target reference (`specjax.resolve.load_target`: a Hugging
+  Face or specjax model directory, random:SPEC, ...)."""
+  from specjax.checkpoints.orbax_io import latest_step, read_meta
+  from specjax.checkpoints.trained import TRAINED_KIND, load_trained
+  path = pathlib.Path(ref)
+  if (path.is_dir() and latest_step(path) is not None
+          and read_meta(path).get("metadata", {}).get("kind") == TRAINED_KIND):
+    trained = load_trained(path)
+    return trained.config, trained.params, trained.tokenizer
+  from flax import nnx
+
+  from specjax.resolve import load_target
+  model, tokenizer = load_target(ref, flag=flag)
+  return model.config, nnx.state(model, nnx.Param), tokenizer
 
 
 def _make_tokenizer(spec: str, out: pathlib.Path, corpus_spec: str, max_bytes):
@@ -357,9 +396,7 @@ def run_draft(args) -> int:
   out = _out_dir(args.out)
   teacher = None
   if args.teacher is not None:
-    from specjax.checkpoints.trained import load_trained
-    trained = load_trained(args.teacher)
-    teacher_cfg, teacher_params, tokenizer = trained.config, trained.params, trained.tokenizer
+    teacher_cfg, teacher_params, tokenizer = _frozen_target(args.teacher, "--teacher")
   else:
     teacher_cfg, teacher_params, tokenizer = _default_target(
         args, "--teacher is required when --corpus is a directory (the cached default "
@@ -407,11 +444,7 @@ def _head_target(args):
   if args.target == "default":
     return tuple(_default_target(args, "--target default needs --corpus code or prose (the "
                                  "cached default targets)"))
-  from flax import nnx
-
-  from specjax.resolve import load_from_ref  # a checkpoint, HF directory or .gguf file
-  model, tokenizer = load_from_ref("--target", args.target)
-  return model.config, nnx.state(model, nnx.Param), tokenizer
+  return _frozen_target(args.target, "--target")  # a checkpoint, HF directory or .gguf
 
 
 def run_head(args, kind: str) -> int:
@@ -427,7 +460,8 @@ def run_head(args, kind: str) -> int:
   tc = _train_config(DEFAULT_HEADS.get(kind, DEFAULT_HEADS["eagle"])[1], args, "lm")
   _, data = _load_data(args, tokenizer)
   if getattr(args, "draft_vocab", None) is not None:  # eagle3: the frequent tokens
-    head_kind = head_kind.with_frequent_vocab(data.train, args.draft_vocab, config.vocab_size)
+    head_kind = head_kind.with_frequent_vocab(data.learned_tokens(), args.draft_vocab,
+                                              config.vocab_size)
   trainer = HeadTrainer(head_kind, config, params, tc, data, tokenizer, out_dir=out,
                         progress=not args.no_progress, mesh=mesh)
 

@@ -185,6 +185,17 @@ class CheckpointedRun:
     from specjax import sharding
     return sharding.split_rows(self.mesh, batch, axis=1)
 
+  def _batch_mask(self) -> np.ndarray | None:
+    """The loss mask of this step's batch (`TokenData.train_batch_mask`), None without one
+    (split over the mesh as `_batch` is)."""
+    tc = self.tc
+    mask = self.data.train_batch_mask(tc.seed, self.step, tc.batch_size, tc.seq_len,
+                                      tc.grad_accum)
+    if mask is None or self.mesh is None:
+      return mask
+    from specjax import sharding
+    return sharding.split_rows(self.mesh, mask, axis=1)
+
   def _eval_due(self) -> bool:
     """A periodic evaluation is due (every eval_every steps, not at the last one)."""
     tc = self.tc

@@ -126,8 +126,8 @@ class EagleHeads:
     for j, q in enumerate(self._step_logits(params, tp)):
       logq = jax.nn.log_softmax(q[:, j:], -1)
       lp = logp[:, j:]
-      kls.append(jnp.mean(jnp.sum(jnp.exp(lp) * (lp - logq), -1)))
-      agree.append(jnp.mean(jnp.argmax(q[:, j:], -1) == jnp.argmax(p[:, j:], -1)))
+      kls.append(tp.mean(jnp.sum(jnp.exp(lp) * (lp - logq), -1), 1 + j))
+      agree.append(tp.mean(jnp.argmax(q[:, j:], -1) == jnp.argmax(p[:, j:], -1), 1 + j))
     kl = jnp.stack(kls)
     weights = jnp.asarray([self.decay ** j for j in range(self.steps)], jnp.float32)
     return jnp.sum(weights * kl) / jnp.sum(weights), {"kl": kl, "agree": jnp.stack(agree)}

@@ -144,8 +144,8 @@ class Eagle3Heads:
     for j, q in enumerate(self._step_logits(params, tp)):
       logq = jax.nn.log_softmax(q[:, j:], -1)
       lp = logp[:, j:]
-      kls.append(jnp.mean(jnp.sum(jnp.exp(lp) * (lp - logq), -1)))
-      agree.append(jnp.mean(ids[jnp.argmax(q[:, j:], -1)] == best[:, j:]))
+      kls.append(tp.mean(jnp.sum(jnp.exp(lp) * (lp - logq), -1), 1 + j))
+      agree.append(tp.mean(ids[jnp.argmax(q[:, j:], -1)] == best[:, j:], 1 + j))
     kl = jnp.stack(kls)
     weights = jnp.asarray([self.decay ** j for j in range(self.steps)], jnp.float32)
     return jnp.sum(weights * kl) / jnp.sum(weights), {"kl": kl, "agree": jnp.stack(agree)}

@@ -67,12 +67,12 @@ from flax import struct
 
 from specjax import trees
 from specjax.checkpoints import orbax_io
-from specjax.data.batches import TokenData
+from specjax.data.batches import TokenData, padded_chunks
 from specjax.data.tokenizer import Tokenizer, tokenizer_from_spec
 from specjax.drafters.base import LM
 from specjax.models.transformer import ModelConfig, cast_floats
 from specjax.training.config import TrainConfig
-from specjax.training.losses import positions_for
+from specjax.training.losses import masked_mean, positions_for, predicted_weights
 from specjax.training.checkpointed import CheckpointedRun, _log
 from specjax.training.eagle import EagleHeads
 from specjax.training.eagle3 import Eagle3Heads
@@ -131,13 +131,25 @@ class TargetPass:
 
   lm: the target (its embeddings and LM head are what the heads reuse);
   tokens int32 [B, T]; logits float32 [B, T, V]; features float32 [B, T, C, D], the
-  outputs of `kind.feature_layers(config)` in that order (`Transformer.__call__`'s capture).
+  outputs of `kind.feature_layers(config)` in that order (`Transformer.__call__`'s capture);
+  weights float32 [B, T] or None: the weight of the target's prediction at each position
+  (`losses.predicted_weights` of the batch's loss mask; None: every position counts). A
+  kind averages a term over the positions whose target logits it learns with `mean`.
   """
 
   lm: LM
   tokens: Array
   logits: Array
   features: Array
+  weights: Array | None = None
+
+  def mean(self, x_BN: Array, start: int) -> Array:
+    """The (masked) mean of x_BN, a term per position whose column n learns the target's
+    logits at position start + n (`losses.masked_mean`)."""
+    if self.weights is None:
+      return jnp.mean(x_BN)
+    n = x_BN.shape[1]
+    return masked_mean(x_BN, self.weights[:, start:start + n])
 
 
 def frozen_target(config: ModelConfig, params) -> LM:
@@ -147,13 +159,16 @@ def frozen_target(config: ModelConfig, params) -> LM:
             params=cast_floats(params, jnp.float32))
 
 
-def target_pass(kind: HeadKind, target: LM, tokens_BT: Array) -> TargetPass:
-  """One target forward with the kind's feature layers captured (inside jit)."""
+def target_pass(kind: HeadKind, target: LM, tokens_BT: Array,
+                mask_BT: Array | None = None) -> TargetPass:
+  """One target forward with the kind's feature layers captured (inside jit); mask_BT: the
+  tokens' loss mask (`TargetPass.weights`)."""
   layers = tuple(kind.feature_layers(target.config))
   logits, hidden, _, *rest = target(tokens_BT, positions_for(tokens_BT), capture=layers)
   features = rest[0] if layers else hidden[:, :, None]
   return TargetPass(lm=target, tokens=tokens_BT, logits=jax.lax.stop_gradient(logits),
-                    features=jax.lax.stop_gradient(features))
+                    features=jax.lax.stop_gradient(features),
+                    weights=predicted_weights(mask_BT))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,26 +214,29 @@ def _as_binding(target) -> TargetBinding:
 
 @functools.lru_cache(maxsize=16)
 def _train_step_for(kind: HeadKind, compile_key: TrainConfig) -> Callable:
-  """Jitted step(params, opt_state, batch_ABT, target, lr) -> (params, opt_state, metrics);
-  params and opt_state donated. One compile per (kind, target shape, compile key)."""
+  """Jitted step(params, opt_state, batch_ABT, target, lr, mask_ABT=None) -> (params,
+  opt_state, metrics); params and opt_state donated; mask_ABT: the batch's loss mask
+  (`TargetPass.weights`). One compile per (kind, target shape, compile key, mask or not)."""
   tx = make_optimizer(compile_key)
 
-  def loss_fn(params, target, tokens_BT):
-    return kind.loss(params, target_pass(kind, target, tokens_BT))
+  def loss_fn(params, target, tokens_BT, mask_BT):
+    return kind.loss(params, target_pass(kind, target, tokens_BT, mask_BT))
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-  def step(params, opt_state, batch_ABT, target, lr):
+  def step(params, opt_state, batch_ABT, target, lr, mask_ABT=None):
     if batch_ABT.shape[0] == 1:
-      (loss, metrics), grads = grad_fn(params, target, batch_ABT[0])
+      (loss, metrics), grads = grad_fn(params, target, batch_ABT[0],
+                                       None if mask_ABT is None else mask_ABT[0])
     else:  # gradient accumulation: mean of micro-batch gradients and metrics, one update
-      def micro(carry, tokens_BT):
-        out, grads = grad_fn(params, target, tokens_BT)
+      def micro(carry, xs):
+        out, grads = grad_fn(params, target, *xs)
         return jax.tree.map(jnp.add, carry, (out, grads)), None
-      (zero_out, _) = jax.eval_shape(grad_fn, params, target, batch_ABT[0])
+      first = None if mask_ABT is None else mask_ABT[0]
+      (zero_out, _) = jax.eval_shape(grad_fn, params, target, batch_ABT[0], first)
       zeros = (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero_out),
                jax.tree.map(jnp.zeros_like, params))
-      ((loss, metrics), grads), _ = jax.lax.scan(micro, zeros, batch_ABT)
+      ((loss, metrics), grads), _ = jax.lax.scan(micro, zeros, (batch_ABT, mask_ABT))
       n = batch_ABT.shape[0]
       loss, metrics, grads = jax.tree.map(lambda x: x / n, (loss, metrics, grads))
     updates, opt_state = tx.update(grads, _with_learning_rate(opt_state, lr), params)
@@ -230,11 +248,12 @@ def _train_step_for(kind: HeadKind, compile_key: TrainConfig) -> Callable:
 
 @functools.lru_cache(maxsize=16)
 def _hits_for(kind: HeadKind, ranks: int) -> Callable:
-  """Jitted hits(params, target, tokens_NT, weight_N) -> (hits [J, R], tried [J],
-  chain_hits [J]) summed over the windows (module doc, "Acceptance")."""
+  """Jitted hits(params, target, tokens_NT, weight_N, masks_NT=None) -> (hits [J, R],
+  tried [J], chain_hits [J]) summed over the windows (module doc, "Acceptance"); with
+  masks, a guess counts where the token it guesses is one the mask keeps."""
 
-  def hits(params, target, tokens_NT, weight_N):
-    tp = target_pass(kind, target, tokens_NT)
+  def hits(params, target, tokens_NT, weight_N, masks_NT=None):
+    tp = target_pass(kind, target, tokens_NT, masks_NT)
     g_NT = jnp.argmax(tp.logits, axis=-1)
     guess_NTJR = kind.guesses(params, tp, ranks)
     n, t = tokens_NT.shape
@@ -244,6 +263,8 @@ def _hits_for(kind: HeadKind, ranks: int) -> Callable:
     truth_NTJ = g_NT[:, jnp.minimum(idx, t - 1)]
     hit_NTJR = (guess_NTJR == truth_NTJ[..., None]) & valid_TJ[None, :, :, None]
     w = weight_N[:, None, None]
+    if tp.weights is not None:  # the weight of the target's prediction at t + 1 + j
+      w = w * tp.weights[:, jnp.minimum(idx, t - 1)]
     all_hit_NTJ = jnp.cumprod(hit_NTJR[..., 0].astype(jnp.int32), axis=2) > 0
     return (jnp.sum(hit_NTJR * w[..., None], axis=(0, 1)),
             jnp.sum(valid_TJ[None] * w, axis=(0, 1)),
@@ -254,18 +275,20 @@ def _hits_for(kind: HeadKind, ranks: int) -> Callable:
 
 @functools.lru_cache(maxsize=16)
 def _loss_for(kind: HeadKind) -> Callable:
-  """Jitted loss(params, target, tokens_NT) -> the kind's scalar loss on one chunk."""
-  return jax.jit(lambda params, target, tokens: kind.loss(params,
-                                                          target_pass(kind, target, tokens))[0])
+  """Jitted loss(params, target, tokens_NT, masks_NT=None) -> the kind's loss on a chunk."""
+  return jax.jit(lambda params, target, tokens, masks=None: kind.loss(
+      params, target_pass(kind, target, tokens, masks))[0])
 
 
 def validation_loss(kind: HeadKind, params, target: LM, windows_NT: np.ndarray,
-                    batch: int = 16) -> float:
-  """The kind's loss averaged over held-out windows (whole chunks of `batch` windows)."""
-  loss_fn = _loss_for(kind)
-  chunks = [windows_NT[i:i + batch] for i in range(0, len(windows_NT) - batch + 1, batch)]
-  chunks = chunks or [windows_NT]
-  return float(np.mean([float(loss_fn(params, target, jnp.asarray(c))) for c in chunks]))
+                    batch: int = 16, masks_NT: np.ndarray | None = None) -> float:
+  """The kind's loss averaged over held-out windows (whole chunks of `batch` windows;
+  masks_NT: their loss masks)."""
+  loss_fn, size = _loss_for(kind), min(batch, len(windows_NT))
+  extra = lambda i: () if masks_NT is None else (jnp.asarray(masks_NT[i:i + size]),)  # noqa: E731
+  return float(np.mean([float(loss_fn(params, target, jnp.asarray(windows_NT[i:i + size]),
+                                      *extra(i)))
+                        for i in range(0, len(windows_NT) - size + 1, size)]))
 
 
 # ----------------------------------------------------------------------------- acceptance
@@ -302,17 +325,16 @@ class HeadAcceptance:
 
 
 def head_acceptance(kind: HeadKind, params, target: LM, windows_NT: np.ndarray, *,
-                    ranks: int = 4, batch: int = 16) -> HeadAcceptance:
+                    ranks: int = 4, batch: int = 16,
+                    masks_NT: np.ndarray | None = None) -> HeadAcceptance:
   """Per-position acceptance of the head's guesses vs the target's greedy tokens on
-  held-out windows (module doc), in equal-size chunks (the last padded, weight 0)."""
+  held-out windows (module doc), in equal-size chunks (the last padded, weight 0); masks_NT:
+  the windows' loss masks (only guesses of tokens the mask keeps count)."""
   hits_fn = _hits_for(kind, ranks)
-  n = len(windows_NT)
-  pad = (-n) % batch
-  windows = np.concatenate([windows_NT, np.repeat(windows_NT[:1], pad, axis=0)])
-  weight = np.concatenate([np.ones(n, np.float32), np.zeros(pad, np.float32)])
   hits = tried = chain = 0.0
-  for i in range(0, len(windows), batch):
-    h, t, c = hits_fn(params, target, jnp.asarray(windows[i:i + batch]), weight[i:i + batch])
+  for windows, weight, masks in padded_chunks(batch, windows_NT, masks_NT):
+    h, t, c = hits_fn(params, target, jnp.asarray(windows), weight,
+                      *(() if masks is None else (jnp.asarray(masks),)))
     hits, tried, chain = hits + np.asarray(h, np.float64), tried + np.asarray(t), \
         chain + np.asarray(c, np.float64)
   probs = hits / np.maximum(tried, 1.0)[:, None]
@@ -392,6 +414,7 @@ class HeadTrainer(CheckpointedRun):
     self.target, = self._data_parallel(mesh, self.target)
     self.train_step = _train_step_for(kind, tc.compile_key())
     self.val_windows = data.validation_windows(tc.seq_len, tc.eval_windows)
+    self.val_masks = data.validation_masks(tc.seq_len, tc.eval_windows)
     self.step, self.history, self.resumed_from = 0, [], None
 
   # -- checkpoints
@@ -428,13 +451,15 @@ class HeadTrainer(CheckpointedRun):
     """Acceptance of `params` (default: the current head) on the held-out windows."""
     return head_acceptance(self.kind, self.params if params is None else params, self.target,
                            self.val_windows, ranks=self.eval_ranks,
-                           batch=min(self.tc.micro_batch, len(self.val_windows)))
+                           batch=min(self.tc.micro_batch, len(self.val_windows)),
+                           masks_NT=self.val_masks)
 
   def validation_loss(self, params=None) -> float:
     """The kind's loss of `params` (default: the current head) on the held-out windows."""
     return validation_loss(self.kind, self.params if params is None else params, self.target,
                            self.val_windows, batch=min(self.tc.micro_batch,
-                                                       len(self.val_windows)))
+                                                       len(self.val_windows)),
+                           masks_NT=self.val_masks)
 
   def run(self, stop_after: int | None = None, final_eval: bool = True) -> HeadResult:
     """Train to train_config.steps (or stop after `stop_after` more steps, as if killed then,
@@ -451,8 +476,10 @@ class HeadTrainer(CheckpointedRun):
           if stop_requested():
             raise KeyboardInterrupt
           lr = np.float32(learning_rate(tc, self.step))
+          mask = self._batch_mask()
           self.params, self.opt_state, metrics = self.train_step(
-              self.params, self.opt_state, jnp.asarray(self._batch()), self.target, lr)
+              self.params, self.opt_state, jnp.asarray(self._batch()), self.target, lr,
+              *(() if mask is None else (jnp.asarray(mask),)))
           self.step += 1
           if self.step % 10 == 0 or self.step == last:
             window = (window + [float(metrics["loss"])])[-5:]

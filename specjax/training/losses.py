@@ -5,6 +5,9 @@ Distillation:    KL(p || q) = sum_v p(v) (log p(v) - log q(v)), p the teacher's 
                  temperature 1 (soft labels), q the student's; averaged over positions.
 Bits per byte:   sum of CE in nats / ln 2 / number of text bytes the target tokens stand for
                  (special tokens count 0 bytes; their nats still count).
+Loss masks:      a window's mask (`data.batches`: 1 on tokens to learn) weights each term
+                 by the mask of the token it predicts (`masked_mean`, `predicted_weights`);
+                 no mask: the plain mean.
 """
 
 from __future__ import annotations
@@ -30,6 +33,23 @@ def forward_logits(graphdef, params, inputs_BT: Array, dtype=jnp.float32) -> Arr
   model = nnx.merge(graphdef, cast_floats(params, dtype))
   logits_BTV, _, _ = model(inputs_BT, positions_for(inputs_BT))
   return logits_BTV.astype(jnp.float32)
+
+
+def masked_mean(x: Array, weights: Array | None = None) -> Array:
+  """mean(x) without weights; else sum(x * w) / sum(w) (0 where every weight is 0)."""
+  if weights is None:
+    return jnp.mean(x)
+  w = weights.astype(jnp.float32)
+  return jnp.sum(x * w) / jnp.maximum(jnp.sum(w), 1e-9)
+
+
+def predicted_weights(mask_BT: Array | None) -> Array | None:
+  """[B, T] float32: the weight of position t's prediction, the mask of token t + 1 (the
+  last position, whose next token is outside the window, repeats its own)."""
+  if mask_BT is None:
+    return None
+  m = mask_BT.astype(jnp.float32)
+  return jnp.concatenate([m[:, 1:], m[:, -1:]], axis=1)
 
 
 def token_nll(logits_BTV: Array, targets_BT: Array) -> Array:

@@ -91,8 +91,8 @@ class MedusaHeads:
       q = logits_BTKV[:, :t - 1 - j, j]
       p = tp.logits[:, 1 + j:]
       logp, logq = jax.nn.log_softmax(p, -1), jax.nn.log_softmax(q, -1)
-      kls.append(jnp.mean(jnp.sum(jnp.exp(logp) * (logp - logq), -1)))
-      agree.append(jnp.mean(jnp.argmax(q, -1) == jnp.argmax(p, -1)))
+      kls.append(tp.mean(jnp.sum(jnp.exp(logp) * (logp - logq), -1), 1 + j))
+      agree.append(tp.mean(jnp.argmax(q, -1) == jnp.argmax(p, -1), 1 + j))
     kl = jnp.stack(kls)
     weights = jnp.asarray([self.decay ** j for j in range(self.heads)], jnp.float32)
     return jnp.sum(weights * kl), {"kl": kl, "agree": jnp.stack(agree)}

@@ -32,7 +32,7 @@ import optax
 from flax import nnx
 
 from specjax.checkpoints.trained import TRAINED_KIND
-from specjax.data.batches import TokenData
+from specjax.data.batches import TokenData, padded_chunks
 from specjax.data.tokenizer import Tokenizer
 from specjax.models.transformer import ModelConfig, Transformer, abstract_model, graphdef_for
 from specjax.training import losses
@@ -224,35 +224,38 @@ def check_memory(config: ModelConfig, tc: TrainConfig, teacher: ModelConfig | No
 
 
 def build_train_step(graphdef, tc: TrainConfig, teacher_graphdef=None) -> Callable:
-  """Jitted train_step(params, opt_state, batch_ABT1, teacher_params, lr)
-  -> (params, opt_state, metrics); params and opt_state are donated."""
+  """Jitted train_step(params, opt_state, batch_ABT1, teacher_params, lr, mask_ABT1=None)
+  -> (params, opt_state, metrics); params and opt_state are donated. mask_ABT1: the
+  batch's loss mask (`losses.masked_mean` over the predicted tokens), None: every token."""
   dtype = jnp.dtype(tc.dtype)
   distill = tc.objective == "distill"
   tx = make_optimizer(tc)
 
-  def loss_fn(params, batch_BT1, teacher_params):
+  def loss_fn(params, batch_BT1, teacher_params, mask_BT1):
     inputs_BT, targets_BT = batch_BT1[:, :-1], batch_BT1[:, 1:]
+    weights = None if mask_BT1 is None else mask_BT1[:, 1:]  # the predicted tokens' mask
     logits_BTV = losses.forward_logits(graphdef, params, inputs_BT, dtype)
-    ce = jnp.mean(losses.token_nll(logits_BTV, targets_BT))
+    ce = losses.masked_mean(losses.token_nll(logits_BTV, targets_BT), weights)
     if not distill:
       return ce, ce
     teacher_BTV = jax.lax.stop_gradient(
         losses.forward_logits(teacher_graphdef, teacher_params, inputs_BT, dtype))
-    kl = jnp.mean(losses.kl_teacher_student(teacher_BTV, logits_BTV))
+    kl = losses.masked_mean(losses.kl_teacher_student(teacher_BTV, logits_BTV), weights)
     return kl + tc.distill_ce_weight * ce, ce
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-  def train_step(params, opt_state, batch_ABT1, teacher_params, lr):
+  def train_step(params, opt_state, batch_ABT1, teacher_params, lr, mask_ABT1=None):
     if batch_ABT1.shape[0] == 1:
-      (loss, ce), grads = grad_fn(params, batch_ABT1[0], teacher_params)
+      (loss, ce), grads = grad_fn(params, batch_ABT1[0], teacher_params,
+                                  None if mask_ABT1 is None else mask_ABT1[0])
     else:  # gradient accumulation: mean of micro-batch gradients, one update
-      def micro(carry, batch_BT1):
-        (loss, ce), grads = grad_fn(params, batch_BT1, teacher_params)
+      def micro(carry, xs):
+        (loss, ce), grads = grad_fn(params, xs[0], teacher_params, xs[1])
         acc = jax.tree.map(jnp.add, carry[2], grads)
         return (carry[0] + loss, carry[1] + ce, acc), None
       zeros = jax.tree.map(jnp.zeros_like, params)
-      (loss, ce, grads), _ = jax.lax.scan(micro, (0.0, 0.0, zeros), batch_ABT1)
+      (loss, ce, grads), _ = jax.lax.scan(micro, (0.0, 0.0, zeros), (batch_ABT1, mask_ABT1))
       n = batch_ABT1.shape[0]
       loss, ce = loss / n, ce / n
       grads = jax.tree.map(lambda g: g / n, grads)
@@ -265,21 +268,24 @@ def build_train_step(graphdef, tc: TrainConfig, teacher_graphdef=None) -> Callab
 
 
 def build_eval_step(graphdef, dtype: str = "float32", teacher_graphdef=None) -> Callable:
-  """Jitted eval_step(params, windows_NT1, weight_N, byte_len_V, teacher_params) -> sums of
-  nats, bytes, tokens (and KL to the teacher) over the weighted windows."""
+  """Jitted eval_step(params, windows_NT1, weight_N, byte_len_V, teacher_params,
+  masks_NT1=None) -> sums of nats, bytes, tokens (and KL to the teacher) over the weighted
+  windows (and, with masks, over the predicted tokens the masks keep)."""
   dtype = jnp.dtype(dtype)
 
-  def eval_step(params, windows_NT1, weight_N, byte_len_V, teacher_params):
+  def eval_step(params, windows_NT1, weight_N, byte_len_V, teacher_params, masks_NT1=None):
     inputs_NT, targets_NT = windows_NT1[:, :-1], windows_NT1[:, 1:]
     logits_NTV = losses.forward_logits(graphdef, params, inputs_NT, dtype)
     nll_NT = losses.token_nll(logits_NTV, targets_NT)
-    w_N1 = weight_N[:, None]
-    sums = {"nats": jnp.sum(nll_NT * w_N1),
-            "bytes": jnp.sum(byte_len_V[targets_NT].astype(jnp.float32) * w_N1),
-            "tokens": jnp.sum(jnp.broadcast_to(w_N1, nll_NT.shape))}
+    w_NT = jnp.broadcast_to(weight_N[:, None], nll_NT.shape)
+    if masks_NT1 is not None:  # only the predicted tokens the mask keeps
+      w_NT = w_NT * masks_NT1[:, 1:].astype(jnp.float32)
+    sums = {"nats": jnp.sum(nll_NT * w_NT),
+            "bytes": jnp.sum(byte_len_V[targets_NT].astype(jnp.float32) * w_NT),
+            "tokens": jnp.sum(w_NT)}
     if teacher_graphdef is not None:
       teacher_NTV = losses.forward_logits(teacher_graphdef, teacher_params, inputs_NT, dtype)
-      sums["kl"] = jnp.sum(losses.kl_teacher_student(teacher_NTV, logits_NTV) * w_N1)
+      sums["kl"] = jnp.sum(losses.kl_teacher_student(teacher_NTV, logits_NTV) * w_NT)
     return sums
 
   return jax.jit(eval_step)
@@ -315,20 +321,18 @@ def validation_metrics(config: ModelConfig, params, data: TokenData, tokenizer: 
   windows = data.validation_windows(tc.seq_len, tc.eval_windows)
   return evaluate(eval_step, params, windows, tc.micro_batch,
                   np.asarray(tokenizer.token_byte_lengths(), np.int32),
-                  None if teacher is None else teacher.params)
+                  None if teacher is None else teacher.params,
+                  data.validation_masks(tc.seq_len, tc.eval_windows))
 
 
 def evaluate(eval_step, params, windows_NT1: np.ndarray, batch: int, byte_len_V: np.ndarray,
-             teacher_params=None) -> dict:
-  """Validation over fixed windows in equal-size chunks (the last one padded, weight 0)."""
-  n = len(windows_NT1)
-  pad = (-n) % batch
-  windows = np.concatenate([windows_NT1, np.repeat(windows_NT1[:1], pad, axis=0)])
-  weight = np.concatenate([np.ones((n,), np.float32), np.zeros((pad,), np.float32)])
+             teacher_params=None, masks_NT1: np.ndarray | None = None) -> dict:
+  """Validation over fixed windows in equal-size chunks (the last one padded, weight 0);
+  masks_NT1: the windows' loss masks (None: every token counts)."""
   totals: dict[str, float] = {}
-  for i in range(0, len(windows), batch):
-    sums = eval_step(params, windows[i:i + batch], weight[i:i + batch], byte_len_V,
-                     teacher_params)
+  for windows, weight, masks in padded_chunks(batch, windows_NT1, masks_NT1):
+    sums = eval_step(params, windows, weight, byte_len_V, teacher_params,
+                     *(() if masks is None else (masks,)))
     for key, value in sums.items():
       totals[key] = totals.get(key, 0.0) + float(value)
   out = {"nll": totals["nats"] / totals["tokens"],
@@ -386,6 +390,7 @@ class Trainer(CheckpointedRun):
         None if teacher is None else teacher.config.replace(dtype="float32"))
     self.byte_len_V = np.asarray(tokenizer.token_byte_lengths(), np.int32)
     self.val_windows = data.validation_windows(tc.seq_len, tc.eval_windows)
+    self.val_masks = data.validation_masks(tc.seq_len, tc.eval_windows)
     self.step, self.history, self.resumed_from = 0, [], None
 
   # -- checkpoints
@@ -419,7 +424,7 @@ class Trainer(CheckpointedRun):
   def evaluate(self) -> dict:
     teacher_params = self.teacher_params
     return evaluate(self.eval_step, self.params, self.val_windows, self.tc.micro_batch,
-                    self.byte_len_V, teacher_params)
+                    self.byte_len_V, teacher_params, self.val_masks)
 
   def run(self, stop_after: int | None = None, final_eval: bool = True) -> TrainResult:
     """Train to train_config.steps (or stop after `stop_after` more steps, as if killed then,
@@ -438,9 +443,11 @@ class Trainer(CheckpointedRun):
           if stop_requested():
             raise KeyboardInterrupt
           batch, lr = self._batch(), np.float32(learning_rate(tc, self.step))
+          mask = self._batch_mask()
           try:
             self.params, self.opt_state, metrics = self.train_step(
-                self.params, self.opt_state, batch, teacher_params, lr)
+                self.params, self.opt_state, batch, teacher_params, lr,
+                *(() if mask is None else (mask,)))
           except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
               raise
