@@ -10,8 +10,9 @@ float32 checkpoint is cast with `transformer.with_dtype`):
 
 1. forward of T = `--ts` rows (default 1 2 4 5 8 16 32) against a KV cache holding
    `--contexts` tokens (default 64 512 2048), the T variants of one context alternated in
-   one loop, medians (`bench_core.forward_times`: the cache donated and fed back, as the loop
-   does); `verify_cost[T]` = forward(T) / forward(1);
+   one loop, medians (`forward_curves`: the cache donated and fed back, as the loop does);
+   `verify_cost[T]` = forward(T) / forward(1); with `--split-rows N` also T = 2..N computed
+   as T one-row products (`one_row_bf16.split_rows`), in the same loop;
 2. plain decoding inside the compiled loop (`decoding.generate`: a call of n tokens minus a
    call of 1, alternated, medians) at `--decode-context`, against the memory floor
    (weight bytes + the live KV prefix attention reads, over the streaming bandwidth
@@ -32,6 +33,7 @@ import argparse
 import collections
 import json
 import re
+import statistics
 import sys
 import time
 import types
@@ -42,13 +44,12 @@ from flax import nnx
 
 from specjax import roofline
 from specjax.drafters.base import LM
-from specjax.models import attention
+from specjax.models import attention, one_row_bf16
 from specjax.models import cache as kv
 from specjax.models.presets import PRESETS
 from specjax.models.transformer import with_dtype
 
-from bench_core import _forward, forward_times, matmul_chain_seconds, plain_generation
-from bench_core import random_model
+from bench_core import _forward, matmul_chain_seconds, plain_generation, random_model
 from _timing import write_results
 
 _START = time.perf_counter()
@@ -66,6 +67,42 @@ def _cache_len(context: int, extra: int) -> int:
   while n < context + extra:
     n *= 2
   return n
+
+
+def forward_curves(lm: LM, context: int, cache_len: int, ts, split: int,
+                   repeats: int) -> dict[str, dict[int, float]]:
+  """Seconds of a forward of T rows (T in ts) over a cache holding `context` tokens, medians
+  of `repeats` with every variant alternated in one loop: "default", and with `split` > 1
+  also "split" (T in 2..split as T one-row products, `one_row_bf16.split_rows`). Each
+  variant has its own jit (the setting is read at trace time); the cache is donated and fed
+  back, as the loop does."""
+  variants = [("default", t, 0) for t in ts] + [("split", t, split) for t in ts
+                                                 if 1 < t <= split]
+  fns = {}
+  for name, t, limit in variants:
+    step = jax.jit(lambda lm, tokens, positions, cache: (
+        lambda r: (r[0][:, -1], r[2]))(lm(tokens, positions, cache)), donate_argnums=(3,))
+    state = {"cache": kv.set_lengths(kv.init(lm.config, 1, cache_len),
+                                     jnp.array([context], jnp.int32))}
+    tokens = jnp.zeros((1, t), jnp.int32)
+    positions = context + jnp.arange(t, dtype=jnp.int32)[None]
+
+    def fn(step=step, state=state, tokens=tokens, positions=positions):
+      out, state["cache"] = step(lm, tokens, positions, state["cache"])
+      return out
+    with one_row_bf16.split_rows(limit):
+      jax.block_until_ready(fn())  # traced and compiled under its setting
+    fns[(name, t)] = fn
+  samples = {key: [] for key in fns}
+  for _ in range(repeats):
+    for key, fn in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      samples[key].append(time.perf_counter() - start)
+  curves: dict[str, dict[int, float]] = {}
+  for (name, t), v in samples.items():
+    curves.setdefault(name, {})[t] = statistics.median(v)
+  return curves
 
 
 def kernel_count(lm: LM) -> dict:
@@ -101,14 +138,22 @@ def run(target, dtype: str, args, results: dict, save) -> None:
   lm = LM.of(model)
   cfg = model.config
   out = {"dtype": dtype, "forward_ms": {}, "verify_cost": {}}
+  if args.split_rows > 1:
+    out["split_rows"] = {"limit": args.split_rows, "forward_ms": {}, "verify_cost": {}}
   results["runs"].append(out)
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   out["weight_bytes"] = weight_bytes
   for context in args.contexts:
     _log(f"{dtype}: forwards T = {args.ts} at context {context}")
-    fwd = forward_times(lm, context, _cache_len(context, max(args.ts)), args.ts, args.repeats)
+    curves = forward_curves(lm, context, _cache_len(context, max(args.ts)), args.ts,
+                            args.split_rows, args.repeats)
+    fwd = curves["default"]
     out["forward_ms"][context] = {t: 1e3 * s for t, s in fwd.items()}
     out["verify_cost"][context] = {t: s / fwd[1] for t, s in fwd.items()}
+    if "split" in curves:  # against the same one-row forward
+      out["split_rows"]["forward_ms"][context] = {t: 1e3 * s for t, s in curves["split"].items()}
+      out["split_rows"]["verify_cost"][context] = {t: s / fwd[1]
+                                                   for t, s in curves["split"].items()}
     save()
   _log(f"{dtype}: plain decoding at context {args.decode_context}")
   cache_len = _cache_len(args.decode_context, args.new_tokens)
@@ -142,6 +187,9 @@ def main():
                  choices=["float32", "bfloat16"])
   p.add_argument("--ts", type=int, nargs="+", default=[1, 2, 4, 5, 8, 16, 32])
   p.add_argument("--contexts", type=int, nargs="+", default=[64, 512, 2048])
+  p.add_argument("--split-rows", type=int, default=0,
+                 help="also time T = 2..N as N one-row products (one_row_bf16.split_rows), "
+                 "alternated with the default forwards (default 0: not timed)")
   p.add_argument("--decode-context", type=int, default=512)
   p.add_argument("--new-tokens", type=int, default=32)
   p.add_argument("--repeats", type=int, default=7)
@@ -153,6 +201,8 @@ def main():
       p.error(f"--{name.replace('_', '-')} must be positive ints, got {bad}")
   if 1 not in args.ts:
     args.ts = [1] + args.ts
+  if args.split_rows < 0:
+    p.error(f"--split-rows must be a non-negative int, got {args.split_rows}")
   for name in ("decode_context", "new_tokens", "repeats"):
     if getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be a positive int, got {getattr(args, name)}")
