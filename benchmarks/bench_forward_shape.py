@@ -16,7 +16,7 @@ float32 checkpoint is cast with `transformer.with_dtype`):
 2. plain decoding inside the compiled loop (`decoding.generate`: a call of n tokens minus a
    call of 1, alternated, medians) at `--decode-context`, against the memory floor
    (weight bytes + the live KV prefix attention reads, over the streaming bandwidth
-   `roofline.calibrate` measures in this run) and against the bare chain of its matrix
+   `roofline.calibrate` measures in this run, or `--bandwidth-gbps`) and against the bare chain of its matrix
    products (`bench_core.matmul_chain_seconds`: what the backend's own kernels allow);
 3. the kernels of one compiled decode step (T = 1, a 128-slot cache: one attention path):
    every top-level instruction that becomes a kernel (fusions, dots, custom calls, copies,
@@ -193,6 +193,9 @@ def main():
   p.add_argument("--decode-context", type=int, default=512)
   p.add_argument("--new-tokens", type=int, default=32)
   p.add_argument("--repeats", type=int, default=7)
+  p.add_argument("--bandwidth-gbps", type=float, default=None,
+                 help="the floor's bandwidth in GB/s (default: roofline.calibrate in this "
+                 "run; give an idle machine's figure when the machine is loaded)")
   p.add_argument("--out", default=None)
   args = p.parse_args()
   for name in ("ts", "contexts"):
@@ -201,6 +204,8 @@ def main():
       p.error(f"--{name.replace('_', '-')} must be positive ints, got {bad}")
   if 1 not in args.ts:
     args.ts = [1] + args.ts
+  if args.bandwidth_gbps is not None and not args.bandwidth_gbps > 0:
+    p.error(f"--bandwidth-gbps must be a positive number, got {args.bandwidth_gbps}")
   if args.split_rows < 0:
     p.error(f"--split-rows must be a non-negative int, got {args.split_rows}")
   for name in ("decode_context", "new_tokens", "repeats"):
@@ -212,7 +217,7 @@ def main():
 
   _log("calibrating the backend")
   hw = roofline.calibrate(stream_bytes=512 * 2**20)
-  args.bandwidth = hw.bandwidth
+  args.bandwidth = hw.bandwidth if args.bandwidth_gbps is None else args.bandwidth_gbps * 1e9
   if args.model:
     from specjax.resolve import load_target
     try:
@@ -226,6 +231,7 @@ def main():
   results = {"backend": jax.default_backend(), "devices": str(jax.devices()),
              "model": name, "config": target.config.to_dict(),
              "calibrated": {"bandwidth_GBps": hw.bandwidth / 1e9, "flops_G": hw.flops / 1e9},
+             "floor_bandwidth_GBps": args.bandwidth / 1e9,
              "args": {k: v for k, v in vars(args).items() if k != "bandwidth"}, "runs": []}
 
   def save():
