@@ -155,19 +155,21 @@ def run(target, dtype: str, args, results: dict, save) -> None:
       out["split_rows"]["verify_cost"][context] = {t: s / fwd[1]
                                                    for t, s in curves["split"].items()}
     save()
-  _log(f"{dtype}: plain decoding at context {args.decode_context}")
-  cache_len = _cache_len(args.decode_context, args.new_tokens)
-  gen_args = types.SimpleNamespace(context=args.decode_context, new_tokens=args.new_tokens,
+  # within the model's trained length (generate refuses to decode past it)
+  context = min(args.decode_context, cfg.max_len - args.new_tokens - 1)
+  _log(f"{dtype}: plain decoding at context {context}")
+  cache_len = _cache_len(context, args.new_tokens)
+  gen_args = types.SimpleNamespace(context=context, new_tokens=args.new_tokens,
                                    repeats=args.repeats)
   row, _, _ = plain_generation(model, 1, gen_args, cache_len)
   read = min(b for b in attention.prefix_buckets(cache_len)
-             if b >= args.decode_context + args.new_tokens)
+             if b >= context + args.new_tokens)
   step_bytes = weight_bytes + kv.cache_bytes(cfg, 1, read)
   floor_s = step_bytes / args.bandwidth
   step_s = row["decode_step_ms"] / 1e3
   _log(f"{dtype}: bare matmul chain")
   chain_s = matmul_chain_seconds(model, args.repeats)
-  out["plain"] = {**row, "context": args.decode_context, "step_bytes": step_bytes,
+  out["plain"] = {**row, "context": context, "step_bytes": step_bytes,
                   "memory_floor_ms": 1e3 * floor_s, "fraction_of_floor": floor_s / step_s,
                   "matmul_chain_ms": 1e3 * chain_s,
                   "fraction_of_matmul_chain": chain_s / step_s}
