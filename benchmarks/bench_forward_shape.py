@@ -14,10 +14,11 @@ float32 checkpoint is cast with `transformer.with_dtype`):
    `verify_cost[T]` = forward(T) / forward(1); with `--split-rows N` also T = 2..N computed
    as T one-row products (`one_row_bf16.split_rows`), in the same loop;
 2. plain decoding inside the compiled loop (`decoding.generate`: a call of n tokens minus a
-   call of 1, alternated, medians) at `--decode-context`, against the memory floor
-   (weight bytes + the live KV prefix attention reads, over the streaming bandwidth
-   `roofline.calibrate` measures in this run, or `--bandwidth-gbps`) and against the bare chain of its matrix
-   products (`bench_core.matmul_chain_seconds`: what the backend's own kernels allow);
+   call of 1, alternated, medians) at `--decode-context` (within the model's max_len),
+   against the memory floor (weight bytes + the live KV prefix attention reads, over the
+   streaming bandwidth `roofline.calibrate` measures in this run, or `--bandwidth-gbps`)
+   and against the bare chain of its matrix products (`bench_core.matmul_chain_seconds`:
+   what the backend's own kernels allow);
 3. the kernels of one compiled decode step (T = 1, a 128-slot cache: one attention path):
    every top-level instruction that becomes a kernel (fusions, dots, custom calls, copies,
    ...), in all and per layer.
