@@ -304,6 +304,44 @@ def test_one_row_bf16_padding_is_cpu_only_or_forced_and_changes_no_result(monkey
   tr.pad_one_row_bf16.cache_clear()
 
 
+def test_split_rows_makes_each_row_the_one_row_product(monkeypatch):
+  """With `split_rows(limit)` a product of 2..limit rows is traced as that many one-row
+  products (counted in the jaxpr; 1 product without it: the negative control), each row equal
+  to the one-row product plain decoding computes; a tiny model's cached forward agrees with
+  the unsplit one; bad limits are refused naming the setting."""
+  from specjax.models import one_row_bf16 as tr
+  w = jax.random.normal(jax.random.key(0), (64, 48))
+  x = jax.random.normal(jax.random.key(1), (1, 3, 64))
+  mm = lambda x: tr.one_row_safe_matmul("...i,io->...o", x, w)
+  # a fresh function per trace: jax caches traces by function, not by the setting
+  count = lambda: str(jax.make_jaxpr(lambda x: mm(x))(x)).count("dot_general")
+  assert count() == 1
+  with tr.split_rows(3):
+    assert count() == 3
+    y = np.asarray(jax.jit(lambda x: mm(x))(x))
+  with tr.split_rows(2):
+    assert count() == 1  # 3 rows > limit: one product
+  for i in range(3):
+    np.testing.assert_array_equal(y[:, i], np.asarray(jax.jit(lambda x: mm(x))(
+        x[:, i:i + 1]))[:, 0])
+  cfg = TINY["llama"]
+  lm = LM.of(model(cfg))
+  tokens, positions = _tokens(1, 4, cfg.vocab_size)[0], jnp.arange(4)[None] + 2
+  cache = kv.set_lengths(kv.init(cfg, 1, 16), jnp.array([2], jnp.int32))
+  plain = np.asarray(jax.jit(lambda lm, c: lm(tokens, positions, c)[0])(lm, cache))
+  with tr.split_rows(8):
+    split = np.asarray(jax.jit(lambda lm, c: lm(tokens, positions, c)[0])(lm, cache))
+  np.testing.assert_allclose(split, plain, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="split_rows limit"):
+    with tr.split_rows(-1):
+      pass
+  monkeypatch.setenv(tr.ROWS_ENV, "four")
+  with pytest.raises(ValueError, match=r"\$SPECJAX_ROW_PRODUCTS must be"):
+    tr.row_split_limit()
+  monkeypatch.setenv(tr.ROWS_ENV, "4")
+  assert tr.row_split_limit() == 4
+
+
 # ----------------------------------------------------------------------------- validation
 # Issue 29, item 5: every ModelConfig field is checked at construction (type, finiteness,
 # range); a NaN in the logits during decoding surfaces as an error, never as a result.

@@ -5,10 +5,18 @@ a float32 copy of the weight per call on another). `one_row_safe_matmul` (the mo
 layers) pads such a row and drops the duplicate, on the CPU only (`pad_one_row_bf16`), or
 as $SPECJAX_PAD_ONE_ROW_BF16 forces (`padding_policy`, recorded by calibrations and run
 directories).
+
+Also here, off by default: a product of 2..limit rows computed as that many one-row products
+(`split_rows`, $SPECJAX_ROW_PRODUCTS), the experiment of docs/xla_notes.md, trap 7b: on
+XLA:CPU one row takes Eigen's matrix-vector kernel, two or more a GEMM (YNNPACK) that reads
+the weights at about half its speed; split rows re-read a weight from cache. Each split row
+computes exactly the one-row product plain decoding computes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import os
@@ -20,6 +28,34 @@ Array = jax.Array
 
 
 PAD_ENV = "SPECJAX_PAD_ONE_ROW_BF16"
+ROWS_ENV = "SPECJAX_ROW_PRODUCTS"
+_ROW_LIMIT: contextvars.ContextVar = contextvars.ContextVar("row_products", default=None)
+
+
+def row_split_limit() -> int:
+  """Products of 2..limit rows are split into one-row products (0: never, the default).
+  `split_rows` (at trace time) wins over $SPECJAX_ROW_PRODUCTS."""
+  limit = _ROW_LIMIT.get()
+  if limit is not None:
+    return limit
+  env = os.environ.get(ROWS_ENV, "0")
+  if not env.isdigit():
+    raise ValueError(f"${ROWS_ENV} must be a non-negative int (rows up to which a product "
+                     f"is split into one-row products; 0: never), got {env!r}")
+  return int(env)
+
+
+@contextlib.contextmanager
+def split_rows(limit: int):
+  """Traces the enclosed model calls with products of 2..limit rows split into one-row
+  products (0: never). A trace-time setting: give each setting its own `jax.jit`."""
+  if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+    raise ValueError(f"split_rows limit must be a non-negative int, got {limit!r}")
+  token = _ROW_LIMIT.set(limit)
+  try:
+    yield
+  finally:
+    _ROW_LIMIT.reset(token)
 
 
 def padding_policy() -> str:
@@ -56,7 +92,13 @@ def pad_one_row_bf16() -> bool:
 def one_row_safe_matmul(spec: str, x: Array, w: Array) -> Array:
   """einsum with f32 accumulation; a single bf16 row is padded to two on XLA:CPU
   (`pad_one_row_bf16`: there a one-row bf16 product takes a costly path, docs/xla_notes.md,
-  trap 3); the duplicate row is dropped."""
+  trap 3); the duplicate row is dropped. x's rows are its axis -2 (the output's too); with
+  `row_split_limit()` >= n > 1 rows (and every other leading axis 1) each row is its own
+  one-row product."""
+  n = x.shape[-2] if x.ndim >= 2 else 1
+  if 1 < n <= row_split_limit() and math.prod(x.shape[:-2]) == 1:
+    return jnp.concatenate([one_row_safe_matmul(spec, x[..., i:i + 1, :], w)
+                            for i in range(n)], axis=-2)
   if (w.dtype == jnp.bfloat16 and x.ndim >= 2 and math.prod(x.shape[:-1]) == 1
       and pad_one_row_bf16()):
     y = jnp.einsum(spec, jnp.concatenate([x, x], axis=-2), w,
