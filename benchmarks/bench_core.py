@@ -44,7 +44,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax import decoding, roofline
+from specjax.engine import decoding
+from specjax.analysis import roofline
 from specjax.drafters.base import LM
 from specjax.models import attention
 from specjax.models import cache as kv

@@ -29,7 +29,8 @@ def _child(prompts: int, new_tokens: int) -> dict:
 
   import jax
 
-  from specjax import decoding, sampling
+  from specjax.engine import decoding
+  from specjax.verify import sampling
   from specjax.drafters.base import LM
   from specjax.experiments import measure, references
 

@@ -116,7 +116,7 @@ def main() -> None:
   import torch
   import transformers
 
-  from specjax import decoding
+  from specjax.engine import decoding
   from specjax.checkpoints import load_model
 
   transformers.logging.set_verbosity_error()

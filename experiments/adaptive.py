@@ -69,7 +69,10 @@ from typing import Sequence
 import numpy as np
 
 from specjax.experiments import measure, references
-from specjax import adaptive, calibration, decoding, sampling, trees
+from specjax.engine.adaptive import policy as adaptive
+from specjax.calibration import loop_costs as calibration
+from specjax.engine import decoding
+from specjax.verify import sampling, trees
 from specjax.drafters.base import LM
 
 CATEGORIES = ("code", "prose")

@@ -54,7 +54,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.experiments import measure, references
-from specjax import calibration, decoding, loop, metrics, plan, sampling, theory, trees
+from specjax.calibration import loop_costs as calibration
+from specjax.engine import decoding, loop, plan
+from specjax.analysis import metrics, theory
+from specjax.verify import sampling, trees
 from specjax.drafters.base import LM
 from specjax.drafters.eagle import EagleDrafter
 from specjax.drafters.model import ModelDrafter

@@ -62,7 +62,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from specjax.experiments import measure, references
-from specjax import calibration, roofline, theory, timing
+from specjax.calibration import loop_costs as calibration, timing
+from specjax.analysis import roofline, theory
 
 MAX_BATCH = 4096
 MAX_K = 64
@@ -110,7 +111,7 @@ def memory(params: dict) -> int:
   speculative call and for the forward timings (4 sets), at the engine's cache length for
   the longest calibrated chain (`calibration_ks`), from the models' preset configs, without
   loading any model. The calibration runs one loop at a time at the same cache length."""
-  from specjax import decoding
+  from specjax.engine import decoding
   k_max = max(calibration_ks(params.get("k", 4), params.get("calibration_k", ())))
   n = decoding.cache_len_for(params.get("prompt_len", 64), params.get("max_new_tokens", 64),
                              k_max + 1)
@@ -137,7 +138,7 @@ def calibrated_speedup(costs: calibration.LoopCosts, alpha: float, k: int, batch
                        tokens: int, law=None) -> tuple[float, float]:
   """(τ_loop, predicted speedup) of a chain of k from calibrated loop costs: τ_loop ÷
   costs.cycle_steps(chain(k)) (module doc); `law` as in `tau_loop`."""
-  from specjax import trees
+  from specjax.verify import trees
   tau = tau_loop(alpha, k, batch, tokens, law)
   return tau, costs.predicted_speedup(trees.chain(k), tau)
 
@@ -150,7 +151,7 @@ def point(batch: int = 1, k: int = 4, max_new_tokens: int = 64, prompt_len: int 
           prompts: str = "code", chat_template: bool = True) -> dict:
   """Plain vs speculative (chain of k) tokens/s of the decode phase at one batch size, α, τ,
   and the calibrated, standalone and roofline predictions of the speedup (module doc)."""
-  from specjax import trees
+  from specjax.verify import trees
 
   validate(dict(batch=batch, k=k, max_new_tokens=max_new_tokens, prompt_len=prompt_len,
                 temperature=temperature, repeats=repeats, models=models,

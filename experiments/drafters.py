@@ -69,7 +69,9 @@ import functools
 import numpy as np
 
 from specjax.experiments import measure, references
-from specjax import calibration, theory, trees
+from specjax.calibration import loop_costs as calibration
+from specjax.analysis import theory
+from specjax.verify import trees
 
 DRAFTERS = ("lookup", "layer_skip", "medusa", "eagle", "model", "oracle")
 SHAPES_OF = {"lookup": ("chain", "tree"), "layer_skip": ("chain", "tree"),
@@ -250,7 +252,7 @@ def memory(params: dict) -> int:
   the draft model's, one head layer for EAGLE, a whole target for the oracle, none for
   lookup, Medusa and layer-skip, which drafts in the target's cache), from the preset
   configs: nothing is loaded."""
-  from specjax import decoding
+  from specjax.engine import decoding
   from specjax.models import cache as kv
   drafter, _ = parse_variant(params.get("variant"))
   models = references.target_ref(params.get("target"), params.get("models"))

@@ -63,7 +63,9 @@ from __future__ import annotations
 import numpy as np
 
 from specjax.experiments import measure, references
-from specjax import calibration, theory, trees
+from specjax.calibration import loop_costs as calibration
+from specjax.analysis import theory
+from specjax.verify import trees
 from specjax.drafters.model import ModelDrafter
 
 MODES = ("chain", "tree")
@@ -118,7 +120,7 @@ def memory(params: dict) -> int:
   drafter's own: the draft model's or the EAGLE head's layer), from the models' preset
   configs: no model is loaded. Calibration runs one loop at a time at the same cache
   length."""
-  from specjax import decoding
+  from specjax.engine import decoding
   from specjax.models import cache as kv
   k, widths = params.get("k", 4), params.get("tree_widths", (2, 1, 1, 1))
   slots = max(t.n_nodes for t in _shapes(k, widths, params.get("calibration_k", (1, 2))))

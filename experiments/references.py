@@ -16,7 +16,7 @@ prompts (`prompts=`):
   "code", "prose" the embedded held-out sets, cut into windows of `prompt_len` ids (the
                   "random" target keeps its fixed code snippet, as it always had)
   a JSONL path    a Spec-Bench / MT-Bench question file or a plain prompt file
-                  (`specjax.prompts`), each prompt's first turn rendered with the target
+                  (`specjax.data.prompts`), each prompt's first turn rendered with the target
                   tokenizer's chat template when it has one; its question ids and
                   categories travel into the result rows (`Workload.row_fields`)
   an int          the older spelling of "code" with that many prompts.
@@ -107,7 +107,7 @@ def load_target(ref: str):
     cfg = PRESETS[RANDOM_PRESET].replace(vocab_size=tok.vocab_size)
     return Transformer(cfg, rngs=nnx.Rngs(0)), tok, None
   from specjax import resolve
-  from specjax.prompts import held_out_texts
+  from specjax.data.prompts import held_out_texts
   model, tok = resolve.load_target(ref)
   return model, tok, list(held_out_texts("code"))
 
@@ -171,8 +171,8 @@ def prompt_spec(prompts: Any, count: int | None = None, name: str = "prompts"
 
 @functools.lru_cache(maxsize=8)
 def file_prompts(path: str) -> tuple:
-  """The prompts of a JSONL file (`specjax.prompts.load_prompts`: first turns)."""
-  from specjax.prompts import load_prompts
+  """The prompts of a JSONL file (`specjax.data.prompts.load_prompts`: first turns)."""
+  from specjax.data.prompts import load_prompts
   return tuple(load_prompts(path))
 
 
@@ -224,7 +224,7 @@ def embedded_texts(ref: str, name: str, texts):
   prose documents for "prose"."""
   if name == "code":
     return texts
-  from specjax.prompts import held_out_texts
+  from specjax.data.prompts import held_out_texts
   return list(held_out_texts(name))
 
 
@@ -238,7 +238,7 @@ def workload(ref: str, tok, texts, prompts: str, count: int, prompt_len: int, *,
   if prompts in EMBEDDED:
     return Workload(measure.prompts(tok, embedded_texts(ref, prompts, texts), count,
                                     prompt_len))
-  from specjax.prompts import encode_prompt
+  from specjax.data.prompts import encode_prompt
   items = file_prompts(prompts)
   chosen = [items[i % len(items)] for i in range(count)]
   encoded = {}

@@ -2,7 +2,7 @@
 
 One point = one question (`question` = its `question_id`; the sweep's axis is the set's ids,
 which `specjax bench` fills in). Models and drafters by reference (`specjax.resolve`: any
-target, any drafter kind), prompts by reference (`specjax.prompts`: a Spec-Bench / MT-Bench
+target, any drafter kind), prompts by reference (`specjax.data.prompts`: a Spec-Bench / MT-Bench
 question file, a plain JSONL file, or the embedded `code` / `prose` sets), rendered with the
 target tokenizer's chat template when it has one (`chat_template=False` opts out). The first
 turn of each question is decoded (Spec-Bench's single-turn setting); with `multi_turn`
@@ -38,8 +38,12 @@ import statistics
 import numpy as np
 
 from specjax.experiments import measure
-from specjax import decoding, metrics, resolve, sampling, timing, trees
-from specjax.prompts import encode_prompt, load_prompts
+from specjax.engine import decoding
+from specjax.analysis import metrics
+from specjax import resolve
+from specjax.verify import sampling, trees
+from specjax.calibration import timing
+from specjax.data.prompts import encode_prompt, load_prompts
 
 EMBEDDED_COUNT, EMBEDDED_LEN = 16, 64  # the embedded sets' questions and their length
 
@@ -186,7 +190,7 @@ def _eos_ids(tokenizer):
   """The EOS ids decoding stops on: every id the model's files list (`chat.stop_ids`:
   generation_config.json's eos_token_id, an int or a list, else config.json's, and the
   tokenizer's eos), None without any."""
-  from specjax import chat
+  from specjax.data import chat
   ids = chat.stop_ids(tokenizer)
   return list(ids) if ids else None
 

@@ -58,8 +58,10 @@ import jax
 import numpy as np
 
 from specjax.experiments import measure, references
-from specjax import calibration as loop_calibration
-from specjax import decoding, sampling, timing, trees
+from specjax.calibration import loop_costs as loop_calibration
+from specjax.engine import decoding
+from specjax.verify import sampling, trees
+from specjax.calibration import timing
 from specjax.drafters.model import ModelDrafter
 
 SHAPES = ("chain", "branching", "optimal", "dynamic")

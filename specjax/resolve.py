@@ -115,7 +115,7 @@ def _files_key(directory) -> str:
   import hashlib
   import pathlib
 
-  from specjax.checkpoints.dirs import file_sha256
+  from specjax.files import file_sha256
   h = hashlib.sha256()
   root = pathlib.Path(directory)
   for path in sorted(p for p in root.rglob("*") if p.is_file()
@@ -220,7 +220,7 @@ def head_drafter(spec: str, target, kind: str, where: str, *, k, deterministic: 
   serving = target if serving is None else serving
   from flax import nnx
 
-  from specjax import trees
+  from specjax.verify import trees
   from specjax.drafters.medusa import MedusaDrafter
   if where == "default":
     from specjax.training.defaults import load_default_heads

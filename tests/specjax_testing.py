@@ -12,7 +12,8 @@ import pytest
 from flax import nnx, struct
 from scipy import stats
 
-from specjax import decoding, loop, sampling
+from specjax.engine import decoding, loop
+from specjax.verify import sampling
 from specjax.data.batches import TokenData
 from specjax.data.corpus import load_corpus
 from specjax.data.tokenizer import ByteTokenizer

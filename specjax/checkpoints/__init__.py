@@ -58,7 +58,7 @@ def save_model(directory: str | os.PathLike, model, *, metadata: dict | None = N
   from flax import nnx
 
   from specjax.checkpoints import orbax_io
-  from specjax.checkpoints.dirs import assembling, prepare_output_dir
+  from specjax.files import assembling, prepare_output_dir
   from specjax.checkpoints.hf.tokenizer import copy_tokenizer_files
   out = prepare_output_dir(directory, overwrite)
   meta = {**(metadata or {}), "kind": MODEL_KIND}

@@ -62,7 +62,7 @@ def save_flat(path: str | os.PathLike, params: Any, *, dtype: str = "bfloat16",
   atomically (`dirs.atomic_write`). Returns {name: element count}."""
   from safetensors.numpy import save
 
-  from specjax.checkpoints.dirs import atomic_write
+  from specjax.files import atomic_write
 
   if dtype not in _DTYPES:
     raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")

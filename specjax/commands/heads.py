@@ -18,7 +18,7 @@ import json
 
 
 def _formats() -> list[str]:
-  from specjax.checkpoints.published import FORMATS
+  from specjax.training.published import FORMATS
   return sorted(FORMATS)
 
 
@@ -58,7 +58,7 @@ def add_parsers(subparsers) -> None:
 
 
 def run_import(args: argparse.Namespace) -> int:
-  from specjax.checkpoints import published
+  from specjax.training import published
   from specjax.training.heads import read_head_meta, spec_text
   kind = args.kind or published.detect_kind(args.src)
   out = published.import_head(args.src, args.target, args.out, kind=kind,
@@ -75,7 +75,7 @@ def run_import(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-  from specjax.checkpoints import published
+  from specjax.training import published
   out = published.export_head(args.head, args.target, args.out, format=args.format,
                               dtype=args.dtype, overwrite=args.overwrite)
   print(f"exported {args.head} as a {args.format} head into {out}")

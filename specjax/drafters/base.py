@@ -53,7 +53,7 @@ chain of the max probability of the draft's softmax at each node's parent) is be
 threshold.
 The nodes it did not draft are fillers, point masses (q one-hot at the filler token), and
 `Proposal.drafted` says how many nodes were drafted; the loop emits at most drafted + 1
-tokens (module doc of `specjax.adaptive`: why this stays exact).
+tokens (module doc of `specjax.engine.adaptive.policy`: why this stays exact).
 
 Lazy catch-up (optional, adaptive loop only). A plain (k = 0) step of the adaptive loop emits
 one token without drafting. A drafter that declares `lazy_catch_up` is not told about such

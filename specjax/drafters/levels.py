@@ -37,10 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import sampling
+from specjax.verify import sampling
 from specjax.drafters.base import Context, Drafter, Proposal
 from specjax.models import cache as kv
-from specjax.trees import DynamicTree, TreeSpec
+from specjax.verify.trees import DynamicTree, TreeSpec
 
 Array = jax.Array
 

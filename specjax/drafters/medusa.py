@@ -41,7 +41,7 @@ import numpy as np
 from flax import struct
 
 from specjax.drafters.base import LM, Context, Drafter, Proposal
-from specjax.trees import DynamicTree, TreeSpec
+from specjax.verify.trees import DynamicTree, TreeSpec
 
 Array = jax.Array
 

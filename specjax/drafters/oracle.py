@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import sampling
+from specjax.verify import sampling
 from specjax.drafters.base import LM
 from specjax.drafters.model import ModelDrafter
 

@@ -274,7 +274,7 @@ def param_count(config: ModelConfig) -> int:
   """Number of parameters, from the config alone in closed form (`roofline.param_counts`,
   tested against the abstract model's leaves): nothing is traced, so it answers at once for
   any size, 10^9 layers included."""
-  from specjax import roofline  # plain numpy
+  from specjax.analysis import roofline  # plain numpy
   return roofline.param_counts(config)["total"]
 
 

@@ -63,7 +63,7 @@ from flax import nnx
 from specjax.data.batches import TokenData
 from specjax.data.corpus import EMBEDDED, load_corpus
 from specjax.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
-from specjax.checkpoints.dirs import atomic_write, file_sha256
+from specjax.files import atomic_write, file_sha256
 from specjax.checkpoints.trained import load_trained
 from specjax.models.transformer import ModelConfig, Transformer, from_params
 from specjax.training.config import TrainConfig

@@ -2,7 +2,7 @@
 (`specjax.drafters.eagle3.Eagle3Head`: three-layer fusion, [normed embedding; normed hidden]
 attention input, its own LM head over a reduced draft vocabulary) for the head trainer of
 `heads.py`, and the kind an imported EAGLE-3 checkpoint is stored as
-(`specjax.checkpoints.published.eagle3`).
+(`specjax.training.published.eagle3`).
 
 Its spec holds what rebuilding the head needs besides the target: the captured layers, the
 decoder-layer fields that differ from the target's (`eagle3.HEAD_FIELDS`) and the draft

@@ -65,7 +65,7 @@ import numpy as np
 import optax
 from flax import struct
 
-from specjax import trees
+from specjax.verify import trees
 from specjax.checkpoints import orbax_io
 from specjax.data.batches import TokenData
 from specjax.data.tokenizer import Tokenizer, tokenizer_from_spec
@@ -556,7 +556,7 @@ def save_head(directory: str | pathlib.Path, kind: HeadKind, params, target, tok
   to `target`: (config, params), an LM or a Transformer), all or nothing; for heads made
   elsewhere (`checkpoints.published`: imported heads). metadata: extra fields (where the
   head came from). A non-empty `directory` is refused unless `overwrite`."""
-  from specjax.checkpoints.dirs import assembling, prepare_output_dir
+  from specjax.files import assembling, prepare_output_dir
   out = prepare_output_dir(directory, overwrite)
   binding = _as_binding(target)
   meta = {**(metadata or {}), "kind": HEAD_KIND,

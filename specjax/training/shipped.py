@@ -33,7 +33,7 @@ import time
 
 import jax
 
-from specjax.checkpoints.dirs import file_sha256
+from specjax.files import file_sha256
 from specjax.checkpoints.flat import load_flat, save_flat
 
 SHIPPED_FORMAT = 1

@@ -153,7 +153,7 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]
     arrays[name] = arr
   meta = {str(k): str(v) for k, v in metadata.items()} if metadata else None
   safetensors.numpy.save_file(arrays, str(path), metadata=meta)
-  from specjax.checkpoints.dirs import file_mode
+  from specjax.files import file_mode
   os.chmod(path, file_mode())
 
 

@@ -1,5 +1,5 @@
 """Tokenizers in a model directory: Hugging Face `tokenizer.json` behind specjax's Tokenizer
-interface (with the directory's chat template and EOS ids, `specjax.chat`), finding which
+interface (with the directory's chat template and EOS ids, `specjax.data.chat`), finding which
 tokenizer a directory holds, and copying the tokenizer files along with a model.
 """
 
@@ -86,7 +86,7 @@ class HFTokenizer:
   config.json / generation_config.json ids; any of them may be None (no such token).
   `eos_ids` are the ids to stop on: every id of generation_config.json's `eos_token_id` (an
   int or a list; without one, config.json's), then `eos_id`, each once. `chat_template` is
-  the directory's template (`specjax.chat.load_chat_template`, read on first use), None
+  the directory's template (`specjax.data.chat.load_chat_template`, read on first use), None
   without one.
   """
 
@@ -95,7 +95,7 @@ class HFTokenizer:
   def __init__(self, backend, *, bos_id: int | None, eos_id: int | None,
                pad_id: int | None, eos_ids: Sequence[int] = (),
                directory: str | os.PathLike | None = None) -> None:
-    from specjax.chat import merge_eos_ids
+    from specjax.data.chat import merge_eos_ids
     self._tok = backend
     self.vocab_size = int(backend.get_vocab_size())
     self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
@@ -145,8 +145,8 @@ class HFTokenizer:
 
   @functools.cached_property
   def chat_template(self):
-    """The directory's chat template (`specjax.chat.ChatTemplate`), or None."""
-    from specjax.chat import load_chat_template
+    """The directory's chat template (`specjax.data.chat.ChatTemplate`), or None."""
+    from specjax.data.chat import load_chat_template
     return None if self.directory is None else load_chat_template(self.directory)
 
   def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
