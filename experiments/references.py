@@ -32,6 +32,8 @@ import functools
 import os
 from typing import Any, Mapping
 
+from specjax.experiments import study_prompts
+
 RANDOM = "random"  # the studies' random test target (preset RANDOM_PRESET, seed 0)
 RANDOM_PRESET = "tiny-llama"
 EMBEDDED = ("code", "prose")
@@ -231,13 +233,12 @@ def embedded_texts(ref: str, name: str, texts):
 def workload(ref: str, tok, texts, prompts: str, count: int, prompt_len: int, *,
              chat_template: bool = True) -> Workload:
   """`count` prompts of the set `prompts` for target `ref`: an embedded set's windows of
-  `prompt_len` ids (`measure.prompts`, the studies' rule), or a file's first `count`
+  `prompt_len` ids (`study_prompts.prompts`, the studies' rule), or a file's first `count`
   prompts encoded for the target (its chat template unless `chat_template` is False),
   the file read again from its start when it holds fewer."""
-  from specjax.experiments import measure
   if prompts in EMBEDDED:
-    return Workload(measure.prompts(tok, embedded_texts(ref, prompts, texts), count,
-                                    prompt_len))
+    return Workload(study_prompts.prompts(tok, embedded_texts(ref, prompts, texts), count,
+                                          prompt_len))
   from specjax.data.prompts import encode_prompt
   items = file_prompts(prompts)
   chosen = [items[i % len(items)] for i in range(count)]

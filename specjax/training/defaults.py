@@ -164,6 +164,14 @@ class CacheEntryError(ValueError):
   traceback)."""
 
 
+def _shipped(load, *args):
+  """A shipped entry's loader, its damage reported as a CacheEntryError (one line)."""
+  try:
+    return load(*args)
+  except shipped.ShippedError as e:
+    raise CacheEntryError(str(e)) from None
+
+
 def _one_line(e: BaseException) -> str:
   """`e` as one short line (TensorStore and orbax errors span many)."""
   text = " ".join(str(e).split()) or type(e).__name__
@@ -333,7 +341,7 @@ def load_default_target(preset: str = DEFAULT_PRESET, corpus: str | None = None,
   entry = entry_dir(preset, corpus)
   found = None if rebuild else shipped.entry(preset, corpus, recipe, "target")
   if found is not None:
-    return shipped.load_target(*found, recipe)
+    return DefaultTarget(*_shipped(shipped.load_target, *found, recipe))
 
   def verify_and_load(d: pathlib.Path) -> DefaultTarget:
     target = _load_checked(d, recipe, "target")
@@ -365,7 +373,7 @@ def load_default_pair(preset: str = DEFAULT_PRESET, corpus: str | None = None, *
     recipe = _draft_recipe(preset, corpus, shipped.target_fingerprint_float32(found[1]))
     found = shipped.entry(preset, corpus, recipe, "draft")
     if found is not None:
-      draft = shipped.load_model_params(*found, "draft", recipe["draft"])
+      draft = _shipped(shipped.load_model_params, *found, "draft", recipe["draft"])
       return DefaultPair(target.target_config, target.target_params,
                          ModelConfig.from_dict(recipe["draft"]), draft, target.tokenizer)
   recipe = _draft_recipe(preset, corpus, fingerprint)
@@ -554,7 +562,7 @@ def load_default_heads(kind: str = "medusa", preset: str = DEFAULT_PRESET,
     recipe = _heads_recipe(kind, preset, corpus, shipped.target_fingerprint_float32(found[1]))
     found = shipped.entry(preset, corpus, recipe, kind)
     if found is not None:
-      return shipped.load_head(*found, kind, recipe, target)
+      return _shipped(shipped.load_head, *found, kind, recipe, target)
   recipe = _heads_recipe(kind, preset, corpus, TargetBinding.of(
       target.target_config, target.target_params).fingerprint)
   entry = heads_entry_dir(kind, preset, corpus, recipe["target_fingerprint"])

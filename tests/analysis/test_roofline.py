@@ -258,7 +258,7 @@ def test_roofline_imports_without_jax():
   code = ("import sys, specjax.analysis.roofline; "
           "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)")
   subprocess.run([sys.executable, "-c", code], check=True,
-                 cwd=pathlib.Path(__file__).resolve().parents[1])
+                 cwd=pathlib.Path(__file__).resolve().parents[2])
 
 
 # ----------------------------------------------------------------------------- validation

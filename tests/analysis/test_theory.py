@@ -241,7 +241,7 @@ def test_bad_input_raises_naming_the_argument(call, name):
 def test_theory_imports_without_jax():
   code = ("import sys, specjax.analysis.theory; "
           "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)")
-  root = pathlib.Path(__file__).resolve().parents[1]
+  root = pathlib.Path(__file__).resolve().parents[2]
   subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
 
 

@@ -10,21 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from specjax import cli, resolve  # noqa: E402
 from specjax.data.prompts import encode_prompt, load_prompts  # noqa: E402
-from test_chat import LLAMA3, theirs, write_tokenizer_dir  # noqa: E402
-
-V = 448  # the test tokenizer's 428 ids (420 BPE + 8 specials), padded as checkpoints are
-
-
-def _llama_dir(d, layers: int, seed: int):
-  torch.manual_seed(seed)
-  cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128,
-                                 num_hidden_layers=layers, num_attention_heads=4,
-                                 num_key_value_heads=2, max_position_embeddings=256,
-                                 initializer_range=0.1, bos_token_id=None, eos_token_id=None,
-                                 pad_token_id=None)
-  transformers.LlamaForCausalLM(cfg).eval().save_pretrained(d)
-  write_tokenizer_dir(d, config={"chat_template": LLAMA3})
-  return d
+from hf_testing import llama_dir as _llama_dir, theirs  # noqa: E402
 
 
 @pytest.mark.slow

@@ -19,8 +19,7 @@ from specjax.data import chat  # noqa: E402
 from specjax import cli, resolve
 from specjax.engine import decoding
 from specjax.commands import generate  # noqa: E402
-from test_bench_hf import _llama_dir  # noqa: E402
-from test_chat import theirs  # noqa: E402
+from hf_testing import llama_dir as _llama_dir, theirs  # noqa: E402
 
 MESSAGE = "Hello, how are you?"
 

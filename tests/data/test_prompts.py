@@ -235,7 +235,7 @@ def test_encode_prompt(tmp_path):
 
 
 def test_encode_prompt_with_a_chat_template(tmp_path):
-  from test_chat import CHATML, write_tokenizer_dir
+  from hf_testing import CHATML, write_tokenizer_dir
 
   from specjax.checkpoints.hf.tokenizer import HFTokenizer
   tok = HFTokenizer.from_dir(write_tokenizer_dir(tmp_path / "tok",

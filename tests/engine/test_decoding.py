@@ -233,7 +233,7 @@ MULTI_DEVICE_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_speculative_loop_over_four_fake_devices_matches_serial():
-  env = dict(os.environ, SPECJAX_TESTS_DIR=os.path.dirname(__file__))
+  env = dict(os.environ, SPECJAX_TESTS_DIR=os.path.dirname(os.path.dirname(__file__)))
   out = subprocess.run([sys.executable, "-c", MULTI_DEVICE_SCRIPT], env=env,
                        capture_output=True, text=True, timeout=600)
   assert "MULTI_DEVICE_OK" in out.stdout, out.stderr[-3000:]

@@ -17,8 +17,7 @@ from specjax.experiments import (adaptive, alpha_k_sweep, batch_breakeven, draft
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from test_bench_hf import _llama_dir  # noqa: E402
-from test_chat import theirs  # noqa: E402
+from hf_testing import llama_dir as _llama_dir, theirs  # noqa: E402
 
 QUESTIONS = [{"question_id": 7, "category": "writing", "turns": ["write a poem about the sea"]},
              {"question_id": 9, "category": "chat", "turns": ["Hello, how are you?"]}]

@@ -12,7 +12,7 @@ import pytest
 from specjax.cli import main
 from specjax.sweeps import launch, run_directory, runner
 
-TESTS = pathlib.Path(__file__).parent
+TESTS = pathlib.Path(__file__).parents[1]  # tests/: sweep_fixtures.py
 
 CONFIG = """
 from __gin__ import dynamic_registration

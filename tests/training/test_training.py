@@ -143,7 +143,7 @@ def test_killed_process_resumes_from_last_checkpoint(data, tmp_path):
       train(ModelConfig(**{STUDENT.to_dict()!r}), TrainConfig(**{tc.__dict__!r}), data, tok,
             out_dir={str(tmp_path)!r}, progress=False)
       """)
-  env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1])}
+  env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[2])}
   proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
   try:

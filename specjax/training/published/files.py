@@ -126,12 +126,11 @@ def write_dir(out: str | os.PathLike, tensors: Mapping[str, np.ndarray], weights
 
 
 def target_of(target, tokenizer=None) -> tuple[Any, Any]:
-  """(Transformer, tokenizer) of a target: a module (an `LM` handle's module) or a target
-  reference `specjax.resolve.load_target` takes ("random:SPEC", a directory, "default")."""
+  """(Transformer, tokenizer) of a target: a module or an `LM` handle (a reference is
+  resolved by the caller, `specjax.resolve.load_target`: training sits below resolve)."""
   if isinstance(target, (str, os.PathLike)):
-    from specjax.resolve import load_target
-    module, tok = load_target(str(target))
-    return module, tok if tokenizer is None else tokenizer
+    raise TypeError(f"target {str(target)!r}: pass the target model (resolve a reference "
+                    f"with specjax.resolve.load_target first)")
   if hasattr(target, "graphdef"):  # an LM handle
     target = target.module()
   return target, tokenizer
