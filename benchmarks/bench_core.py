@@ -46,7 +46,7 @@ from flax import nnx
 
 from specjax.engine import decoding
 from specjax.analysis import roofline
-from specjax.drafters.base import LM
+from specjax.models.lm import LM
 from specjax.models import attention
 from specjax.models import cache as kv
 from specjax.models.presets import PRESETS

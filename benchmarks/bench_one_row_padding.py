@@ -31,7 +31,7 @@ def _child(prompts: int, new_tokens: int) -> dict:
 
   from specjax.engine import decoding
   from specjax.verify import sampling
-  from specjax.drafters.base import LM
+  from specjax.models.lm import LM
   from specjax.experiments import measure, references
 
   target, tok, texts = measure.target_model("default", "bfloat16")

@@ -39,7 +39,7 @@ from flax import nnx
 
 from specjax.engine import decoding
 from specjax.verify import sampling, trees
-from specjax.drafters.base import LM
+from specjax.models.lm import LM
 from specjax.drafters.levels import _plan
 from specjax.drafters.model import ModelDrafter
 from specjax.models import cache as kv

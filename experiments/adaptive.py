@@ -73,7 +73,7 @@ from specjax.engine.adaptive import policy as adaptive
 from specjax.calibration import loop_costs as calibration
 from specjax.engine import decoding
 from specjax.verify import sampling, trees
-from specjax.drafters.base import LM
+from specjax.models.lm import LM
 
 CATEGORIES = ("code", "prose")
 COSTS = ("calibrated", "model")

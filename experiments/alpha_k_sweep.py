@@ -58,7 +58,7 @@ from specjax.calibration import loop_costs as calibration
 from specjax.engine import decoding, loop, plan
 from specjax.analysis import metrics, theory
 from specjax.verify import sampling, trees
-from specjax.drafters.base import LM
+from specjax.models.lm import LM
 from specjax.drafters.eagle import EagleDrafter
 from specjax.drafters.model import ModelDrafter
 from specjax.drafters.oracle import OracleDrafter, check_alpha

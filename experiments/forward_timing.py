@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from specjax.analysis import roofline
 from specjax.calibration import timing
 from specjax.verify import trees
-from specjax.drafters.base import LM
+from specjax.models.lm import LM
 from specjax.models import cache as kv
 
 

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from specjax.engine import decoding, loop
 from specjax.verify import sampling, trees
 from specjax import sharding
-from specjax.drafters.base import LM
+from specjax.models.lm import LM
 from specjax.drafters.eagle import EagleDrafter
 from specjax.drafters.layer_skip import LayerSkipDrafter
 from specjax.drafters.lookup import LookupDrafter

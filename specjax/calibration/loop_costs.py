@@ -67,7 +67,8 @@ import numpy as np
 from specjax.engine import decoding
 from specjax.verify import sampling, trees
 from specjax.calibration.cycle_fit import CycleFit, fit, identifiable
-from specjax.drafters.base import LM, Drafter
+from specjax.models.lm import LM
+from specjax.drafters.base import Drafter
 from specjax.drafters.model import ModelDrafter
 from specjax.calibration.timing import STATISTICS, decode_seconds
 from specjax.models.one_row_bf16 import padding_policy

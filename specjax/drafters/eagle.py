@@ -59,7 +59,8 @@ import numpy as np
 from flax import nnx, struct
 
 from specjax.drafters import eagle3
-from specjax.drafters.base import LM, Context
+from specjax.models.lm import LM
+from specjax.drafters.base import Context
 from specjax.drafters.eagle3 import Eagle3Head
 from specjax.drafters.levels import LevelDrafter, _plan
 from specjax.models import attention

@@ -35,7 +35,7 @@ import numpy as np
 from flax import struct
 
 from specjax.verify import sampling
-from specjax.drafters.base import LM
+from specjax.models.lm import LM
 from specjax.drafters.model import ModelDrafter
 
 Array = jax.Array

@@ -41,7 +41,7 @@ from specjax import sharding
 # the host API's too (decoding.prepare_batch, decoding.default_policy, ...)
 from specjax.engine.batching import (MIN_BUCKET, Batch, cache_len_for,  # noqa: F401
                                      eos_ids, key_of, pad_rows, prepare_batch, sized_batch)
-from specjax.drafters.base import LM
+from specjax.models.lm import LM
 from specjax.models import cache as kv
 from specjax.models.precision import DEFAULT_PRECISION, check_precision
 from specjax.engine.plan import (Prepared, SpeculationPlan, as_drafter, default_policy, fit_vocab,

@@ -42,7 +42,8 @@ import numpy as np
 from flax import struct
 
 from specjax.verify import acceptance, sampling
-from specjax.drafters.base import LM, Context
+from specjax.models.lm import LM
+from specjax.drafters.base import Context
 from specjax.models import cache as kv
 from specjax.models.precision import DEFAULT_PRECISION, matmul_precision
 

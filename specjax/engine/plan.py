@@ -33,7 +33,8 @@ from specjax.engine.adaptive import policy as adaptive
 from specjax.engine import loop
 from specjax.verify import sampling, trees
 from specjax.engine.batching import Batch, eos_ids, key_of, pad_rows, sized_batch
-from specjax.drafters.base import LM, Drafter
+from specjax.models.lm import LM
+from specjax.drafters.base import Drafter
 from specjax.drafters.model import ModelDrafter
 from specjax.models import cache as kv
 from specjax.verify.trees import DynamicTree, TreeSpec

@@ -51,7 +51,8 @@ from scipy import optimize, stats
 from specjax.engine import decoding, loop, plan
 from specjax.exactness import planted_bugs
 from specjax.verify import sampling
-from specjax.drafters.base import LM, Drafter
+from specjax.models.lm import LM
+from specjax.drafters.base import Drafter
 from specjax.models import cache as kv
 from specjax.models.transformer import Transformer
 from specjax.verify.trees import DynamicTree, TreeSpec

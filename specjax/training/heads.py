@@ -69,7 +69,7 @@ from specjax.verify import trees
 from specjax.checkpoints import orbax_io
 from specjax.data.batches import TokenData
 from specjax.data.tokenizer import Tokenizer, tokenizer_from_spec
-from specjax.drafters.base import LM
+from specjax.models.lm import LM
 from specjax.models.transformer import ModelConfig, cast_floats
 from specjax.training.config import TrainConfig
 from specjax.training.losses import positions_for

@@ -26,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from specjax.engine import decoding  # noqa: E402
 from specjax.checkpoints import hf, load_model  # noqa: E402
-from specjax.drafters.base import LM  # noqa: E402
+from specjax.models.lm import LM  # noqa: E402
 
 V = 300
 TOL = 1e-4

@@ -16,7 +16,7 @@ from flax import nnx, struct
 from specjax.engine import decoding, loop
 from specjax.verify import sampling, trees
 from specjax.data.corpus import load_corpus
-from specjax.drafters.base import LM
+from specjax.models.lm import LM
 from specjax.drafters.eagle import EagleDrafter, default_layers, embed, head_logits, init_head
 from specjax.training.eagle import EagleHeads
 from specjax.training.heads import HeadTrainer, load_head, train_head

@@ -19,7 +19,8 @@ from specjax.engine import decoding
 from specjax.verify import sampling, trees
 from specjax.cli import main
 from specjax.drafters import LayerSkipDrafter
-from specjax.drafters.base import LM, Context
+from specjax.models.lm import LM
+from specjax.drafters.base import Context
 from specjax.models import cache as kv
 from specjax_testing import TINY, model
 from specjax_testing import FALSE_ALARM, PROMPT, exact_joint, first_three, joint_pvalue

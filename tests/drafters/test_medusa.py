@@ -19,7 +19,7 @@ from specjax.verify import acceptance, sampling, trees
 from specjax import cli
 from specjax.engine import decoding, loop
 from specjax.data.corpus import load_corpus
-from specjax.drafters.base import LM
+from specjax.models.lm import LM
 from specjax.drafters.medusa import MedusaDrafter, head_logits
 from specjax.models.transformer import ModelConfig
 from specjax.training import defaults

@@ -21,7 +21,8 @@ from specjax.verify import acceptance, sampling, trees
 from specjax.engine.adaptive import policy as adaptive, loop as adaptive_loop
 from specjax.engine import decoding, loop
 from specjax.analysis import theory
-from specjax.drafters.base import LM, Context
+from specjax.models.lm import LM
+from specjax.drafters.base import Context
 from specjax.drafters.model import ModelDrafter
 from specjax_testing import (FALSE_ALARM, JOINT_ROWS, PROMPT, RAGGED, TINY, VOCAB, FeatureProbe,
                              exact_joint, joint_pvalue, joint_target, model, perturbed)

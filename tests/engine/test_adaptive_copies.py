@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from specjax.engine.adaptive import policy as adaptive, loop as adaptive_loop
 from specjax.engine import decoding
 from specjax.verify import sampling
-from specjax.drafters.base import LM
+from specjax.models.lm import LM
 from specjax.drafters.model import ModelDrafter
 from specjax_testing import RAGGED, TINY, model, perturbed
 

@@ -24,7 +24,7 @@ from flax import struct
 from specjax.engine.adaptive import policy as adaptive, loop as adaptive_loop
 from specjax.engine import decoding
 from specjax.verify import sampling, trees
-from specjax.drafters.base import LM
+from specjax.models.lm import LM
 from specjax.drafters.eagle import EagleDrafter
 from specjax.drafters.layer_skip import LayerSkipDrafter
 from specjax.drafters.lookup import LookupDrafter

@@ -20,7 +20,7 @@ import pytest
 from specjax.engine.adaptive import policy as adaptive, loop as adaptive_loop
 from specjax.engine import decoding, loop
 from specjax.verify import sampling, trees
-from specjax.drafters.base import LM
+from specjax.models.lm import LM
 from specjax.drafters.lookup import LookupDrafter
 from specjax.drafters.model import ModelDrafter
 from specjax_testing import RAGGED, TINY, FeatureProbe, model, perturbed

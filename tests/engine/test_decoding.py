@@ -22,7 +22,7 @@ from specjax.verify import acceptance, sampling, trees
 from specjax.engine import decoding, loop
 from specjax.analysis import metrics
 from specjax.exactness import planted_bugs
-from specjax.drafters.base import LM
+from specjax.models.lm import LM
 from specjax.drafters.model import ModelDrafter
 from specjax_testing import (FALSE_ALARM, PROMPT, RAGGED, TINY, VOCAB, FeatureProbe,
                              exact_joint, first_three, joint_pvalue, joint_target, model,
@@ -202,7 +202,7 @@ MULTI_DEVICE_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
     from specjax import decoding, loop, sampling, trees
-    from specjax.drafters.base import LM
+    from specjax.models.lm import LM
     from specjax.drafters.model import ModelDrafter
     sys_path_tests = os.environ["SPECJAX_TESTS_DIR"]
     import sys; sys.path.insert(0, sys_path_tests)

@@ -15,7 +15,8 @@ from scipy.special import logsumexp
 from specjax.engine import decoding, loop
 from specjax.analysis import metrics
 from specjax.verify import sampling, trees
-from specjax.drafters.base import LM, Context
+from specjax.models.lm import LM
+from specjax.drafters.base import Context
 from specjax.drafters.model import ModelDrafter
 from specjax.models import cache as kv
 from specjax.verify.trees import DynamicTree, TreeSpec

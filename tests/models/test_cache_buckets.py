@@ -9,7 +9,7 @@ import pytest
 
 from specjax.engine import decoding, loop
 from specjax.verify import sampling, trees
-from specjax.drafters.base import LM
+from specjax.models.lm import LM
 from specjax.drafters.model import ModelDrafter
 from specjax.models import attention
 from specjax.models import cache as kv

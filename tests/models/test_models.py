@@ -12,7 +12,7 @@ from specjax.models import attention
 from specjax.models import cache as kv
 from specjax.models.presets import PRESETS, parse_config
 from specjax.models.transformer import ModelConfig, Transformer, param_count, rope
-from specjax.drafters.base import LM
+from specjax.models.lm import LM
 from specjax_testing import TINY, model
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from specjax.engine import decoding, loop
 from specjax.verify import sampling, trees
-from specjax.drafters.base import LM
+from specjax.models.lm import LM
 from specjax.drafters.model import ModelDrafter
 from specjax.models.precision import PRECISIONS, check_precision, matmul_precision
 from specjax_testing import TINY, model, perturbed

@@ -29,7 +29,7 @@ from specjax import resolve
 from specjax.verify import sampling, trees
 from specjax.checkpoints import hf  # noqa: E402
 from specjax.training.published import eagle3 as pub  # noqa: E402
-from specjax.drafters.base import LM  # noqa: E402
+from specjax.models.lm import LM  # noqa: E402
 from specjax.drafters.eagle import EagleDrafter  # noqa: E402
 from specjax.drafters.eagle3 import DraftIds, Eagle3Head  # noqa: E402
 from specjax_testing import (FALSE_ALARM, PROMPT, RAGGED, VOCAB,  # noqa: E402

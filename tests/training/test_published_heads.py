@@ -30,7 +30,8 @@ from specjax.checkpoints import hf  # noqa: E402
 from specjax.training import published
 from specjax.training.published import eagle as eagle_format  # noqa: E402
 from specjax.drafters import medusa as medusa_drafter  # noqa: E402
-from specjax.drafters.base import LM, Context  # noqa: E402
+from specjax.models.lm import LM  # noqa: E402
+from specjax.drafters.base import Context
 from specjax.training.heads import load_head, save_head  # noqa: E402
 from specjax.training.medusa import MedusaHeads  # noqa: E402
 from specjax_testing import (FALSE_ALARM, PROMPT, TC, TOK, assert_greedy_identity,  # noqa: E402

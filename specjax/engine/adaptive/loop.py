@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.verify import acceptance, sampling, trees
-from specjax.drafters.base import LM, Context
+from specjax.models.lm import LM
+from specjax.drafters.base import Context
 from specjax.engine.loop import (LAZY_SLOTS, TRACE_COUNTS, LoopState, Stats, _emit, _nonfinite,
                                  _not_finished, _propose, _spec_cycle, _start, _under_precision,
                                  plain_step)
