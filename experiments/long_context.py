@@ -58,6 +58,7 @@ from specjax.calibration import loop_costs as calibration
 from specjax.engine import decoding
 from specjax.analysis import roofline, theory
 from specjax.verify import trees
+from specjax.sweeps import report as rep
 
 MAX_CONTEXT = 1 << 16
 MAX_K = 32
@@ -181,7 +182,6 @@ def point(context_len: int, batch: int = 4, k: int = 4, max_new_tokens: int = 64
 
 
 def report(records: list[dict], run_dir) -> str:
-  from specjax.sweeps import report as rep
   groups: dict = {}
   for r in records:
     key = tuple(sorted((n, repr(v)) for n, v in r["params"].items() if n != "context_len"))

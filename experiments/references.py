@@ -33,6 +33,17 @@ import os
 from typing import Any, Mapping
 
 from specjax.experiments import study_prompts
+from specjax.training.presets import DEFAULT_PRESET, PRESETS
+from specjax.resolve import random_target_config
+from specjax.checkpoints import describe
+from specjax.models.transformer import ModelConfig
+from specjax.data.tokenizer import ByteTokenizer
+from specjax.models.transformer import Transformer
+from specjax import resolve
+from specjax.data.prompts import held_out_texts
+from specjax.training.defaults import load_default_pair
+from specjax.data.prompts import load_prompts
+from specjax.data.prompts import encode_prompt
 
 RANDOM = "random"  # the studies' random test target (preset RANDOM_PRESET, seed 0)
 RANDOM_PRESET = "tiny-llama"
@@ -62,20 +73,16 @@ def target_config(ref: str, name: str = "target"):
     raise ValueError(f"{name} must be 'default', 'random', 'random:SPEC' or a model "
                      f"directory, got {ref!r}")
   if ref == "default":
-    from specjax.training.presets import DEFAULT_PRESET, PRESETS
     return PRESETS[DEFAULT_PRESET].target
   if ref == RANDOM:
     from specjax.models.presets import PRESETS
     return PRESETS[RANDOM_PRESET]
   kind, sep, spec = ref.partition(":")
   if kind == "random" and sep:
-    from specjax.resolve import random_target_config
     return random_target_config(name, spec)
   if not os.path.isdir(ref):
     raise ValueError(f"{name} must be 'default', 'random', 'random:SPEC' or a model directory "
                      f"(Hugging Face or specjax), got {ref!r} (no such directory)")
-  from specjax.checkpoints import describe
-  from specjax.models.transformer import ModelConfig
   try:
     return ModelConfig.from_dict(describe(ref)["config"])
   except (ValueError, KeyError, TypeError) as e:
@@ -102,14 +109,10 @@ def load_target(ref: str):
   if ref == RANDOM:
     from flax import nnx
 
-    from specjax.data.tokenizer import ByteTokenizer
     from specjax.models.presets import PRESETS
-    from specjax.models.transformer import Transformer
     tok = ByteTokenizer()
     cfg = PRESETS[RANDOM_PRESET].replace(vocab_size=tok.vocab_size)
     return Transformer(cfg, rngs=nnx.Rngs(0)), tok, None
-  from specjax import resolve
-  from specjax.data.prompts import held_out_texts
   model, tok = resolve.load_target(ref)
   return model, tok, list(held_out_texts("code"))
 
@@ -119,13 +122,10 @@ def draft_for(ref: str, target, tokenizer, draft: str = "default"):
   module as stored, `tokenizer`: its tokenizer)."""
   from flax import nnx
 
-  from specjax.models.transformer import Transformer
   if draft == "default" and ref == "default":
-    from specjax.training.defaults import load_default_pair
     return load_default_pair().draft_module()
   if draft == "default":
     return Transformer(target.config.replace(n_layers=1), rngs=nnx.Rngs(1))
-  from specjax import resolve
   return resolve.draft_model(draft, target, tokenizer=tokenizer)
 
 
@@ -133,7 +133,6 @@ def check_draft(params: Mapping, name: str = "draft", default: str = "default",
                 also: str = "") -> str:
   """The draft reference of a point, its syntax checked (a directory must exist); `also`
   names what else the study allows, in the message."""
-  from specjax import resolve
   ref = params.get(name, default)
   allowed = f"'default', 'self', 'random:SPEC'{also} or a draft model directory"
   if not isinstance(ref, str) or not ref:
@@ -174,7 +173,6 @@ def prompt_spec(prompts: Any, count: int | None = None, name: str = "prompts"
 @functools.lru_cache(maxsize=8)
 def file_prompts(path: str) -> tuple:
   """The prompts of a JSONL file (`specjax.data.prompts.load_prompts`: first turns)."""
-  from specjax.data.prompts import load_prompts
   return tuple(load_prompts(path))
 
 
@@ -226,7 +224,6 @@ def embedded_texts(ref: str, name: str, texts):
   prose documents for "prose"."""
   if name == "code":
     return texts
-  from specjax.data.prompts import held_out_texts
   return list(held_out_texts(name))
 
 
@@ -239,7 +236,6 @@ def workload(ref: str, tok, texts, prompts: str, count: int, prompt_len: int, *,
   if prompts in EMBEDDED:
     return Workload(study_prompts.prompts(tok, embedded_texts(ref, prompts, texts), count,
                                           prompt_len))
-  from specjax.data.prompts import encode_prompt
   items = file_prompts(prompts)
   chosen = [items[i % len(items)] for i in range(count)]
   encoded = {}

@@ -44,6 +44,7 @@ from specjax import resolve
 from specjax.verify import sampling, trees
 from specjax.calibration import timing
 from specjax.data.prompts import encode_prompt, load_prompts
+from specjax.data import chat
 
 EMBEDDED_COUNT, EMBEDDED_LEN = 16, 64  # the embedded sets' questions and their length
 
@@ -190,7 +191,6 @@ def _eos_ids(tokenizer):
   """The EOS ids decoding stops on: every id the model's files list (`chat.stop_ids`:
   generation_config.json's eos_token_id, an int or a list, else config.json's, and the
   tokenizer's eos), None without any."""
-  from specjax.data import chat
   ids = chat.stop_ids(tokenizer)
   return list(ids) if ids else None
 

@@ -63,6 +63,7 @@ from specjax.engine import decoding
 from specjax.verify import sampling, trees
 from specjax.calibration import timing
 from specjax.drafters.model import ModelDrafter
+from specjax.sweeps import report as rep
 
 SHAPES = ("chain", "branching", "optimal", "dynamic")
 MAX_BUDGET = 64
@@ -236,7 +237,6 @@ def memory(params: dict) -> int:
 
 
 def report(records: list[dict], run_dir) -> str:
-  from specjax.sweeps import report as rep
   temps = sorted({r["params"].get("temperature", 0.0) for r in records})
   shapes = [s for s in SHAPES if any(r["params"]["shape"] == s for r in records)]
 

@@ -41,6 +41,8 @@ import json
 import os
 import pathlib
 from typing import Any, Mapping, Sequence
+from specjax.data import chat
+from specjax.data.corpus import load_corpus
 
 EMBEDDED = ("code", "prose")
 HELD_OUT_DOCS = 64  # validation documents of an embedded set
@@ -135,7 +137,6 @@ def encode_prompt(prompt: Prompt, tokenizer, *, turn: int = 0, answers: Sequence
   """Token ids to decode turn `turn` of `prompt` from: an embedded prompt's ids as they are;
   otherwise `Prompt.messages(turn, answers)` through `specjax.data.chat.encode_messages` (the
   tokenizer's chat template unless `use_chat_template` is False or it has none)."""
-  from specjax.data import chat
   if prompt.token_ids is not None:
     if turn != 0 or len(answers):
       raise ValueError(f"prompt {prompt.question_id!r} of {prompt.source} is token ids: "
@@ -155,7 +156,6 @@ def held_out_texts(name: str) -> tuple[str, ...]:
   `name`, held out from training: the texts the embedded prompt sets are cut from."""
   if name not in EMBEDDED:
     raise ValueError(f"embedded prompt set must be one of {EMBEDDED}, got {name!r}")
-  from specjax.data.corpus import load_corpus
   return tuple(d.text for d in load_corpus(name).validation[:HELD_OUT_DOCS])
 
 

@@ -38,6 +38,7 @@ from specjax.drafters.base import Drafter
 from specjax.drafters.model import ModelDrafter
 from specjax.models import cache as kv
 from specjax.verify.trees import DynamicTree, TreeSpec
+from specjax.analysis import roofline
 
 Array = jax.Array
 
@@ -161,7 +162,6 @@ def default_policy(target, drafter, entries=adaptive.DEFAULT_CHAINS,
   the target itself), a k = 0 step's catch-up share 1 / `loop.LAZY_SLOTS` for a drafter that
   catches up lazily. kwargs: the policy's runtime values (threshold, decay, ...). Calibrate
   for real costs (`adaptive.AdaptivePolicy.from_costs`)."""
-  from specjax.analysis import roofline  # plain numpy; only needed here
 
   drafter = as_drafter(drafter)
   if entries is adaptive.DEFAULT_CHAINS:  # a menu the caller chose is taken as given

@@ -70,6 +70,9 @@ from specjax.training.config import TrainConfig
 from specjax.training.presets import DEFAULT_PRESET, get_preset
 from specjax.training import shipped
 from specjax.training.trainer import Teacher, params_fingerprint, train
+from specjax.drafters.eagle import head_config
+from specjax.training.heads import load_head
+from specjax.training.heads import HeadTrainer, TargetBinding, kind_from_spec
 
 CACHE_FORMAT = 2  # 2: the target and the draft are separate entries
 MANIFEST = "manifest.json"
@@ -506,7 +509,6 @@ def default_head_spec(kind: str, target: ModelConfig, preset: str = DEFAULT_PRES
   spec = dict(heads_table(preset)[kind][0])
   width = spec.get("width")
   if width is not None:
-    from specjax.drafters.eagle import head_config
     try:
       narrower = head_config(target, width).d_model < target.d_model
     except ValueError:
@@ -530,7 +532,6 @@ def heads_entry_dir(kind: str, preset: str, corpus: str, target_fingerprint: str
 
 
 def _verify_and_load_heads(entry: pathlib.Path, recipe: dict, target: DefaultTarget):
-  from specjax.training.heads import load_head
   manifest = _check_manifest(entry, recipe, "default heads")
   try:
     head = load_head(entry / "head", target=(target.target_config, target.target_params),
@@ -551,7 +552,6 @@ def load_default_heads(kind: str = "medusa", preset: str = DEFAULT_PRESET,
   later uses load and verify them (manifest recipe, file digests, the binding to the
   target, the parameter fingerprint). rebuild=True discards a cached entry first.
   """
-  from specjax.training.heads import HeadTrainer, TargetBinding, kind_from_spec
   table = heads_table(preset)
   if kind not in table:
     raise ValueError(f"kind must be one of {sorted(table)} (the default heads), got {kind!r}")

@@ -32,6 +32,7 @@ from specjax.checkpoints.hf.tensor_files import (FLAX_MSGPACK, SAFETENSORS, SAFE
 from specjax.checkpoints.hf.tokenizer import copy_tokenizer_files
 from specjax.models.transformer import (ModelConfig, abstract_model, check_params_fit,
                                         from_params)
+from specjax import sharding
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
@@ -72,7 +73,6 @@ def build_model(config: ModelConfig, params: Mapping[str, Any], mesh=None):
   if mesh is None:
     put = lambda name, v: jnp.asarray(v)
   else:
-    from specjax import sharding
     put = lambda name, v: jax.device_put(v, sharding.named(mesh, config, name.split("."),
                                                            np.shape(v)))
   nnx.replace_by_pure_dict(state, nest({k: put(k, v) for k, v in flat.items()}))

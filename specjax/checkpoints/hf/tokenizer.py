@@ -14,6 +14,9 @@ import shutil
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
+from specjax.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
+from specjax.data.chat import merge_eos_ids
+from specjax.data.chat import load_chat_template
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model",
@@ -23,7 +26,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def load_tokenizer_for(directory: str | os.PathLike, hf_config: dict | None = None) -> Any:
   """The tokenizer stored in `directory`: a Hugging Face tokenizer.json (HFTokenizer), a
   specjax tokenizer file, or the byte tokenizer when there is no tokenizer.json."""
-  from specjax.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
   path = pathlib.Path(directory) / "tokenizer.json"
   if not path.is_file():
     return ByteTokenizer()
@@ -95,7 +97,6 @@ class HFTokenizer:
   def __init__(self, backend, *, bos_id: int | None, eos_id: int | None,
                pad_id: int | None, eos_ids: Sequence[int] = (),
                directory: str | os.PathLike | None = None) -> None:
-    from specjax.data.chat import merge_eos_ids
     self._tok = backend
     self.vocab_size = int(backend.get_vocab_size())
     self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
@@ -146,7 +147,6 @@ class HFTokenizer:
   @functools.cached_property
   def chat_template(self):
     """The directory's chat template (`specjax.data.chat.ChatTemplate`), or None."""
-    from specjax.data.chat import load_chat_template
     return None if self.directory is None else load_chat_template(self.directory)
 
   def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,

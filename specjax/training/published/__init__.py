@@ -18,6 +18,7 @@ import os
 import pathlib
 
 from specjax.training.published import eagle, eagle3, files, medusa
+from specjax.checkpoints.hf import safetensors_specs
 
 FORMATS = {
     "eagle": eagle,
@@ -35,7 +36,6 @@ def _format(name: str, flag: str):
 def detect_kind(src_dir: str | os.PathLike) -> str:
   """The format of a published head directory, from its config.json and tensor names
   (ValueError when neither tells)."""
-  from specjax.checkpoints.hf import safetensors_specs
   hf = files.read_config(src_dir, required=False)
   if "medusa_num_heads" in hf:
     return "medusa"

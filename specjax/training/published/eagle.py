@@ -32,6 +32,11 @@ import numpy as np
 
 from specjax.checkpoints.hf.tensor_files import flatten
 from specjax.training.published import files
+from specjax.checkpoints.hf import family_for, rules_for
+from specjax.checkpoints.hf import nest
+from specjax.drafters.eagle import init_head
+from specjax.training.eagle import EagleHeads
+from specjax.checkpoints.hf import hf_config_for
 
 FORMAT = "eagle"
 WEIGHTS = "model.safetensors"
@@ -41,7 +46,6 @@ _IGNORED = ("embed_tokens.weight", "lm_head.weight", "layers.0.self_attn.rotary_
 def _rules(config):
   """[(published name, specjax head name, ops)] of the decoder layer: the target family's
   own key map for layer 0, less its input norm, renamed into the head."""
-  from specjax.checkpoints.hf import family_for, rules_for
   family = family_for(config)
   if family == "gpt2":
     raise ValueError("the EAGLE-1/2 format holds a Llama-style decoder layer: the target "
@@ -79,9 +83,6 @@ def head_params(hf: dict, tensors: dict, config):
   the format does not have."""
   from flax import nnx
 
-  from specjax.checkpoints.hf import nest
-  from specjax.drafters.eagle import init_head
-  from specjax.training.eagle import EagleHeads
   tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in tensors.items()}
   d = config.d_model
   if "fc.weight" not in tensors:
@@ -138,7 +139,6 @@ def export_head(head_dir: str | os.PathLike, target, out_dir: str | os.PathLike,
   (config.json + model.safetensors); other structures are refused in one line."""
   from flax import nnx
 
-  from specjax.checkpoints.hf import hf_config_for
   module, _ = files.target_of(target)
   head = files.load_bound_head(head_dir, module, "eagle")
   if head.kind.structure != "eagle":

@@ -38,6 +38,9 @@ import numpy as np
 
 from specjax.training.published import files
 from specjax.drafters.eagle3 import Eagle3Head, check_draft_ids, eagle3_layers
+from specjax.checkpoints.hf.config import rope_fields_of
+from specjax.training.eagle3 import Eagle3Heads
+from specjax.training.heads import read_head_meta
 
 FORMAT = "eagle3"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -87,7 +90,6 @@ def capture_to_hidden_state(c: int, n_layers: int) -> int:
 
 def _head_fields(config: Mapping, d_model: int) -> dict:
   """The decoder-layer fields config.json gives (`eagle3.HEAD_FIELDS`)."""
-  from specjax.checkpoints.hf.config import rope_fields_of
   act = config.get("hidden_act", "silu")
   if act != "silu":
     raise ValueError(f"config.json: hidden_act={act!r} is not supported (EAGLE-3 heads use "
@@ -196,7 +198,6 @@ def import_head(src_dir, target, out_dir, *, tokenizer=None, overwrite: bool = F
   nothing), loadable as `eagle3:DIR` or `eagle:DIR`; returns its path. The head's kind
   (`Eagle3Heads`) records the layers, head fields and draft vocabulary; steps/decay are
   what further training of it would unroll."""
-  from specjax.training.eagle3 import Eagle3Heads
   model, tokenizer = files.target_of(target, tokenizer)
   config, tensors = files.read_config(src_dir), files.read_weights(src_dir)
   arch = [str(a) for a in config.get("architectures") or []]
@@ -218,7 +219,6 @@ def export_head(head_dir, target, out_dir, *, overwrite: bool = False,
   """Write the EAGLE-3-structured specjax head in `head_dir` (bound to `target`, a
   Transformer or a target reference) as a published EAGLE-3 directory: model.safetensors
   and config.json. A head of another structure is refused in one line."""
-  from specjax.training.heads import read_head_meta
   model, _ = files.target_of(target)
   name = read_head_meta(head_dir)["head"]["kind"]
   if name != "eagle3":

@@ -27,6 +27,11 @@ import pathlib
 from typing import Any, Mapping
 
 import numpy as np
+from specjax.checkpoints.hf import read_safetensors
+from specjax.files import assembling, prepare_output_dir
+from specjax.checkpoints.hf import write_safetensors
+from specjax.training.heads import load_head
+from specjax.training.heads import save_head
 
 CONFIG = "config.json"
 _PICKLES = ("*.bin", "*.pt", "*.pth")
@@ -89,7 +94,6 @@ def _read_pickle(path: pathlib.Path) -> dict[str, np.ndarray]:
 
 def read_weights(directory: str | os.PathLike) -> dict[str, np.ndarray]:
   """{tensor name: array} of a head directory (floating tensors as float32)."""
-  from specjax.checkpoints.hf import read_safetensors
   out: dict[str, np.ndarray] = {}
   for path in weight_files(directory):
     tensors = (read_safetensors(path) if path.suffix == ".safetensors"
@@ -115,8 +119,6 @@ def check_shape(name: str, array, want: tuple[int, ...], what: str) -> None:
 def write_dir(out: str | os.PathLike, tensors: Mapping[str, np.ndarray], weights_name: str,
               config: dict, overwrite: bool = False) -> pathlib.Path:
   """config.json + one safetensors file, written all or nothing."""
-  from specjax.files import assembling, prepare_output_dir
-  from specjax.checkpoints.hf import write_safetensors
   out = prepare_output_dir(out, overwrite)
   with assembling(out) as tmp:
     write_safetensors(tmp / weights_name, {k: np.ascontiguousarray(v)
@@ -158,7 +160,6 @@ def load_bound_head(head_dir, module, kind: str):
   differing fields, for another one)."""
   from flax import nnx
 
-  from specjax.training.heads import load_head
   return load_head(head_dir, target=(module.config, nnx.state(module, nnx.Param)), kind=kind)
 
 
@@ -167,6 +168,5 @@ def save_bound_head(out_dir, kind, params, module, tokenizer, metadata: dict,
   """`training.heads.save_head` bound to this target."""
   from flax import nnx
 
-  from specjax.training.heads import save_head
   return save_head(out_dir, kind, params, (module.config, nnx.state(module, nnx.Param)),
                    tokenizer, metadata=metadata, overwrite=overwrite)

@@ -28,6 +28,7 @@ import re
 import numpy as np
 
 from specjax.training.published import files
+from specjax.training.medusa import MedusaHeads
 
 FORMAT = "medusa"
 WEIGHTS = "medusa_lm_head.safetensors"
@@ -50,7 +51,6 @@ def _sizes(hf: dict, names) -> tuple[int, int]:
 def head_params(hf: dict, tensors: dict, module):
   """(MedusaHeads kind, params dict) of the published tensors for a target module; refuses
   a tensor of the wrong shape (naming it and both shapes), a missing or an unexpected one."""
-  from specjax.training.medusa import MedusaHeads
   config = module.config
   d, v = config.d_model, config.vocab_size
   byname = {}
