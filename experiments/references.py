@@ -36,6 +36,7 @@ from specjax.experiments import study_prompts
 from specjax.training.presets import DEFAULT_PRESET, PRESETS
 from specjax.resolve import random_target_config
 from specjax.checkpoints import describe
+from specjax.models import presets as model_presets
 from specjax.models.transformer import ModelConfig
 from specjax.data.tokenizer import ByteTokenizer
 from specjax.models.transformer import Transformer
@@ -75,8 +76,7 @@ def target_config(ref: str, name: str = "target"):
   if ref == "default":
     return PRESETS[DEFAULT_PRESET].target
   if ref == RANDOM:
-    from specjax.models.presets import PRESETS
-    return PRESETS[RANDOM_PRESET]
+    return model_presets.PRESETS[RANDOM_PRESET]
   kind, sep, spec = ref.partition(":")
   if kind == "random" and sep:
     return random_target_config(name, spec)
@@ -109,9 +109,8 @@ def load_target(ref: str):
   if ref == RANDOM:
     from flax import nnx
 
-    from specjax.models.presets import PRESETS
     tok = ByteTokenizer()
-    cfg = PRESETS[RANDOM_PRESET].replace(vocab_size=tok.vocab_size)
+    cfg = model_presets.PRESETS[RANDOM_PRESET].replace(vocab_size=tok.vocab_size)
     return Transformer(cfg, rngs=nnx.Rngs(0)), tok, None
   model, tok = resolve.load_target(ref)
   return model, tok, list(held_out_texts("code"))

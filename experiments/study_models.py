@@ -24,6 +24,7 @@ from specjax.training.defaults import load_default_target
 from specjax.models.presets import PRESETS
 from specjax.models.transformer import Transformer
 from specjax.training import defaults
+from specjax.training import presets as training_presets
 from specjax.data.batches import TokenData
 from specjax.data.corpus import load_corpus
 from specjax.training.config import TrainConfig
@@ -135,13 +136,12 @@ def model_configs(which: str, draft: str = "default"):
   """(target, draft) ModelConfigs of `models(which, draft=draft)`, without loading any
   weights (a directory's config is read from its files)."""
   if which == "default" and draft == "default":
-    from specjax.training.presets import DEFAULT_PRESET, PRESETS
-    return PRESETS[DEFAULT_PRESET].target, PRESETS[DEFAULT_PRESET].draft
+    pair = training_presets.PRESETS[training_presets.DEFAULT_PRESET]
+    return pair.target, pair.draft
   cfg = references.target_config(which)
   if draft == "default":
     if which == "default":
-      from specjax.training.presets import DEFAULT_PRESET, PRESETS
-      return cfg, PRESETS[DEFAULT_PRESET].draft
+      return cfg, training_presets.PRESETS[training_presets.DEFAULT_PRESET].draft
     return cfg, cfg.replace(n_layers=1)
   if draft == "self":
     return cfg, cfg

@@ -147,6 +147,29 @@ def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
   return out
 
 
+def unexplained_local_imports(sources) -> list[str]:
+  """Function-local specjax imports without a reason: each must carry a comment on its line
+  (an optional dependency, load time) or sit under `try:`. commands/ imports lazily by rule
+  (its package doc); the benchmarks are scripts that set the environment (threads, XLA
+  flags) before they import JAX."""
+  out = []
+  for mod, (path, src) in sources.items():
+    if mod.startswith(("specjax.commands.", "benchmarks")):
+      continue
+    lines = src.splitlines()
+    tree = ast.parse(src)
+    for func in ast.walk(tree):
+      if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        continue
+      guarded = {id(n) for t in ast.walk(func) if isinstance(t, ast.Try) for n in ast.walk(t)}
+      for node in ast.walk(func):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in guarded and (
+            imports_of(mod, ast.unparse(node), path.name == "__init__.py", set())) and (
+            "#" not in lines[node.lineno - 1]):
+          out.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+  return sorted(set(out))
+
+
 LAYERS = layer_order((ROOT / "docs" / "architecture.md").read_text())
 
 
@@ -178,6 +201,14 @@ def test_the_check_reports_an_upward_import_an_old_name_and_a_circle(tmp_path):
   assert "specjax/analysis/fake_up.py:2: analysis/ imports specjax.engine.loop" in problems[0]
   assert "specjax/verify/fake_old.py:1: imports specjax.decoding, an old name" in problems[1]
   assert problems[2] == "import circle: specjax.models.fake_a -> specjax.models.fake_b"
+
+
+def test_function_local_imports_say_why():
+  assert unexplained_local_imports(library_sources()) == []
+  fake = {"specjax.models.fake": (ROOT / "specjax/models/fake.py",
+                                  "def f():\n  from specjax.models import cache\n\n\n"
+                                  "def g():\n  from specjax.models import cache  # load time\n")}
+  assert unexplained_local_imports(fake) == ["specjax/models/fake.py:2"]
 
 
 def test_the_layer_table_is_read_from_the_page():

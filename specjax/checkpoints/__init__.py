@@ -11,8 +11,9 @@ The tokenizer is the Hugging Face `tokenizer.json` found there (read with `token
 specjax tokenizer a trained checkpoint records, or the byte tokenizer when there is none.
 
 The package: `orbax_io` (generic orbax save/restore), `trained` (trainer checkpoints),
-`hf/` (Hugging Face import/export), `dirs` (all-or-nothing output directories), and here the
-'specjax-model' kind plus the loaders that dispatch on what a directory holds.
+`flat` (one flat safetensors file), `hf/` (Hugging Face import/export), and here the
+'specjax-model' kind plus the loaders that dispatch on what a directory holds (output
+directories are written all or nothing by `specjax.files`).
 
 A `save_model` checkpoint directory holds one orbax step (params in the model's dtype,
 ModelConfig, metadata: kind, family, the original config.json) plus the tokenizer files. It
@@ -30,17 +31,14 @@ import os
 import pathlib
 from typing import Any
 
-from specjax.checkpoints.trained import TRAINED_KIND, load_trained, stored_config
-from specjax.checkpoints.hf.tensor_files import FLAX_MSGPACK, SAFETENSORS, SAFETENSORS_INDEX
-from specjax.checkpoints import orbax_io
-from specjax.files import assembling, prepare_output_dir
-from specjax.checkpoints.hf.tokenizer import copy_tokenizer_files
 from specjax import sharding
-from specjax.models.transformer import abstract_model, from_params
-from specjax.checkpoints import hf
-from specjax.models.transformer import with_dtype
+from specjax.checkpoints import hf, orbax_io
+from specjax.checkpoints.hf.tensor_files import FLAX_MSGPACK, SAFETENSORS, SAFETENSORS_INDEX
+from specjax.checkpoints.hf.tokenizer import copy_tokenizer_files
+from specjax.checkpoints.trained import TRAINED_KIND, load_trained, stored_config
 from specjax.data.tokenizer import tokenizer_from_spec
-from specjax.models.transformer import param_count
+from specjax.files import assembling, prepare_output_dir
+from specjax.models.transformer import abstract_model, from_params, param_count, with_dtype
 
 MODEL_KIND = "specjax-model"  # written by save_model (import-hf)
 
@@ -146,7 +144,6 @@ def describe(path: str | os.PathLike) -> dict:
   """What `specjax inspect` prints: format, family, config, parameter count, bytes, dtypes."""
   import math
 
-  from specjax.checkpoints import hf, orbax_io
   path = pathlib.Path(path)
   if not path.is_dir():
     raise ValueError(f"checkpoint path {str(path)!r} is not a directory")
