@@ -13,7 +13,7 @@ parameters, float32; random weights), batch 1, this machine, one process:
    chain's seconds (goal >= 0.9: the loop adds little to what the backend's kernels allow);
 2. speculative decoding with the controlled-α drafter (`OracleDrafter`, every draft accepted
    with probability α; its drafts run the target, so c = 1) on a chain of k at T = 0:
-   - the calibration (`specjax.calibration.loop_costs.calibrate`, measured afresh on other prompts and
+   - the calibration (`specjax.calibration.calibrate`, measured afresh on other prompts and
      another seed, not cached) gives the cycle's cost in target steps and the prediction
      E[τ](α, k) ÷ cycle_steps;
    - the measurement: plain and speculative decode phases alternated on the benchmark

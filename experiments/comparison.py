@@ -1,7 +1,7 @@
 """Plain vs speculative decoding of the same prompts, measured side by side: `compare(...)
 -> Comparison`, their speedup, and the speedup predicted from the costs.
 
-With `loop_costs` (a `specjax.calibration.loop_costs.LoopCosts`: the compiled loop's own step and cycle
+With `loop_costs` (a `specjax.calibration.LoopCosts`: the compiled loop's own step and cycle
 times, see docs/cost_model.md, "Calibrated loop costs") the prediction is
 
     predicted = τ / cycle_steps(tree),   efficiency = measured ÷ predicted speedup;
@@ -138,7 +138,7 @@ def compare(target, draft, prompt_ids: Sequence[Sequence[int]], *, tree, max_new
   proposes distinct top-k candidates (the point-mass rule) instead of sampling.
   statistic: "median" or "fastest" call. decode_only: also time both with max_new_tokens =
   1 and rate the decode phase only (long contexts, where the prefill dominates a call).
-  loop_costs: a `specjax.calibration.loop_costs.LoopCosts` of these models at this batch: the
+  loop_costs: a `specjax.calibration.LoopCosts` of these models at this batch: the
   prediction uses it (`Comparison.predicted`) and the standalone forwards are not timed.
   batch: rows per call (default: all prompts in one call). Fewer rows than prompts decode
   the prompts as consecutive batches of `batch` rows (their number must divide evenly),

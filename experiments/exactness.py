@@ -11,7 +11,7 @@ One point = a `case` and its sampler (temperature, top-p; top-k for the loop cas
   power of the same test against the planted bug "residual = p" (noncentral χ²). The points
   of one (vocab, kind, samples) group run as one vectorised program spread over all local
   devices (`specjax.sweeps.parallel`).
-- case "DRAFTER/SHAPE": the exactness tool (`specjax.exactness.checker.check`) on `target` (or its
+- case "DRAFTER/SHAPE": the exactness tool (`specjax.exactness.check`) on `target` (or its
   older name `models`; "tiny": a random target on `vocab` tokens and a noisy copy as draft;
   or any target reference of experiments/references.py, e.g. the embedded "default"
   trained pair or a Hugging Face directory, much slower per row, with its `draft`)
@@ -262,7 +262,7 @@ def report(records: list[dict], run_dir) -> str:
   if loop:
     passed = sum(r["metrics"]["passed"] for r in loop)
     rows = [{**r["params"], **r["metrics"]} for r in loop]
-    text += (f"Every drafter through the loop (`specjax.exactness.checker.check`): {passed}/{len(loop)} "
+    text += (f"Every drafter through the loop (`specjax.exactness.check`): {passed}/{len(loop)} "
              f"points PASS (the real run passes and every planted bug is rejected).\n\n"
              + rep.markdown_table(rows, ["case", "temperature", "top_p", "mode", "p_value",
                                          "power", "detectable_tv", "acceptance",

@@ -1,5 +1,5 @@
-"""The host API: the compiled loops (`specjax.engine.loop`, `specjax.engine.adaptive.loop`) behind two calls,
-and the result type.
+"""The host API: the compiled loops (`engine.loop`, `engine.adaptive.loop`) behind two calls, and
+the result type.
 
 `generate` (plain autoregressive decoding) and `speculative_generate` (a chain of k drafts,
 a token tree, or an adaptive policy: a speculation plan, `specjax.engine.plan`) validate every

@@ -1,7 +1,8 @@
 """The jitted decoding loops and their state: plain autoregressive and speculative (one
 tree), one `jax.lax.while_loop` each. The adaptive loop (a menu of shapes picked per cycle
-by `adaptive.AdaptivePolicy`) is `specjax.engine.adaptive.loop`, built from this module's pieces
-(prefill, emission, the speculative cycle, `LoopState`, `Stats`).
+by `adaptive.AdaptivePolicy`) is `specjax.engine.adaptive.loop`, built from this module's
+public pieces (`start`: prefill, `emit`, `draft_proposal`, `spec_cycle`, `plain_step`,
+`LoopState`, `Stats`).
 
 Bookkeeping shared by the loops (per row b of a ragged batch):
 - `tokens[b]` holds the prompt then every emitted token; `length[b]` = L is the index of
@@ -133,7 +134,7 @@ class LoopState:
     return Context(tokens=self.tokens, length=self.length)
 
 
-def _nonfinite(active_B, *arrays_B) -> Array:
+def count_nonfinite(active_B, *arrays_B) -> Array:
   """1 (int32) if an active row of any of the arrays (None: skipped) holds a NaN or ±inf,
   else 0: one reduction over values the pass already computed, no host sync."""
   bad_B = jnp.zeros(active_B.shape, bool)
@@ -143,11 +144,11 @@ def _nonfinite(active_B, *arrays_B) -> Array:
   return jnp.any(bad_B & active_B).astype(jnp.int32)
 
 
-def _not_finished(state: LoopState) -> Array:
+def not_finished(state: LoopState) -> Array:
   return ~jnp.all(state.done)
 
 
-def _start(target: LM, prompt_BP, prompt_len_B, budget_B, eos, sampler, key, cache_len: int,
+def start(target: LM, prompt_BP, prompt_len_B, budget_B, eos, sampler, key, cache_len: int,
            capture=()):
   """Every loop's prologue: prefill the target, sample the first token (with the first half
   of a split of `key`), lay out the token buffer; a row whose first token ends it (budget 1
@@ -193,7 +194,7 @@ def _write_rows(tokens_BS, start_B, values_BT, count_B):
 # ----------------------------------------------------------------------------- the loops
 
 
-def _under_precision(loop_fn):
+def under_precision(loop_fn):
   """The loop with a `precision` keyword (static; `specjax.models.precision`, "highest" by
   default): every product of the loop is traced under that policy, whoever calls it, so a
   direct call and the host API's compile the same program."""
@@ -210,12 +211,12 @@ def generate_loop(target: LM, prompt_BP, prompt_len_B, budget_B, eos, sampler, k
                   cache_len: int) -> LoopState:
   """Plain autoregressive decoding (pure, jittable, vmappable). Returns the final LoopState."""
   TRACE_COUNTS["generate"] += 1
-  init, _ = _start(target, prompt_BP, prompt_len_B, budget_B, eos, sampler, key, cache_len)
+  init, _ = start(target, prompt_BP, prompt_len_B, budget_B, eos, sampler, key, cache_len)
 
   def body(s: LoopState) -> LoopState:
     return plain_step(target, s, sampler, prompt_len_B, budget_B, eos)[0]
 
-  return jax.lax.while_loop(_not_finished, body, init)
+  return jax.lax.while_loop(not_finished, body, init)
 
 
 def plain_step(target: LM, s: LoopState, sampler, prompt_len_B, budget_B, eos):
@@ -236,11 +237,11 @@ def plain_step(target: LM, s: LoopState, sampler, prompt_len_B, budget_B, eos):
   done = s.done | _finished(length + 1 - prompt_len_B, budget_B, active & is_eos(nxt, eos))
   new = s.replace(tokens=tokens, length=length, done=done, key=key,
                   cache=kv.set_lengths(cache, length),
-                  nonfinite=s.nonfinite + _nonfinite(active, logits))
+                  nonfinite=s.nonfinite + count_nonfinite(active, logits))
   return new, p_BV, nxt, active
 
 
-def _emit(s: LoopState, emitted_BT, n_B, prompt_len_B, budget_B, eos, stop_B=None):
+def emit(s: LoopState, emitted_BT, n_B, prompt_len_B, budget_B, eos, stop_B=None):
   """Writes a cycle's tokens: emitted_BT[:, :m] with m = min(n + 1, room, stop + 1), cut
   after an EOS; done rows write nothing. Returns (tokens, length, done, active)."""
   steps = jnp.arange(emitted_BT.shape[1], dtype=jnp.int32)
@@ -259,7 +260,7 @@ def _emit(s: LoopState, emitted_BT, n_B, prompt_len_B, budget_B, eos, stop_B=Non
   return tokens, length, done, active
 
 
-def _propose(drafter, s: LoopState, tree, sampler, key):
+def draft_proposal(drafter, s: LoopState, tree, sampler, key):
   """drafter.propose on the loop state: (proposal, draft state, target cache). A drafter that
   shares the target's cache (`Drafter.shares_target_cache`, static) borrows it for the
   proposal (`borrow_cache`) and hands it back (`return_cache`) with its entries at slots >= L,
@@ -290,7 +291,7 @@ def _drafted_only(result: acceptance.TreeResult, drafted_B) -> acceptance.TreeRe
                             n.astype(result.rank_accepted.dtype)))
 
 
-def _spec_cycle(target, drafter, s: LoopState, tree, sampler, draft_key, accept_key,
+def spec_cycle(target, drafter, s: LoopState, tree, sampler, draft_key, accept_key,
                 prompt_len_B, budget_B, eos, capture, width=None):
   """One speculative cycle of `tree` (module doc). Emission padded to `width` tokens (None:
   the tree's D + 1). A proposal that stopped drafting early (`Proposal.drafted`, dynamic
@@ -300,7 +301,7 @@ def _spec_cycle(target, drafter, s: LoopState, tree, sampler, draft_key, accept_
   depth = tree.max_depth
   steps = jnp.arange(depth + 1, dtype=jnp.int32)
   extra = (lambda f: {"features": f}) if capture else (lambda f: {})
-  proposal, draft, cache = _propose(drafter, s, tree, sampler, draft_key)
+  proposal, draft, cache = draft_proposal(drafter, s, tree, sampler, draft_key)
 
   # One target pass over [x_L, nodes] at positions L + depth, ancestor mask.
   layout = tree.layout(proposal)
@@ -319,13 +320,13 @@ def _spec_cycle(target, drafter, s: LoopState, tree, sampler, draft_key, accept_
   if width is not None and width > depth + 1:  # tokens past n + 1 are never written
     emitted_BT = jnp.pad(emitted_BT, ((0, 0), (0, width - depth - 1)))
   stop = proposal.drafted
-  tokens, length, done, active = _emit(s, emitted_BT, n, prompt_len_B, budget_B, eos, stop)
+  tokens, length, done, active = emit(s, emitted_BT, n, prompt_len_B, budget_B, eos, stop)
   ctx = Context(tokens=tokens, length=length)
   if not layout.is_chain:  # the path's entries to [L, L + n]; a chain's are in place
     cache = kv.gather_block(cache, result.path, layout.n_nodes)
   new = s.replace(tokens=tokens, length=length, done=done,
                   cache=kv.set_lengths(cache, length),
-                  nonfinite=s.nonfinite + _nonfinite(active, logits, proposal.q),
+                  nonfinite=s.nonfinite + count_nonfinite(active, logits, proposal.q),
                   draft=drafter.commit(draft, ctx, tree, result.path, n,
                                        **extra(features[0] if capture else None)))
   if stop is not None:  # fillers are not drafts (after emission and commit, which use all)
@@ -345,12 +346,12 @@ def speculative_loop(target: LM, drafter, prompt_BP, prompt_len_B, budget_B, eos
   nodes, depth = tree.size, tree.max_depth
   capture = tuple(drafter.feature_layers)  # static: target features the drafter reads
   extra = (lambda f: {"features": f}) if capture else (lambda f: {})
-  init, prompt_features = _start(target, prompt_BP, prompt_len_B, budget_B, eos, sampler, key,
+  init, prompt_features = start(target, prompt_BP, prompt_len_B, budget_B, eos, sampler, key,
                                  cache_len, capture)
 
   def body(s: LoopState) -> LoopState:
     key, draft_key, accept_key = jax.random.split(s.key, 3)
-    new, result, active, drafted = _spec_cycle(target, drafter, s, tree, sampler, draft_key,
+    new, result, active, drafted = spec_cycle(target, drafter, s, tree, sampler, draft_key,
                                                accept_key, prompt_len_B, budget_B, eos,
                                                capture)
     return new.replace(key=key, stats=s.stats.record(active, result, nodes, drafted))
@@ -358,19 +359,19 @@ def speculative_loop(target: LM, drafter, prompt_BP, prompt_len_B, budget_B, eos
   init = init.replace(draft=drafter.init(prompt_BP, prompt_len_B, cache_len, tree,
                                           **extra(prompt_features)),
                       stats=Stats.zeros(b, depth, cache_len, tree.max_width))
-  return jax.lax.while_loop(_not_finished, body, init)
+  return jax.lax.while_loop(not_finished, body, init)
 
 
-# Lazy catch-up bound P (`adaptive_loop.adaptive_loop`): plain steps a drafter may fall behind by, and the
-# longest run of plain steps one k = 0 cycle makes. The per-cycle choice and bookkeeping cost
-# about a small target's step, so P sets how visible they stay where plain decoding is best
-# (embedded pair, batch 1, CPU, forced k = 0 vs plain: P = 8 ~0.92x, 16 ~0.95x, 32 ~0.98x);
-# the price is a wider catch-up pass (P + 1 tokens through the draft) once per P steps.
+# Lazy catch-up bound P (`adaptive.loop.adaptive_loop`): plain steps a drafter may fall behind
+# by, and the longest run of plain steps one k = 0 cycle makes. The per-cycle choice and
+# bookkeeping cost about a small target's step, so P sets how visible they stay where plain
+# decoding is best (figures by P: BUILD_NOTES.md, "Engine"); the price is a wider catch-up
+# pass (P + 1 tokens through the draft) once per P steps.
 LAZY_SLOTS = 32
 
 
 # The compiled loops the host API calls: one compile per static configuration.
-generate_loop = _under_precision(generate_loop)
-speculative_loop = _under_precision(speculative_loop)
+generate_loop = under_precision(generate_loop)
+speculative_loop = under_precision(speculative_loop)
 generate_jit = jax.jit(generate_loop, static_argnames=("cache_len", "precision"))
 speculative_jit = jax.jit(speculative_loop, static_argnames=("tree", "cache_len", "precision"))

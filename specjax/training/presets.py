@@ -17,7 +17,8 @@ small   a target with ~90 MB of float32 weights, far beyond CPU caches, with a 2
 All use Llama-family blocks (RMSNorm, RoPE, no biases) with tied embeddings; shipped, base
 and tiny use a GELU MLP (two matrices), measured ~25% cheaper per step than SwiGLU at these
 widths on this CPU; small keeps SwiGLU. `tokenizer` is "byte" (the 259-id ByteTokenizer) or
-"bpe:N" (a byte-level BPE with N ids, trained on the corpus's training split when the pair is built).
+"bpe:N" (a byte-level BPE with N ids, trained on the corpus's training split when the pair is
+built).
 """
 
 from __future__ import annotations

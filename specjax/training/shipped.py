@@ -10,12 +10,12 @@ on first use.
         eagle.safetensors     the default heads, where built
         medusa.safetensors
 
-`export_shipped.export(preset, corpus, out)` writes this layout from the model cache (building what is
-missing there by the preset's recipe: `specjax train defaults --preset shipped --corpus
-code+tests` and the default heads). `training.defaults` reads it: a shipped entry whose
-recipes equal the ones the code computes now is used instead of the cache, its files checked
-against the manifest's digests; anything else (another recipe, a damaged file) falls back to
-the cache and the recipe, saying why in one line.
+`export_shipped.export(preset, corpus, out)` writes this layout from the model cache
+(building what is missing there by the preset's recipe: `specjax train defaults --preset
+shipped --corpus code+tests` and the default heads). `training.defaults` reads it: a
+shipped entry whose recipes equal the ones the code computes now is used instead of the
+cache, its files checked against the manifest's digests; anything else (another recipe, a
+damaged file) falls back to the cache and the recipe, saying why in one line.
 
 Weights are stored in bfloat16 (the quickstart serves the target in bf16) and loaded as the
 float32 values those bf16 numbers are; the manifest records both the fingerprint of the

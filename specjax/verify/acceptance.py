@@ -52,7 +52,7 @@ Sloppy variants (residual not updated between siblings, a rejected point mass le
 sibling order that depends on the drawn tokens) are not exact; tests/verify/test_tree_acceptance.py
 plants each and shows the statistical test rejecting it.
 
-Planted bugs (`specjax.exactness.planted_bugs`): named inexact variants of the whole rule (always
+Planted bugs (`exactness.planted_bugs`): named inexact variants of the whole rule (always
 accept; residual = p) that a loop traced inside `planted_bugs.planted(...)` uses instead of
 the exact one, through the one hook `_PLANTED` below. They are the negative controls of the
 exactness tool (`specjax.exactness`); the override is read at trace time only, so the exact
@@ -400,7 +400,7 @@ def accept_tree(key: jax.Array, layout: VerifyLayout, tokens_BT: jax.Array, p_BT
                       _EXACT_TREE if bug is None else bug.tree)
 
 
-# The one hook of the negative controls (`specjax.exactness.planted_bugs`): while a rule is set here (a
+# The one hook of the negative controls (`exactness.planted_bugs`): while a rule is set here (a
 # `.chain` _Rule and a `.tree` _TreeRule), `accept_tree` *traced* uses its pieces instead of
 # the exact ones. Read at trace time only, so the exact path pays nothing for it.
 _PLANTED: contextvars.ContextVar = contextvars.ContextVar("specjax_planted_bug", default=None)

@@ -1,4 +1,5 @@
-"""Closed forms of specjax.analysis.theory: lecture numbers, limits, Monte Carlo agreement, validation."""
+"""Closed forms of analysis/theory.py: lecture numbers, limits, Monte Carlo agreement,
+validation."""
 
 import math
 import pathlib

@@ -2,7 +2,8 @@
 the import-hf / export-hf / inspect commands, and every bad-input path.
 
 Hugging Face directories here are written by specjax's own exporter from random parameters
-(tests/checkpoints/test_hf.py checks the layouts against `transformers` itself when torch is installed).
+(tests/checkpoints/test_hf.py checks the layouts against `transformers` itself when torch is
+installed).
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ from flax import struct
 from specjax.verify import acceptance, sampling, trees
 from specjax.models.lm import LM
 from specjax.drafters.base import Context
-from specjax.engine.loop import (LAZY_SLOTS, TRACE_COUNTS, LoopState, Stats, _emit, _nonfinite,
-                                 _not_finished, _propose, _spec_cycle, _start, _under_precision,
-                                 plain_step)
+from specjax.engine.loop import (LAZY_SLOTS, TRACE_COUNTS, LoopState, Stats, count_nonfinite,
+                                 draft_proposal, emit, not_finished, plain_step, spec_cycle,
+                                 start, under_precision)
 from specjax.models import cache as kv
 
 Array = jax.Array
@@ -207,14 +207,14 @@ def _plain_branch(call: _Call, s: LoopState):
   b, one, rows, drafter = call.b, trees.chain(1), call.rows, call.drafter
   key, step_key = jax.random.split(s.key)  # generate_loop's key use
   draft_key = jax.random.fold_in(step_key, 1)
-  proposal, draft, cache = _propose(drafter, s, one, call.sampler, draft_key)
+  proposal, draft, cache = draft_proposal(drafter, s, one, call.sampler, draft_key)
   cur = s.tokens[rows, s.length]
   logits, _, cache, *features = call.target(cur[:, None], s.length[:, None], cache, None,
                                             call.capture)
   p_BV = sampling.warp(logits[:, 0], call.sampler)
   nxt = sampling.sample(step_key, p_BV)
   emitted_BT = jnp.broadcast_to(nxt[:, None], (b, call.width))
-  tokens, length, done, active = _emit(s, emitted_BT, jnp.zeros_like(s.length),
+  tokens, length, done, active = emit(s, emitted_BT, jnp.zeros_like(s.length),
                                        call.prompt_len_B, call.budget_B, call.eos)
   ctx = Context(tokens=tokens, length=length)
   feats = (jnp.concatenate([features[0], features[0]], axis=1) if call.capture else None)
@@ -222,7 +222,7 @@ def _plain_branch(call: _Call, s: LoopState):
                          jnp.zeros((b,), jnp.int32), **call.extra(feats))
   new = s.replace(tokens=tokens, length=length, done=done, key=key, draft=draft,
                   cache=kv.set_lengths(cache, length),
-                  nonfinite=s.nonfinite + _nonfinite(active, logits))
+                  nonfinite=s.nonfinite + count_nonfinite(active, logits))
   acc_obs = call.policy.first_draft_observation(_draft_acceptance(proposal, p_BV))
   tried_obs = call.policy.first_draft_observation(jnp.ones((b,), jnp.float32))
   return (new, acc_obs, tried_obs, active, jnp.zeros((b,), jnp.int32),
@@ -232,7 +232,7 @@ def _plain_branch(call: _Call, s: LoopState):
 def _spec_branch(call: _Call, tree, s: LoopState):
   """A speculative cycle of `tree` (`loop._spec_cycle`), its stats and observations."""
   key, draft_key, accept_key = jax.random.split(s.key, 3)
-  new, result, active, drafted = _spec_cycle(call.target, call.drafter, s, tree, call.sampler,
+  new, result, active, drafted = spec_cycle(call.target, call.drafter, s, tree, call.sampler,
                                              draft_key, accept_key, call.prompt_len_B,
                                              call.budget_B, call.eos, call.capture, call.width)
   n = result.n_accepted
@@ -295,7 +295,7 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
   (`_run_chosen`: one zero-or-one-trip loop per entry, which keeps both KV caches updated in
   place; one compile; the menu is static, the policy's numbers are arrays). All branches return
   the same state: emission is padded to the deepest entry, results to its depth and width.
-  A spec entry is a `_spec_cycle` of its tree. k = 0 (entry None) is a plain decoding step,
+  A spec entry is a `spec_cycle` of its tree. k = 0 (entry None) is a plain decoding step,
   token for token `loop.generate_loop`'s (same key use), plus the drafter's catch-up: it proposes
   a chain(1) and commits it with nothing accepted, so a separate-model drafter's cache stays
   at L − 1 (it feeds [x_{L−1}, x_L]); that draft's acceptance probability is the policy's
@@ -326,7 +326,7 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
   b = prompt_BP.shape[0]
   depth = max(policy.max_depth, 1)
   capture = tuple(drafter.feature_layers)
-  init, prompt_features = _start(target, prompt_BP, prompt_len_B, budget_B, eos, sampler, key,
+  init, prompt_features = start(target, prompt_BP, prompt_len_B, budget_B, eos, sampler, key,
                                  cache_len, capture)
   # the drafter's state is sized for every entry: their nodes, the deepest one's depth
   largest = trees.cover([e for e in policy.menu if e is not None] or [trees.chain(1)])
@@ -351,10 +351,10 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
                                        plain_steps=zb, stopped=zb, skipped=zb, behind=zb,
                                        behind_p=jnp.ones((b, slots), jnp.float32),
                                        catch_ups=jnp.zeros((), jnp.int32)))
-  return jax.lax.while_loop(_not_finished, functools.partial(_body, call, _branches(call)),
+  return jax.lax.while_loop(not_finished, functools.partial(_body, call, _branches(call)),
                             init)
 
 
 # The compiled loop the host API calls: one compile per static configuration.
-adaptive_loop = _under_precision(adaptive_loop)
+adaptive_loop = under_precision(adaptive_loop)
 adaptive_jit = jax.jit(adaptive_loop, static_argnames=("cache_len", "lazy_slots", "precision"))

@@ -22,7 +22,7 @@ from specjax.analysis import roofline, theory
 class AdaptiveKPolicy:
   """The k to draft at each batch size: deep when the engine is quiet, 0 (off) when full.
 
-  The roofline's prices for the engine's one policy (`specjax.engine.adaptive.policy.AdaptivePolicy`,
+  The roofline's prices for the engine's one policy (`policy.AdaptivePolicy`,
   exposed as `.policy`): the menu is k = 0..k_max, the cost of entry k at batch b is
   `cycle_time(b, k)` (k = 0: the plain step t(b, 1)), and the raw choice at batch b is the
   policy's at acceptance α. k_for_batch(B) = min over b <= B of that choice: made monotone
