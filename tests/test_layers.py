@@ -1,6 +1,7 @@
 """The package layers: no import runs up the order written in docs/architecture.md ("Layers",
 read from there, so the page and the check cannot disagree), no import circle, no library
-import through an old module name, and every old name still gives the new module.
+import through an old module name, no private name imported from another package, function-
+local imports that say why, and every old name still gives the new module.
 
 Every import counts: the top of a file and inside functions (`ast`), `import a.b` and
 `from a import b` alike. Negative controls feed synthetic modules with an upward import and
@@ -170,6 +171,21 @@ def unexplained_local_imports(sources) -> list[str]:
   return sorted(set(out))
 
 
+def private_imports_across_units(sources) -> list[str]:
+  """`from a import _name` where a lies in another unit (package or top module) than the
+  importer: what units share is public (the benchmarks, scripts, are not checked)."""
+  out = []
+  for mod, (path, src) in sources.items():
+    if mod.startswith("benchmarks"):
+      continue
+    for node in ast.walk(ast.parse(src)):
+      if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("specjax"):
+        if unit_of(node.module) != unit_of(mod):
+          out += [f"{path.relative_to(ROOT)}:{node.lineno}: {a.name} from {node.module}"
+                  for a in node.names if a.name.startswith("_") and a.name != "__version__"]
+  return out
+
+
 LAYERS = layer_order((ROOT / "docs" / "architecture.md").read_text())
 
 
@@ -209,6 +225,15 @@ def test_function_local_imports_say_why():
                                   "def f():\n  from specjax.models import cache\n\n\n"
                                   "def g():\n  from specjax.models import cache  # load time\n")}
   assert unexplained_local_imports(fake) == ["specjax/models/fake.py:2"]
+
+
+def test_private_names_stay_in_their_package():
+  assert private_imports_across_units(library_sources()) == []
+  fake = {"specjax.engine.fake": (ROOT / "specjax/engine/fake.py",
+                                  "from specjax.verify.acceptance import _x, y\n"
+                                  "from specjax.engine.loop import _z\n")}
+  assert private_imports_across_units(fake) == [
+      "specjax/engine/fake.py:1: _x from specjax.verify.acceptance"]
 
 
 def test_the_layer_table_is_read_from_the_page():

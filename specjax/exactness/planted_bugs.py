@@ -4,7 +4,7 @@ check that cannot reject them cannot be trusted to reject a real bug.
 
 `PLANTED_BUGS` names them (always accept; residual = p); `planted(bug)` makes a loop traced
 inside it use one instead of the exact rule. They are the rule's own pieces swapped
-(`acceptance._Rule`, `acceptance._TreeRule`) through the one hook `accept_tree` reads
+(`acceptance.ChainRule`, `acceptance.TreeRule`) through the one hook `accept_tree` reads
 (`acceptance._PLANTED`), at trace time only: the exact path pays nothing, and nothing in
 the engine imports this module.
 """
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.verify import acceptance
-from specjax.verify.acceptance import _EXACT, _EXACT_TREE, _Rule, _TreeRule
+from specjax.verify.acceptance import EXACT, EXACT_TREE, ChainRule, TreeRule
 
 
 class PlantedBug(NamedTuple):
@@ -27,8 +27,8 @@ class PlantedBug(NamedTuple):
 
   name: str
   description: str
-  chain: _Rule
-  tree: _TreeRule
+  chain: ChainRule
+  tree: TreeRule
 
 
 def _always_accept(u, p_x, q_x):
@@ -40,13 +40,13 @@ PLANTED_BUGS: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("always_accept",
                "every tried candidate is accepted (the test u·q(x) < p(x) is skipped), so "
                "drafted tokens follow the draft's law q, not the target's p",
-               _Rule(accept=_always_accept), _TreeRule(accept=_always_accept)),
+               ChainRule(accept=_always_accept), TreeRule(accept=_always_accept)),
     PlantedBug("residual_is_p",
                "after a rejection the token is drawn from p instead of the residual "
                "norm(max(0, p - q)) (trees: r is never updated between siblings), so "
                "tokens the draft over-proposes are emitted too often; invisible at T = 0",
-               _Rule(residual=lambda p, q: p),
-               _TreeRule(update=lambda r, q, last: r, update_point=lambda r, x, last: r)),
+               ChainRule(residual=lambda p, q: p),
+               TreeRule(update=lambda r, q, last: r, update_point=lambda r, x, last: r)),
 )}
 
 
@@ -75,8 +75,8 @@ def _switched(which: jax.Array) -> PlantedBug:
     return type(exact)(**out)
 
   return PlantedBug("switched", "one of PLANTED_BUGS, chosen at run time",
-                    merge(_EXACT, [b.chain for b in bugs]),
-                    merge(_EXACT_TREE, [b.tree for b in bugs]))
+                    merge(EXACT, [b.chain for b in bugs]),
+                    merge(EXACT_TREE, [b.tree for b in bugs]))
 
 
 @contextlib.contextmanager

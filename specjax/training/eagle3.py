@@ -24,7 +24,7 @@ from specjax.drafters.eagle3 import (HEAD_FIELDS, Eagle3Head, build_head, check_
                                      eagle3_layers)
 from specjax.models.transformer import ModelConfig
 from specjax.training.eagle import check_unroll
-from specjax.drafters.eagle import _lm_head_DV
+from specjax.drafters.eagle import lm_head_DV
 
 Array = jax.Array
 
@@ -118,7 +118,7 @@ class Eagle3Heads:
     """The head's lm_head starts as the target's LM head at the draft ids (today's heads
     share the target's trained LM head; a random one learns far slower on a short budget),
     its norm as ones; `target` is the frozen target `LM`. Called once by the trainer."""
-    w_DV = _lm_head_DV(target.module()).astype(jnp.float32)
+    w_DV = lm_head_DV(target.module()).astype(jnp.float32)
     params["lm_head"]["kernel"] = nnx.Param(jnp.take(w_DV, jnp.asarray(self.ids(target.config)),
                                                      axis=1))
     return params

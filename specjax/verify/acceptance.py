@@ -152,7 +152,7 @@ def emitted_distribution_point(p_V: jax.Array, x: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 
 
-class _Rule(NamedTuple):
+class ChainRule(NamedTuple):
   """The pieces of the rule, swappable so tests can plant bugs (negative controls)."""
 
   accept: Callable[[jax.Array, jax.Array, jax.Array], jax.Array] = accept_test
@@ -160,7 +160,7 @@ class _Rule(NamedTuple):
   sample: Callable[[jax.Array, jax.Array], jax.Array] = sample_from_uniforms  # (u_N1, w_NV)
 
 
-_EXACT = _Rule()
+EXACT = ChainRule()
 
 
 def _check_chain_shapes(draft_tokens_BK, p_BKV1, q_BKV) -> tuple[int, int, int]:
@@ -176,7 +176,7 @@ def _check_chain_shapes(draft_tokens_BK, p_BKV1, q_BKV) -> tuple[int, int, int]:
 
 
 def _accept_chain(key: jax.Array, draft_tokens_BK: jax.Array, p_BKV1: jax.Array,
-                  q_BKV: jax.Array | None, rule: _Rule) -> ChainResult:
+                  q_BKV: jax.Array | None, rule: ChainRule) -> ChainResult:
   """accept_chain with the rule's pieces as parameters (see accept_chain)."""
   B, K, V = _check_chain_shapes(draft_tokens_BK, p_BKV1, q_BKV)
   # All randomness in one draw: K test uniforms and one uniform for the emitted token's
@@ -232,7 +232,7 @@ def accept_chain(key: jax.Array, draft_tokens_BK: jax.Array, p_BKV1: jax.Array,
   Pure, jittable, vmappable; no Python branching on values (only on k == 0 and q is None,
   which are static).
   """
-  return _accept_chain(key, draft_tokens_BK, p_BKV1, q_BKV, _EXACT)
+  return _accept_chain(key, draft_tokens_BK, p_BKV1, q_BKV, EXACT)
 
 
 def accept_greedy(draft_tokens_BK: jax.Array, target_logits_BKV1: jax.Array) -> ChainResult:
@@ -277,7 +277,7 @@ class TreeResult:
   rank_accepted: jax.Array
 
 
-class _TreeRule(NamedTuple):
+class TreeRule(NamedTuple):
   """The tree rule's pieces, swappable so tests can plant bugs (negative controls).
 
   update(r, q, last) -> r after a rejected sampled candidate (last: no sibling follows).
@@ -293,7 +293,7 @@ class _TreeRule(NamedTuple):
   sample: Callable = sample_from_uniforms
 
 
-_EXACT_TREE = _TreeRule()
+EXACT_TREE = TreeRule()
 
 
 def _chain_as_tree(res: ChainResult, k: int) -> TreeResult:
@@ -307,7 +307,7 @@ def _chain_as_tree(res: ChainResult, k: int) -> TreeResult:
 
 
 def _accept_tree(key, layout: VerifyLayout, tokens_BT, p_BTV, q_BTV,
-                 rule: _TreeRule) -> TreeResult:
+                 rule: TreeRule) -> TreeResult:
   """accept_tree with the rule's pieces as parameters (see accept_tree)."""
   B, T, V = p_BTV.shape
   children_BTW = layout.children_for(B)
@@ -397,10 +397,10 @@ def accept_tree(key: jax.Array, layout: VerifyLayout, tokens_BT: jax.Array, p_BT
            _accept_chain(key, tokens_BT[:, 1:], p_BTV, q_BKV, bug.chain))
     return _chain_as_tree(res, k)
   return _accept_tree(key, layout, tokens_BT, p_BTV, q_BTV,
-                      _EXACT_TREE if bug is None else bug.tree)
+                      EXACT_TREE if bug is None else bug.tree)
 
 
 # The one hook of the negative controls (`exactness.planted_bugs`): while a rule is set here (a
-# `.chain` _Rule and a `.tree` _TreeRule), `accept_tree` *traced* uses its pieces instead of
+# `.chain` ChainRule and a `.tree` TreeRule), `accept_tree` *traced* uses its pieces instead of
 # the exact ones. Read at trace time only, so the exact path pays nothing for it.
 _PLANTED: contextvars.ContextVar = contextvars.ContextVar("specjax_planted_bug", default=None)

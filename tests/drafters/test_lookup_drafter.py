@@ -120,7 +120,7 @@ def test_joint_law_test_catches_a_rejected_point_mass_left_in_the_residual(joint
                                                                            monkeypatch):
   """Negative control: after rejecting a lookup candidate x the rule must sample p with x
   removed; a planted rule that samples p itself over-emits x and the test must see it."""
-  sloppy = acceptance._Rule(residual=lambda p, q: p)
+  sloppy = acceptance.ChainRule(residual=lambda p, q: p)
   monkeypatch.setattr(acceptance, "accept_chain",
                       lambda key, d, p, q=None: acceptance._accept_chain(key, d, p, q, sloppy))
   fresh = jax.jit(lambda *a, **kw: loop.speculative_loop(*a, **kw),

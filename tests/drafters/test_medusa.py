@@ -117,8 +117,8 @@ def test_joint_law_of_first_three_tokens_matches_target(joint_setup):
 def test_joint_law_test_catches_a_point_mass_bug(joint_setup, monkeypatch):
   """Negative control: a rejected candidate left in the residual must be detected."""
   target, drafter = joint_setup
-  monkeypatch.setattr(acceptance, "_EXACT_TREE",
-                      acceptance._TreeRule(update_point=lambda r, x, last: r))
+  monkeypatch.setattr(acceptance, "EXACT_TREE",
+                      acceptance.TreeRule(update_point=lambda r, x, last: r))
   fresh = jax.jit(lambda *a, **kw: loop.speculative_loop(*a, **kw),
                   static_argnames=("tree", "cache_len"))
   sampler = sampling.make_sampler(*SAMPLER)

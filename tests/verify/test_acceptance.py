@@ -33,7 +33,7 @@ import scipy.stats
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specjax.verify.acceptance import (ChainResult, _accept_chain, _Rule, accept_chain,
+from specjax.verify.acceptance import (ChainResult, _accept_chain, ChainRule, accept_chain,
                                        accept_greedy, accept_test, emitted_distribution,
                                        emitted_distribution_point, residual)
 from specjax.verify.sampling import (make_sampler, sample, sample_from_uniforms,
@@ -155,7 +155,7 @@ BUG_IDS = {
 EXACT_ID = 0
 
 
-def switch_rule(bug_id: jax.Array) -> _Rule:
+def switch_rule(bug_id: jax.Array) -> ChainRule:
   """The rule's pieces, with the planted bug chosen by a runtime id (0 = the exact pieces from
   specjax.verify.acceptance), so one compiled simulation serves the exact rule and every control."""
 
@@ -169,7 +169,7 @@ def switch_rule(bug_id: jax.Array) -> _Rule:
   def samp(u, w):
     return jnp.where(bug_id == 3, _inverse_cdf_sample(u, w), sample_from_uniforms(u, w))
 
-  return _Rule(accept=accept, residual=resid, sample=samp)
+  return ChainRule(accept=accept, residual=resid, sample=samp)
 
 
 def analytic_first_token(p: np.ndarray, q: np.ndarray | None, bug: str | None) -> np.ndarray:

@@ -37,7 +37,7 @@ import pytest
 import scipy.stats
 
 from specjax.verify import acceptance, trees, layout as verify_layout
-from specjax.verify.acceptance import _accept_tree, _TreeRule, accept_tree, residual, residual_point
+from specjax.verify.acceptance import _accept_tree, TreeRule, accept_tree, residual, residual_point
 from specjax.verify.sampling import make_sampler, warp
 
 V = 5
@@ -147,7 +147,7 @@ def markov_law(P):
 # ----------------------------------------------------------------------------- the simulation
 
 
-def switch_rule(bug_id) -> _TreeRule:
+def switch_rule(bug_id) -> TreeRule:
   """The rule's pieces with a planted bug chosen at run time (EXACT = the library's pieces)."""
 
   def update(r, q, last):  # bug 1: residual left at r until the last sibling
@@ -161,7 +161,7 @@ def switch_rule(bug_id) -> _TreeRule:
     by_value = jnp.argsort(jnp.where(valid_BW, x_BW, V + 1), axis=1, stable=True)
     return jnp.where(bug_id == 3, by_value, jnp.arange(w)[None]).astype(jnp.int32)
 
-  return _TreeRule(update=update, update_point=update_point, order=order)
+  return TreeRule(update=update, update_point=update_point, order=order)
 
 
 @functools.partial(jax.jit, static_argnames=("deterministic",))
