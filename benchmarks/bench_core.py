@@ -44,8 +44,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax import decoding, roofline
-from specjax.drafters.base import LM
+from specjax.engine import decoding
+from specjax.analysis import roofline
+from specjax.models.lm import LM
 from specjax.models import attention
 from specjax.models import cache as kv
 from specjax.models.presets import PRESETS

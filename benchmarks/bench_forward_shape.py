@@ -43,8 +43,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax import roofline
-from specjax.drafters.base import LM
+from specjax.analysis import roofline
+from specjax.models.lm import LM
 from specjax.models import attention, one_row_bf16
 from specjax.models import cache as kv
 from specjax.models.presets import PRESETS

@@ -29,8 +29,9 @@ def _child(prompts: int, new_tokens: int) -> dict:
 
   import jax
 
-  from specjax import decoding, sampling
-  from specjax.drafters.base import LM
+  from specjax.engine import decoding
+  from specjax.verify import sampling
+  from specjax.models.lm import LM
   from specjax.experiments import measure, references
 
   target, tok, texts = measure.target_model("default", "bfloat16")

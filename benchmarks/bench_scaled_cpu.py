@@ -34,7 +34,10 @@ import time
 
 import jax
 
-from specjax import calibration, decoding, sampling, theory, timing, trees
+from specjax.calibration import loop_costs as calibration, timing
+from specjax.engine import decoding
+from specjax.verify import sampling, trees
+from specjax.analysis import theory
 from specjax.drafters.oracle import OracleDrafter
 from specjax.models.presets import PRESETS
 from specjax.models.transformer import param_count

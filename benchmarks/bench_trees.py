@@ -37,14 +37,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import decoding, sampling, trees
-from specjax.drafters.base import LM
+from specjax.engine import decoding
+from specjax.verify import sampling, trees
+from specjax.models.lm import LM
 from specjax.drafters.levels import _plan
 from specjax.drafters.model import ModelDrafter
 from specjax.models import cache as kv
 from specjax.models.presets import PRESETS
 from specjax.models.transformer import Transformer
-from specjax.trees import DynamicTree
+from specjax.verify.trees import DynamicTree
 
 from _timing import median_seconds, write_results  # benchmarks/_timing.py
 

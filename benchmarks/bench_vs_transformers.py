@@ -105,7 +105,7 @@ def main() -> None:
   import torch
   import transformers
 
-  from specjax import decoding
+  from specjax.engine import decoding
   from specjax.checkpoints import load_model
   from specjax.experiments.hf_peer import pin_assistant
 

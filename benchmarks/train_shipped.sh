@@ -27,8 +27,8 @@ rm -rf "$WORK/export"
 "$PY" - "$WORK/export" >"$OUT_DIR/train.log" 2>&1 <<'PYEOF'
 import sys, time
 t0 = time.time()
-from specjax.training import shipped
-m = shipped.export("shipped", "code+tests", sys.argv[1], progress=False)
+from specjax.training import export_shipped
+m = export_shipped.export("shipped", "code+tests", sys.argv[1], progress=False)
 print({k: m[k] for k in ("device", "jax", "python", "export_seconds")}, flush=True)
 for role in ("target", "draft"):
   print(role, m[role]["trained"].get("build_seconds"), m[role]["trained"][role].get("val"))

@@ -69,8 +69,14 @@ from typing import Sequence
 import numpy as np
 
 from specjax.experiments import measure, references
-from specjax import adaptive, calibration, decoding, sampling, trees
-from specjax.drafters.base import LM
+from specjax.engine.adaptive import policy as adaptive
+from specjax.calibration import loop_costs as calibration
+from specjax.engine import decoding
+from specjax.verify import sampling, trees
+from specjax.models.lm import LM
+from specjax.data.corpus import load_corpus
+from specjax.experiments import batch_breakeven as bb
+from specjax.sweeps import report as rep
 
 CATEGORIES = ("code", "prose")
 COSTS = ("calibrated", "model")
@@ -136,7 +142,6 @@ def _texts(models: str, category: str):
     return tuple(references.embedded_texts(models, category, texts))
   if texts is None or category == "code":
     return tuple(texts) if texts else None
-  from specjax.data.corpus import load_corpus
   return tuple(d.text for d in load_corpus("prose").validation[:64])
 
 
@@ -440,7 +445,6 @@ def break_even_check(records: Sequence[dict]) -> list[dict]:
   """Per (temperature, category): the measured break-even batch (best fixed shape's speedup
   falling below 1, `batch_breakeven.break_even`), the first batch where adaptive mostly
   chose k = 0, and whether they agree within 25% (the issue's goal)."""
-  from specjax.experiments import batch_breakeven as bb
 
   off = first_plain_batch(records)
   rows = []
@@ -463,7 +467,6 @@ def break_even_check(records: Sequence[dict]) -> list[dict]:
 def report(records: list[dict], run_dir) -> str:
   """The comparison table, where adaptive first turns speculation off, draft stopping, and
   the shapes chosen over time (plot)."""
-  from specjax.sweeps import report as rep
 
   table = comparison(records)
   fig, ax = rep.new_figure(figsize=(8.5, 4))

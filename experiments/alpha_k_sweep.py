@@ -54,12 +54,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.experiments import measure, references
-from specjax import calibration, decoding, loop, metrics, plan, sampling, theory, trees
-from specjax.drafters.base import LM
+from specjax.calibration import loop_costs as calibration
+from specjax.engine import decoding, loop, plan
+from specjax.analysis import metrics, theory
+from specjax.verify import sampling, trees
+from specjax.models.lm import LM
 from specjax.drafters.eagle import EagleDrafter
 from specjax.drafters.model import ModelDrafter
 from specjax.drafters.oracle import OracleDrafter, check_alpha
 from specjax.sweeps import parallel, runner
+from specjax.models.presets import PRESETS
+from specjax.sweeps import report as rep
 
 
 def validate(params: dict) -> None:
@@ -78,7 +83,6 @@ def validate(params: dict) -> None:
   measure.check_number(params, "c", None, 0, allow_none=True,
                        note=" (None: measure a real draft)")
   draft = params.get("draft", "default")
-  from specjax.models.presets import PRESETS
   if draft == EAGLE:
     if params.get("c") is not None:
       raise ValueError(f"c must be None with draft='eagle' (the head's cost is measured in "
@@ -93,7 +97,6 @@ def memory(params: dict) -> int:
                                      params.get("max_new_tokens", 64), params.get("k", 4) + 1)
   which = references.target_ref(params.get("target"), params.get("models"))
   draft = params.get("draft", "default")
-  from specjax.models.presets import PRESETS
   # an EAGLE head's cache is one layer of the target's: the default draft's bound holds it
   target, draft = measure.cache_bytes(which, params.get("batch", 1), cache_len,
                                       "default" if draft in PRESETS or draft == EAGLE
@@ -292,7 +295,6 @@ def _by_alpha(records):
 
 def _speedup_plot(groups, run_dir) -> str:
   """Speedup vs k per α: measured points, formula at the measured costs (lines)."""
-  from specjax.sweeps import report as rep
   fig, ax = rep.new_figure(figsize=(6, 3.8))
   for a, rs in groups.items():
     ks = [r["params"]["k"] for r in rs]
@@ -308,7 +310,6 @@ def _speedup_plot(groups, run_dir) -> str:
 
 def _tau_plot(groups, ks_all, run_dir) -> str:
   """τ vs k: measured (per-cycle count, ± 2 se), E[τ] curve, Monte Carlo."""
-  from specjax.sweeps import report as rep
   fig, ax = rep.new_figure(figsize=(6, 3.8))
   kk = np.arange(1, max(ks_all) + 1)
   for a, rs in groups.items():
@@ -328,7 +329,6 @@ def _tau_plot(groups, ks_all, run_dir) -> str:
 
 def _heatmap(groups, ks_all, run_dir) -> str:
   """The α × k heatmap of the measured speedup."""
-  from specjax.sweeps import report as rep
   alphas = list(groups)
   grid = np.full((len(alphas), len(ks_all)), np.nan)
   for i, a in enumerate(alphas):
@@ -351,7 +351,6 @@ def _heatmap(groups, ks_all, run_dir) -> str:
 
 def _run_length_plot(groups, ks_all, run_dir) -> str:
   """Accepted run-length histogram at the largest k: measured vs geometric theory."""
-  from specjax.sweeps import report as rep
   kmax = max(ks_all)
   top = [(a, r) for a, rs in groups.items() for r in rs if r["params"]["k"] == kmax]
   fig, ax = rep.new_figure(figsize=(6, 3.5))

@@ -62,7 +62,11 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from specjax.experiments import measure, references
-from specjax import calibration, roofline, theory, timing
+from specjax.calibration import loop_costs as calibration, timing
+from specjax.analysis import roofline, theory
+from specjax.engine import decoding
+from specjax.verify import trees
+from specjax.sweeps import report as rep
 
 MAX_BATCH = 4096
 MAX_K = 64
@@ -110,7 +114,6 @@ def memory(params: dict) -> int:
   speculative call and for the forward timings (4 sets), at the engine's cache length for
   the longest calibrated chain (`calibration_ks`), from the models' preset configs, without
   loading any model. The calibration runs one loop at a time at the same cache length."""
-  from specjax import decoding
   k_max = max(calibration_ks(params.get("k", 4), params.get("calibration_k", ())))
   n = decoding.cache_len_for(params.get("prompt_len", 64), params.get("max_new_tokens", 64),
                              k_max + 1)
@@ -137,7 +140,6 @@ def calibrated_speedup(costs: calibration.LoopCosts, alpha: float, k: int, batch
                        tokens: int, law=None) -> tuple[float, float]:
   """(τ_loop, predicted speedup) of a chain of k from calibrated loop costs: τ_loop ÷
   costs.cycle_steps(chain(k)) (module doc); `law` as in `tau_loop`."""
-  from specjax import trees
   tau = tau_loop(alpha, k, batch, tokens, law)
   return tau, costs.predicted_speedup(trees.chain(k), tau)
 
@@ -150,7 +152,6 @@ def point(batch: int = 1, k: int = 4, max_new_tokens: int = 64, prompt_len: int 
           prompts: str = "code", chat_template: bool = True) -> dict:
   """Plain vs speculative (chain of k) tokens/s of the decode phase at one batch size, α, τ,
   and the calibrated, standalone and roofline predictions of the speedup (module doc)."""
-  from specjax import trees
 
   validate(dict(batch=batch, k=k, max_new_tokens=max_new_tokens, prompt_len=prompt_len,
                 temperature=temperature, repeats=repeats, models=models,
@@ -475,7 +476,6 @@ def _gain_plot(records, run_dir, hw, wl, draft_cost: str, batches, per_k, measur
   """Gain vs batch: roofline curves (continuous in batch, per-k pooled α and c), calibrated
   predictions (dashed, at the swept batches) and measured markers, the break-evens marked;
   the saved plot's name."""
-  from specjax.sweeps import report as rep
   finite = [b for b in per_k.values() if math.isfinite(b) and b > 1]
   b_hi = max(batches[-1], min(max(finite, default=1.0) * 1.5, 64.0 * batches[-1]))
   bs = np.geomspace(1.0, b_hi, 200)
@@ -522,7 +522,6 @@ def _roof_text(b: float) -> str:
 def report(records: list[dict], run_dir) -> str:
   """Break-even measured vs calibrated vs roofline, best k per batch, the points, and the
   gain-vs-batch plot; the break-evens also go to batch_breakeven_summary.json."""
-  from specjax.sweeps import report as rep
 
   draft_cost = records[0]["params"].get("draft_cost", "full")
   hw, wl = model_of(records)

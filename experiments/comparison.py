@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from specjax import decoding, sampling
+from specjax.engine import decoding
+from specjax.verify import sampling
 from specjax.drafters.base import Drafter
 from specjax.drafters.model import ModelDrafter
 
@@ -65,7 +66,7 @@ class Comparison:
   context: int
   plain_prefill_s: float | None = None
   spec_prefill_s: float | None = None
-  loop_costs: Any = None  # specjax.calibration.LoopCosts
+  loop_costs: Any = None  # specjax.calibration.loop_costs.LoopCosts
 
   @staticmethod
   def _rate(run, seconds: float, prefill_s: float | None) -> float:

@@ -69,7 +69,20 @@ import functools
 import numpy as np
 
 from specjax.experiments import measure, references
-from specjax import calibration, theory, trees
+from specjax.calibration import loop_costs as calibration
+from specjax.analysis import theory
+from specjax.verify import trees
+from specjax.drafters.layer_skip import check_layers
+from specjax.drafters.lookup import check_ngram
+from specjax.data.corpus import load_corpus
+from specjax.drafters.layer_skip import LayerSkipDrafter
+from specjax.drafters.lookup import LookupDrafter
+from specjax.drafters.medusa import MedusaDrafter
+from specjax.drafters.model import ModelDrafter
+from specjax.drafters.oracle import OracleDrafter
+from specjax.engine import decoding
+from specjax.models import cache as kv
+from specjax.sweeps import report as rep
 
 DRAFTERS = ("lookup", "layer_skip", "medusa", "eagle", "model", "oracle")
 SHAPES_OF = {"lookup": ("chain", "tree"), "layer_skip": ("chain", "tree"),
@@ -135,8 +148,6 @@ def validate(params: dict) -> None:
   measure.check_choice(params, "target_dtype", "float32", ("float32", "bfloat16"))
   _check_ints(params, "calibration_k", (1,), empty=True)  # () = the drafter's shapes only
   widths = _check_ints(params, "tree_widths", (2, 1, 1, 1))
-  from specjax.drafters.layer_skip import check_layers
-  from specjax.drafters.lookup import check_ngram
   check_ngram(params.get("max_ngram", 3), params.get("min_ngram", 1))
   n_layers = measure.model_configs(models, params.get("draft", "default"))[0].n_layers
   skip = params.get("skip_layers")
@@ -201,7 +212,6 @@ def category_texts(models: str, category: str):
     return references.embedded_texts(models, category, measure.target_model(models)[2])
   if category == "code":
     return measure.target_model(models)[2]
-  from specjax.data.corpus import load_corpus
   return [d.text for d in load_corpus(category).validation[:64]]
 
 
@@ -212,11 +222,6 @@ def drafter_and_tree(drafter: str, shape: str, temperature: float, *, models: st
   """(Drafter, tree) of one variant (module doc: candidates and budgets). Drafters that run
   on the target (layer-skip, oracle, EAGLE's and Medusa's shared embedding and LM head) use
   it served in `target_dtype`; the heads were trained (and bound) on its float32 weights."""
-  from specjax.drafters.layer_skip import LayerSkipDrafter
-  from specjax.drafters.lookup import LookupDrafter
-  from specjax.drafters.medusa import MedusaDrafter
-  from specjax.drafters.model import ModelDrafter
-  from specjax.drafters.oracle import OracleDrafter
   target = measure.target_model(models, target_dtype)[0]
   static = _static(tree_widths)
   if shape == "chain":
@@ -250,8 +255,6 @@ def memory(params: dict) -> int:
   the draft model's, one head layer for EAGLE, a whole target for the oracle, none for
   lookup, Medusa and layer-skip, which drafts in the target's cache), from the preset
   configs: nothing is loaded."""
-  from specjax import decoding
-  from specjax.models import cache as kv
   drafter, _ = parse_variant(params.get("variant"))
   models = references.target_ref(params.get("target"), params.get("models"))
   batch = params.get("batch", 1)
@@ -423,7 +426,6 @@ def _plot_acceptance(records, run_dir, rep) -> str:
 
 
 def report(records: list[dict], run_dir) -> str:
-  from specjax.sweeps import report as rep
   records = sorted(records, key=lambda r: r.get("index", 0))
   lines = ["## Drafters side by side", "",
            "Every drafter on the same target, prompts and budgets. Speedup = speculative ÷ "

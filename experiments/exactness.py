@@ -35,8 +35,13 @@ import numpy as np
 from scipy import stats
 
 from specjax.experiments import measure, references
-from specjax import acceptance, exactness, sampling, trees
+from specjax.verify import acceptance, sampling, trees
+from specjax.exactness import checker as exactness
 from specjax.sweeps import parallel, runner
+from specjax.models.transformer import ModelConfig, Transformer
+from specjax.drafters.model import ModelDrafter
+from specjax.drafters.oracle import OracleDrafter
+from specjax.sweeps import report as rep
 
 KINDS = ("stochastic", "deterministic")
 CASES = ("rule", "model/chain", "model-det/chain", "oracle/chain", "model/tree",
@@ -171,7 +176,6 @@ def _models(which: str, vocab: int, draft: str = "default"):
     return target, draft_model
   from flax import nnx
 
-  from specjax.models.transformer import ModelConfig, Transformer
   cfg = ModelConfig.llama(vocab_size=vocab, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                           d_ff=64, max_len=64)
   target = Transformer(cfg, rngs=nnx.Rngs(0))
@@ -188,8 +192,6 @@ def _models(which: str, vocab: int, draft: str = "default"):
 
 
 def _drafter(name: str, target, draft, alpha: float):
-  from specjax.drafters.model import ModelDrafter
-  from specjax.drafters.oracle import OracleDrafter
   if name == "oracle":
     return OracleDrafter.of(target, alpha)
   return ModelDrafter.of(draft, deterministic=name == "model-det")
@@ -242,7 +244,6 @@ def point(vocab: int = 8, temperature: float = 1.0, top_p: float = 1.0,
 
 
 def report(records: list[dict], run_dir) -> str:
-  from specjax.sweeps import report as rep
   rule = [r for r in records if r["params"].get("case", "rule") == "rule"]
   loop = [r for r in records if r["params"].get("case", "rule") != "rule"]
   text = "## Exactness\n\n"

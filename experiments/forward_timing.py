@@ -18,8 +18,10 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from specjax import roofline, timing, trees
-from specjax.drafters.base import LM
+from specjax.analysis import roofline
+from specjax.calibration import timing
+from specjax.verify import trees
+from specjax.models.lm import LM
 from specjax.models import cache as kv
 
 
@@ -50,7 +52,7 @@ class Timing:
 
 
 def alternate(fns: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, Timing]:
-  """{name: Timing} of each callable, alternated (`specjax.timing.alternate`: one
+  """{name: Timing} of each callable, alternated (`specjax.calibration.timing.alternate`: one
   warm-up call each, then every callable in turn, `repeats` times)."""
   times, last = timing.alternate(fns, repeats)
   return {name: Timing(tuple(times[name]), last[name]) for name in fns}

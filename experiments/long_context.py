@@ -29,7 +29,7 @@ each row's measured law of accepted lengths (`calibration.row_length_probs`) thr
 
     predicted = τ_loop ÷ cycle_steps(chain(k)).
 
-Beside it, two models for comparison. The roofline (`roofline_gain`; specjax.roofline) for
+Beside it, two models for comparison. The roofline (`roofline_gain`; specjax.analysis.roofline) for
 this machine, calibrated once per process (`roofline.calibrate`: streaming bandwidth,
 matmul FLOP/s) and this target (`Workload.from_model_config`), at the measured α and c:
 
@@ -54,7 +54,11 @@ import math
 import jax
 
 from specjax.experiments import measure, references
-from specjax import calibration, decoding, roofline, theory, trees
+from specjax.calibration import loop_costs as calibration
+from specjax.engine import decoding
+from specjax.analysis import roofline, theory
+from specjax.verify import trees
+from specjax.sweeps import report as rep
 
 MAX_CONTEXT = 1 << 16
 MAX_K = 32
@@ -178,7 +182,6 @@ def point(context_len: int, batch: int = 4, k: int = 4, max_new_tokens: int = 64
 
 
 def report(records: list[dict], run_dir) -> str:
-  from specjax.sweeps import report as rep
   groups: dict = {}
   for r in records:
     key = tuple(sorted((n, repr(v)) for n, v in r["params"].items() if n != "context_len"))

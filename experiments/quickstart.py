@@ -63,8 +63,13 @@ from __future__ import annotations
 import numpy as np
 
 from specjax.experiments import measure, references
-from specjax import calibration, theory, trees
+from specjax.calibration import loop_costs as calibration
+from specjax.analysis import theory
+from specjax.verify import trees
 from specjax.drafters.model import ModelDrafter
+from specjax.engine import decoding
+from specjax.models import cache as kv
+from specjax.sweeps import report as rep
 
 MODES = ("chain", "tree")
 # "eagle": the EAGLE head of the target (the default target's ships with the package,
@@ -118,8 +123,6 @@ def memory(params: dict) -> int:
   drafter's own: the draft model's or the EAGLE head's layer), from the models' preset
   configs: no model is loaded. Calibration runs one loop at a time at the same cache
   length."""
-  from specjax import decoding
-  from specjax.models import cache as kv
   k, widths = params.get("k", 4), params.get("tree_widths", (2, 1, 1, 1))
   slots = max(t.n_nodes for t in _shapes(k, widths, params.get("calibration_k", (1, 2))))
   n = decoding.cache_len_for(params.get("prompt_len", 64), params.get("max_new_tokens", 64),
@@ -326,7 +329,6 @@ def _cache_note(cal: dict) -> str:
 
 
 def report(records: list[dict], run_dir) -> str:
-  from specjax.sweeps import report as rep
   records = sorted(records, key=lambda r: r.get("index", 0))
   lines = ["## Quickstart", "",
            "Speedup = speculative ÷ plain tokens/s of the decode phase, measured side by side "

@@ -45,12 +45,15 @@ from __future__ import annotations
 import functools
 import os
 
-from specjax import calibration, decoding, resolve, sampling, timing, trees
+from specjax.calibration import loop_costs as calibration, timing
+from specjax.engine import decoding
+from specjax import resolve
+from specjax.verify import sampling, trees
 from specjax.experiments import measure
 from specjax.experiments import adaptive as adaptive_study
 from specjax.experiments import hf_peer
 from specjax.experiments.specbench import EMBEDDED_COUNT, EMBEDDED_LEN, _eos_ids
-from specjax.prompts import EMBEDDED, encode_prompt, load_prompts
+from specjax.data.prompts import EMBEDDED, encode_prompt, load_prompts
 
 DEFAULT_SYSTEMS = ("lookup@4", "lookup@auto", "layer-skip:8@4", "layer-skip:15@4")
 HF_SYSTEMS = ("plain", "lookup", "assisted")

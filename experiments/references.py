@@ -16,7 +16,7 @@ prompts (`prompts=`):
   "code", "prose" the embedded held-out sets, cut into windows of `prompt_len` ids (the
                   "random" target keeps its fixed code snippet, as it always had)
   a JSONL path    a Spec-Bench / MT-Bench question file or a plain prompt file
-                  (`specjax.prompts`), each prompt's first turn rendered with the target
+                  (`specjax.data.prompts`), each prompt's first turn rendered with the target
                   tokenizer's chat template when it has one; its question ids and
                   categories travel into the result rows (`Workload.row_fields`)
   an int          the older spelling of "code" with that many prompts.
@@ -31,6 +31,20 @@ import dataclasses
 import functools
 import os
 from typing import Any, Mapping
+
+from specjax.experiments import study_prompts
+from specjax.training.presets import DEFAULT_PRESET, PRESETS
+from specjax.resolve import random_target_config
+from specjax.checkpoints import describe
+from specjax.models import presets as model_presets
+from specjax.models.transformer import ModelConfig
+from specjax.data.tokenizer import ByteTokenizer
+from specjax.models.transformer import Transformer
+from specjax import resolve
+from specjax.data.prompts import held_out_texts
+from specjax.training.defaults import load_default_pair
+from specjax.data.prompts import load_prompts
+from specjax.data.prompts import encode_prompt
 
 RANDOM = "random"  # the studies' random test target (preset RANDOM_PRESET, seed 0)
 RANDOM_PRESET = "tiny-llama"
@@ -60,20 +74,15 @@ def target_config(ref: str, name: str = "target"):
     raise ValueError(f"{name} must be 'default', 'random', 'random:SPEC' or a model "
                      f"directory, got {ref!r}")
   if ref == "default":
-    from specjax.training.presets import DEFAULT_PRESET, PRESETS
     return PRESETS[DEFAULT_PRESET].target
   if ref == RANDOM:
-    from specjax.models.presets import PRESETS
-    return PRESETS[RANDOM_PRESET]
+    return model_presets.PRESETS[RANDOM_PRESET]
   kind, sep, spec = ref.partition(":")
   if kind == "random" and sep:
-    from specjax.resolve import random_target_config
     return random_target_config(name, spec)
   if not os.path.isdir(ref):
     raise ValueError(f"{name} must be 'default', 'random', 'random:SPEC' or a model directory "
                      f"(Hugging Face or specjax), got {ref!r} (no such directory)")
-  from specjax.checkpoints import describe
-  from specjax.models.transformer import ModelConfig
   try:
     return ModelConfig.from_dict(describe(ref)["config"])
   except (ValueError, KeyError, TypeError) as e:
@@ -100,14 +109,9 @@ def load_target(ref: str):
   if ref == RANDOM:
     from flax import nnx
 
-    from specjax.data.tokenizer import ByteTokenizer
-    from specjax.models.presets import PRESETS
-    from specjax.models.transformer import Transformer
     tok = ByteTokenizer()
-    cfg = PRESETS[RANDOM_PRESET].replace(vocab_size=tok.vocab_size)
+    cfg = model_presets.PRESETS[RANDOM_PRESET].replace(vocab_size=tok.vocab_size)
     return Transformer(cfg, rngs=nnx.Rngs(0)), tok, None
-  from specjax import resolve
-  from specjax.prompts import held_out_texts
   model, tok = resolve.load_target(ref)
   return model, tok, list(held_out_texts("code"))
 
@@ -117,13 +121,10 @@ def draft_for(ref: str, target, tokenizer, draft: str = "default"):
   module as stored, `tokenizer`: its tokenizer)."""
   from flax import nnx
 
-  from specjax.models.transformer import Transformer
   if draft == "default" and ref == "default":
-    from specjax.training.defaults import load_default_pair
     return load_default_pair().draft_module()
   if draft == "default":
     return Transformer(target.config.replace(n_layers=1), rngs=nnx.Rngs(1))
-  from specjax import resolve
   return resolve.draft_model(draft, target, tokenizer=tokenizer)
 
 
@@ -131,7 +132,6 @@ def check_draft(params: Mapping, name: str = "draft", default: str = "default",
                 also: str = "") -> str:
   """The draft reference of a point, its syntax checked (a directory must exist); `also`
   names what else the study allows, in the message."""
-  from specjax import resolve
   ref = params.get(name, default)
   allowed = f"'default', 'self', 'random:SPEC'{also} or a draft model directory"
   if not isinstance(ref, str) or not ref:
@@ -171,8 +171,7 @@ def prompt_spec(prompts: Any, count: int | None = None, name: str = "prompts"
 
 @functools.lru_cache(maxsize=8)
 def file_prompts(path: str) -> tuple:
-  """The prompts of a JSONL file (`specjax.prompts.load_prompts`: first turns)."""
-  from specjax.prompts import load_prompts
+  """The prompts of a JSONL file (`specjax.data.prompts.load_prompts`: first turns)."""
   return tuple(load_prompts(path))
 
 
@@ -224,21 +223,18 @@ def embedded_texts(ref: str, name: str, texts):
   prose documents for "prose"."""
   if name == "code":
     return texts
-  from specjax.prompts import held_out_texts
   return list(held_out_texts(name))
 
 
 def workload(ref: str, tok, texts, prompts: str, count: int, prompt_len: int, *,
              chat_template: bool = True) -> Workload:
   """`count` prompts of the set `prompts` for target `ref`: an embedded set's windows of
-  `prompt_len` ids (`measure.prompts`, the studies' rule), or a file's first `count`
+  `prompt_len` ids (`study_prompts.prompts`, the studies' rule), or a file's first `count`
   prompts encoded for the target (its chat template unless `chat_template` is False),
   the file read again from its start when it holds fewer."""
-  from specjax.experiments import measure
   if prompts in EMBEDDED:
-    return Workload(measure.prompts(tok, embedded_texts(ref, prompts, texts), count,
-                                    prompt_len))
-  from specjax.prompts import encode_prompt
+    return Workload(study_prompts.prompts(tok, embedded_texts(ref, prompts, texts), count,
+                                          prompt_len))
   items = file_prompts(prompts)
   chosen = [items[i % len(items)] for i in range(count)]
   encoded = {}

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import metrics
+from specjax.analysis import metrics
 
 from specjax.experiments.comparison import Comparison
 

@@ -3,7 +3,7 @@
 One point = one question (`question` = its `question_id`; the sweep's axis is the set's ids:
 the embedded sets' 0..15, a file's own; `specjax bench` fills it in, and a config that leaves
 it out gets every id of its `prompts`, `default_axes`). Models and drafters by reference (`specjax.resolve`: any
-target, any drafter kind), prompts by reference (`specjax.prompts`: a Spec-Bench / MT-Bench
+target, any drafter kind), prompts by reference (`specjax.data.prompts`: a Spec-Bench / MT-Bench
 question file, a plain JSONL file, or the embedded `code` / `prose` sets), rendered with the
 target tokenizer's chat template when it has one (`chat_template=False` opts out). The first
 turn of each question is decoded (Spec-Bench's single-turn setting); with `multi_turn`
@@ -41,8 +41,13 @@ import statistics
 import numpy as np
 
 from specjax.experiments import measure
-from specjax import decoding, metrics, resolve, sampling, timing, trees
-from specjax.prompts import encode_prompt, load_prompts
+from specjax.engine import decoding
+from specjax.analysis import metrics
+from specjax import resolve
+from specjax.verify import sampling, trees
+from specjax.calibration import timing
+from specjax.data.prompts import encode_prompt, load_prompts
+from specjax.data import chat
 from specjax.sweeps.report import cell
 
 EMBEDDED_COUNT, EMBEDDED_LEN = 16, 64  # the embedded sets' questions and their length
@@ -99,7 +104,9 @@ def preflight(params: dict, mesh=None) -> None:
   load (target, draft, its tokenizer, tree, dtype), the mesh fits the devices and the
   models, and a one-token prompt fits the context with `max_new_tokens` and the shape.
   ValueError naming the value, as `specjax generate` reports it."""
-  from specjax import chat, plan, sharding
+  from specjax.data import chat
+  from specjax.engine import plan
+  from specjax import sharding
   from specjax.sweeps.runner import with_defaults
   params = with_defaults(point, params)
   key = _key(params)
@@ -282,7 +289,6 @@ def _eos_ids(tokenizer):
   """The EOS ids decoding stops on: every id the model's files list (`chat.stop_ids`:
   generation_config.json's eos_token_id, an int or a list, else config.json's, and the
   tokenizer's eos), None without any."""
-  from specjax import chat
   ids = chat.stop_ids(tokenizer)
   return list(ids) if ids else None
 

@@ -19,6 +19,20 @@ from specjax.models import cache as kv
 
 from specjax.experiments import references
 from specjax.experiments.study_prompts import _held_out_texts
+from specjax.models.transformer import with_dtype
+from specjax.training.defaults import load_default_target
+from specjax.models.presets import PRESETS
+from specjax.models.transformer import Transformer
+from specjax.training import defaults
+from specjax.training import presets as training_presets
+from specjax.data.batches import TokenData
+from specjax.data.corpus import load_corpus
+from specjax.training.config import TrainConfig
+from specjax.training.defaults import default_head_spec
+from specjax.training.heads import kind_from_spec, train_head
+from specjax.drafters.eagle import EagleDrafter
+from specjax.resolve import config_from_ref
+from specjax.drafters.eagle import head_config
 
 
 @functools.lru_cache(maxsize=2)
@@ -30,12 +44,10 @@ def target_model(which: str, target_dtype: str = "float32"):
   or bfloat16: `transformer.with_dtype`). One target object per (which, dtype) in a
   process. The texts are what the embedded "code" prompts are cut from (None: the random
   target's fixed snippet)."""
-  from specjax.models.transformer import with_dtype
   if target_dtype != "float32":
     target, tok, texts = target_model(which)
     return with_dtype(target, target_dtype), tok, texts
   if which == "default":
-    from specjax.training.defaults import load_default_target
     default = load_default_target()  # training.presets.DEFAULT_PRESET
     return default.target_module(), default.tokenizer, _held_out_texts()
   target, tok, texts = references.load_target(which)
@@ -60,7 +72,6 @@ def draft_model(name: str, which: str):
   """The draft of `models(which)` ("default"), a random model of preset `name` on the
   target's vocabulary (its max_len at least the target's), or any draft model reference
   (`references.draft_for`)."""
-  from specjax.models.presets import PRESETS
   if name != "default" and (name not in PRESETS or os.path.isdir(name)):
     return models(which, draft=name)[1]
   target, draft, _, _ = models(which)
@@ -68,7 +79,6 @@ def draft_model(name: str, which: str):
     return draft
   from flax import nnx
 
-  from specjax.models.transformer import Transformer
   cfg = PRESETS[name].replace(vocab_size=target.config.vocab_size,
                               max_len=max(PRESETS[name].max_len, target.config.max_len))
   return Transformer(cfg, rngs=nnx.Rngs(1))
@@ -79,7 +89,6 @@ def _default_head(kind: str):
   build_seconds, else the time of this load, which built them, with progress bars)."""
   import json
 
-  from specjax.training import defaults
   start = time.perf_counter()
   head = defaults.load_default_heads(kind, progress=True)
   elapsed = time.perf_counter() - start
@@ -105,11 +114,6 @@ def head(kind: str, which: str, steps: int = 8):
   references.check_embedded_only({}, f"the study's {kind} head", which)  # trained here: tests
   from flax import nnx
 
-  from specjax.data.batches import TokenData
-  from specjax.data.corpus import load_corpus
-  from specjax.training.config import TrainConfig
-  from specjax.training.defaults import default_head_spec
-  from specjax.training.heads import kind_from_spec, train_head
   target, _, tok, _ = models(which)
   data = TokenData.from_corpus(load_corpus("code", max_bytes=60_000), tok)
   tc = TrainConfig(steps=steps, batch_size=4, seq_len=32, lr=1e-2, warmup_steps=1,
@@ -123,7 +127,6 @@ def eagle_drafter(target, which: str, deterministic: bool, steps: int = 8):
   """The EAGLE drafter of `head("eagle", which, steps)` over `target` (served in any dtype:
   the head reads its features and shares its embedding and LM head). deterministic: top-k
   candidates (trees at T = 0) instead of samples of the head's law."""
-  from specjax.drafters.eagle import EagleDrafter
   kind, params, _, _ = head("eagle", which, steps)
   return EagleDrafter.of(target, params, kind.feature_layers(target.config),
                          deterministic=deterministic)
@@ -133,18 +136,16 @@ def model_configs(which: str, draft: str = "default"):
   """(target, draft) ModelConfigs of `models(which, draft=draft)`, without loading any
   weights (a directory's config is read from its files)."""
   if which == "default" and draft == "default":
-    from specjax.training.presets import DEFAULT_PRESET, PRESETS
-    return PRESETS[DEFAULT_PRESET].target, PRESETS[DEFAULT_PRESET].draft
+    pair = training_presets.PRESETS[training_presets.DEFAULT_PRESET]
+    return pair.target, pair.draft
   cfg = references.target_config(which)
   if draft == "default":
     if which == "default":
-      from specjax.training.presets import DEFAULT_PRESET, PRESETS
-      return cfg, PRESETS[DEFAULT_PRESET].draft
+      return cfg, training_presets.PRESETS[training_presets.DEFAULT_PRESET].draft
     return cfg, cfg.replace(n_layers=1)
   if draft == "self":
     return cfg, cfg
   if draft.startswith("random:"):
-    from specjax.resolve import config_from_ref
     return cfg, config_from_ref("draft", draft.partition(":")[2], cfg.vocab_size)
   return cfg, references.target_config(draft, name="draft")
 
@@ -152,8 +153,6 @@ def model_configs(which: str, draft: str = "default"):
 def eagle_config(which: str):
   """The ModelConfig of the default EAGLE head's decoder layer for the target of
   `models(which)` (its KV cache), without loading anything."""
-  from specjax.drafters.eagle import head_config
-  from specjax.training.defaults import default_head_spec
   target_cfg = model_configs(which)[0]
   return head_config(target_cfg, default_head_spec("eagle", target_cfg).get("width"))
 

@@ -3,10 +3,10 @@ stride (`prompts`), rounded up to whole batches (`workload`). A study's prompts 
 (a set name or a file) go through `references.workload`, which cuts embedded sets here."""
 
 from __future__ import annotations
+from specjax.data.corpus import load_corpus
 
 
 def _held_out_texts() -> list[str]:
-  from specjax.data.corpus import load_corpus
   return [d.text for d in load_corpus("code").validation[:64]]  # held out from training
 
 

@@ -58,9 +58,12 @@ import jax
 import numpy as np
 
 from specjax.experiments import measure, references
-from specjax import calibration as loop_calibration
-from specjax import decoding, sampling, timing, trees
+from specjax.calibration import loop_costs as loop_calibration
+from specjax.engine import decoding
+from specjax.verify import sampling, trees
+from specjax.calibration import timing
 from specjax.drafters.model import ModelDrafter
+from specjax.sweeps import report as rep
 
 SHAPES = ("chain", "branching", "optimal", "dynamic")
 MAX_BUDGET = 64
@@ -234,7 +237,6 @@ def memory(params: dict) -> int:
 
 
 def report(records: list[dict], run_dir) -> str:
-  from specjax.sweeps import report as rep
   temps = sorted({r["params"].get("temperature", 0.0) for r in records})
   shapes = [s for s in SHAPES if any(r["params"]["shape"] == s for r in records)]
 

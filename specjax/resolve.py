@@ -40,6 +40,27 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+from specjax.training.defaults import load_default_target
+from specjax.data.tokenizer import ByteTokenizer
+from specjax.models.transformer import Transformer
+from specjax.checkpoints import is_hf_dir
+from specjax.files import dir_sha256, file_sha256
+from specjax.checkpoints import hf, save_model
+from specjax.training.defaults import cache_dir
+from specjax.models.presets import parse_config
+from specjax.models.presets import spec_sets
+from specjax.checkpoints import load_model
+from specjax.training.defaults import load_default_pair
+from specjax.data.tokenizer import vocab_mismatch
+from specjax.verify import trees
+from specjax.drafters.medusa import MedusaDrafter
+from specjax.training.defaults import load_default_heads
+from specjax.training.heads import load_head
+from specjax.drafters.eagle import EagleDrafter
+from specjax.drafters.layer_skip import LayerSkipDrafter
+from specjax.drafters.lookup import LookupDrafter
+from specjax.drafters.model import ModelDrafter
+from specjax.models.transformer import with_dtype
 
 HEAD_DRAFTS = ("medusa", "eagle", "eagle3")  # draft heads on the target: KIND:DIR, KIND:default
 
@@ -91,15 +112,12 @@ def draft_kind(spec: str | None, flag: str = "draft") -> tuple[str, Any]:
 def load_target(ref: str = "default", *, seed: int = 0, flag: str = "target"):
   """(Transformer, tokenizer) of a target reference (module doc)."""
   if ref == "default":
-    from specjax.training.defaults import load_default_target
     t = load_default_target()
     return t.target_module(), t.tokenizer
   kind, sep, spec = ref.partition(":")
   if kind == "random" and sep:
     from flax import nnx
 
-    from specjax.data.tokenizer import ByteTokenizer
-    from specjax.models.transformer import Transformer
     tok = ByteTokenizer()
     return Transformer(random_target_config(flag, spec), rngs=nnx.Rngs(seed)), tok
   return load_from_ref(flag, ref)
@@ -108,36 +126,17 @@ def load_target(ref: str = "default", *, seed: int = 0, flag: str = "target"):
 def _model_dir(ref: str) -> str:
   """A model directory to load: a Hugging Face one's cached import (`imported_hf`), else
   the reference itself (a GGUF file is imported by `load_from_ref`)."""
-  from specjax.checkpoints import is_hf_dir
   return str(imported_hf(ref)) if is_hf_dir(ref) else ref
-
-
-def _files_key(directory) -> str:
-  """sha256 over a directory's regular files (names, sizes, contents), hidden ones aside:
-  a Hugging Face directory's identity, whatever its path."""
-  import hashlib
-  import pathlib
-
-  from specjax.checkpoints.dirs import file_sha256
-  h = hashlib.sha256()
-  root = pathlib.Path(directory)
-  for path in sorted(p for p in root.rglob("*") if p.is_file()
-                     and not any(part.startswith(".") for part in p.relative_to(root).parts)):
-    h.update(f"{path.relative_to(root).as_posix()}\0{path.stat().st_size}\0".encode())
-    file_sha256(path, h)
-  return h.hexdigest()
 
 
 def imported_hf(directory):
   """The specjax checkpoint of a Hugging Face model directory: imported once into
-  $SPECJAX_CACHE_DIR/hf/<name>-<key> (key: `_files_key`, so an edited file is imported
+  $SPECJAX_CACHE_DIR/hf/<name>-<key> (key: `files.dir_sha256`, so an edited file is imported
   again) and reused after; written all or nothing (`checkpoints.save_model`)."""
   import pathlib
 
-  from specjax.checkpoints import hf, save_model
-  from specjax.training.defaults import cache_dir
   src = pathlib.Path(directory)
-  entry = cache_dir() / "hf" / f"{src.resolve().name}-{_files_key(src)[:16]}"
+  entry = cache_dir() / "hf" / f"{src.resolve().name}-{dir_sha256(src)[:16]}"
   if not entry.is_dir():
     imported = hf.import_hf(src)  # names what is missing or broken
     save_model(entry, imported.model(), tokenizer_dir=src,
@@ -152,7 +151,6 @@ def imported_gguf(path):
   after; written all or nothing (`gguf.save_gguf`)."""
   import pathlib
 
-  from specjax.checkpoints.dirs import file_sha256
   from specjax.checkpoints.gguf import open_gguf, save_gguf
   from specjax.training.defaults import cache_dir
   src = pathlib.Path(path)
@@ -167,7 +165,6 @@ def imported_gguf(path):
 
 def config_from_ref(flag: str, spec: str, vocab_size: int | None):
   """parse_config (with `vocab_size` unless None), its errors naming the argument."""
-  from specjax.models.presets import parse_config
   try:
     return parse_config(spec, **({} if vocab_size is None else {"vocab_size": vocab_size}))
   except (ValueError, TypeError) as e:  # bad JSON, unknown preset or field, bad value
@@ -180,8 +177,6 @@ def random_target_config(flag: str, spec: str):
   """The config of a "random:SPEC" target: the byte tokenizer's vocabulary, unless a
   NAME:field=value spec sets vocab_size (at least the tokenizer's; the rows past it are a
   padded vocabulary no prompt uses). ValueError naming `flag` otherwise."""
-  from specjax.data.tokenizer import ByteTokenizer
-  from specjax.models.presets import spec_sets
   byte_vocab = ByteTokenizer.vocab_size
   if not spec_sets(spec, "vocab_size"):
     return config_from_ref(flag, spec, byte_vocab)
@@ -196,7 +191,6 @@ def load_from_ref(flag: str, path: str):
   """checkpoints.load_model of a model directory (a Hugging Face one through its cached
   import, `imported_hf`; a GGUF file through `imported_gguf`), its errors naming the
   argument."""
-  from specjax.checkpoints import load_model
   from specjax.checkpoints.gguf.read import is_gguf_file
   try:
     if str(path).endswith(".gguf") or is_gguf_file(path):
@@ -218,10 +212,8 @@ def draft_model(spec: str | None, target, *, seed: int = 0, default_config: str 
   if kind == "self":
     return target
   if kind == "default":
-    from specjax.training.defaults import load_default_pair
     return load_default_pair().draft_module()
   if kind == "model":
-    from specjax.data.tokenizer import vocab_mismatch
     net, draft_tok = load_from_ref(flag, _model_dir(arg))
     why = vocab_mismatch(tokenizer, draft_tok)
     if why:
@@ -231,7 +223,6 @@ def draft_model(spec: str | None, target, *, seed: int = 0, default_config: str 
   if kind == "random":
     from flax import nnx
 
-    from specjax.models.transformer import Transformer
     config = config_from_ref(flag if arg else "--draft-config", arg or default_config,
                              target.config.vocab_size)
     return Transformer(config, rngs=nnx.Rngs((seed + 1) % 2**63))
@@ -247,13 +238,9 @@ def head_drafter(spec: str, target, kind: str, where: str, *, k, deterministic: 
   serving = target if serving is None else serving
   from flax import nnx
 
-  from specjax import trees
-  from specjax.drafters.medusa import MedusaDrafter
   if where == "default":
-    from specjax.training.defaults import load_default_heads
     head = load_default_heads(kind)
   else:
-    from specjax.training.heads import load_head
     try:
       # eagle:DIR takes either EAGLE structure (the head records which); eagle3:DIR only its own
       head = load_head(where, target=(target.config, nnx.state(target, nnx.Param)),
@@ -264,7 +251,6 @@ def head_drafter(spec: str, target, kind: str, where: str, *, k, deterministic: 
       raise ValueError(f"{flag} {spec}: {where!r} holds a {head.kind.name!r} head, not an "
                        f"EAGLE head")
   if head.kind.name in ("eagle", "eagle3"):  # a chain of k (or the adaptive menu, or the tree)
-    from specjax.drafters.eagle import EagleDrafter
     layers = head.kind.feature_layers(target.config)
     params = (head.kind.module(target.config, head.params) if head.kind.name == "eagle3"
               else head.params)
@@ -290,9 +276,6 @@ def make_drafter(spec: str | None, target, draft=None, *, k=4, tree=None,
   names one (`draft_model`); `serving`: the target as served (another dtype), default
   `target`."""
   serving = target if serving is None else serving
-  from specjax.drafters.layer_skip import LayerSkipDrafter
-  from specjax.drafters.lookup import LookupDrafter
-  from specjax.drafters.model import ModelDrafter
   kind, arg = draft_kind(spec, flag)
   if kind == "lookup":
     return LookupDrafter(max_ngram=ngram[0], min_ngram=ngram[1]), _shape(k, tree)
@@ -324,7 +307,6 @@ def load(target: str = "default", draft: str = "eagle:default", *, k=4, tree=Non
   model, tok = load_target(target, seed=seed)
   serving = model
   if target_dtype is not None:
-    from specjax.models.transformer import with_dtype
     serving = with_dtype(model, target_dtype)
   draft_net = draft_model(draft, serving if kind == "self" else model, seed=seed,
                           tokenizer=tok)

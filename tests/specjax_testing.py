@@ -12,11 +12,12 @@ import pytest
 from flax import nnx, struct
 from scipy import stats
 
-from specjax import decoding, loop, sampling
+from specjax.engine import decoding, loop
+from specjax.verify import sampling
 from specjax.data.batches import TokenData
 from specjax.data.corpus import load_corpus
 from specjax.data.tokenizer import ByteTokenizer
-from specjax.drafters.base import LM
+from specjax.models.lm import LM
 from specjax.drafters.model import ModelDrafter
 from specjax.models.transformer import ModelConfig, Transformer
 from specjax.training.config import TrainConfig

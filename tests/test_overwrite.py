@@ -6,7 +6,7 @@ import os
 import pytest
 
 from specjax import cli
-from specjax.checkpoints import dirs
+from specjax import files as dirs
 
 
 def _user_dir(path):

@@ -3,7 +3,9 @@
 import pytest
 
 import specjax
-from specjax import decoding, resolve, trees
+from specjax.engine import decoding
+from specjax import resolve
+from specjax.verify import trees
 from specjax.drafters.eagle import EagleDrafter
 from specjax.drafters.layer_skip import LayerSkipDrafter
 from specjax.drafters.lookup import LookupDrafter

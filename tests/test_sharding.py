@@ -24,8 +24,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from specjax import decoding, loop, sampling, sharding, trees
-from specjax.drafters.base import LM
+from specjax.engine import decoding, loop
+from specjax.verify import sampling, trees
+from specjax import sharding
+from specjax.models.lm import LM
 from specjax.drafters.eagle import EagleDrafter
 from specjax.drafters.layer_skip import LayerSkipDrafter
 from specjax.drafters.lookup import LookupDrafter

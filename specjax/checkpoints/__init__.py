@@ -11,8 +11,9 @@ The tokenizer is the Hugging Face `tokenizer.json` found there (read with `token
 specjax tokenizer a trained checkpoint records, or the byte tokenizer when there is none.
 
 The package: `orbax_io` (generic orbax save/restore), `trained` (trainer checkpoints),
-`hf/` (Hugging Face import/export), `dirs` (all-or-nothing output directories), and here the
-'specjax-model' kind plus the loaders that dispatch on what a directory holds.
+`flat` (one flat safetensors file), `hf/` (Hugging Face import/export), and here the
+'specjax-model' kind plus the loaders that dispatch on what a directory holds (output
+directories are written all or nothing by `specjax.files`).
 
 A `save_model` checkpoint directory holds one orbax step (params in the model's dtype,
 ModelConfig, metadata: kind, family, the original config.json) plus the tokenizer files. It
@@ -30,20 +31,25 @@ import os
 import pathlib
 from typing import Any
 
+from specjax import sharding
+from specjax.checkpoints import hf, orbax_io
+from specjax.checkpoints.hf.tensor_files import FLAX_MSGPACK, SAFETENSORS, SAFETENSORS_INDEX
+from specjax.checkpoints.hf.tokenizer import copy_tokenizer_files
 from specjax.checkpoints.trained import TRAINED_KIND, load_trained, stored_config
+from specjax.data.tokenizer import tokenizer_from_spec
+from specjax.files import assembling, prepare_output_dir
+from specjax.models.transformer import abstract_model, from_params, param_count, with_dtype
 
 MODEL_KIND = "specjax-model"  # written by save_model (import-hf)
 
 
 def is_hf_dir(path: str | os.PathLike) -> bool:
-  from specjax.checkpoints.hf.tensor_files import FLAX_MSGPACK, SAFETENSORS, SAFETENSORS_INDEX
   p = pathlib.Path(path)
   return (p / "config.json").is_file() and any(
       (p / n).is_file() for n in (SAFETENSORS, SAFETENSORS_INDEX, FLAX_MSGPACK))
 
 
 def is_orbax_dir(path: str | os.PathLike) -> bool:
-  from specjax.checkpoints import orbax_io
   return orbax_io.latest_step(path) is not None
 
 
@@ -57,9 +63,6 @@ def save_model(directory: str | os.PathLike, model, *, metadata: dict | None = N
   """
   from flax import nnx
 
-  from specjax.checkpoints import orbax_io
-  from specjax.checkpoints.dirs import assembling, prepare_output_dir
-  from specjax.checkpoints.hf.tokenizer import copy_tokenizer_files
   out = prepare_output_dir(directory, overwrite)
   meta = {**(metadata or {}), "kind": MODEL_KIND}
   module = model.module() if hasattr(model, "graphdef") else model
@@ -81,9 +84,6 @@ def load_checkpoint(directory: str | os.PathLike, *, config=None, step: int | No
   array is read straight into its shards (`sharding.abstract_params`), no whole copy on one
   device first.
   """
-  from specjax import sharding
-  from specjax.checkpoints import orbax_io
-  from specjax.models.transformer import abstract_model, from_params
   directory = pathlib.Path(directory)
   if not is_orbax_dir(directory):
     raise ValueError(f"no specjax checkpoint found in {str(directory)!r}")
@@ -111,14 +111,12 @@ def load_model(path: str | os.PathLike, *, dtype: str | None = None, config=None
   mesh: load every weight straight into its shards on this ('data', 'model') mesh (default:
   `sharding.default_mesh`, the CLI's --mesh; else one device).
   """
-  from specjax import sharding
   mesh = sharding.check_mesh(mesh)
   with sharding.on(mesh):  # parameters sized against the mesh's devices (check_params_fit)
     return _load_model(pathlib.Path(path), dtype, config, step, mesh)
 
 
 def _load_model(path: pathlib.Path, dtype, config, step, mesh) -> tuple[Any, Any]:
-  from specjax.checkpoints import hf
   if not path.is_dir():
     raise ValueError(f"model path {str(path)!r} is not a directory")
   if is_hf_dir(path) or (path / "config.json").is_file() and not is_orbax_dir(path):
@@ -127,10 +125,8 @@ def _load_model(path: pathlib.Path, dtype, config, step, mesh) -> tuple[Any, Any
   if is_orbax_dir(path):
     model, meta = load_checkpoint(path, config=config, step=step, mesh=mesh)
     if dtype is not None and dtype != model.config.dtype:
-      from specjax.models.transformer import with_dtype
       model = with_dtype(model, dtype)  # each shard cast where it lies
     if meta.get("kind") == TRAINED_KIND:
-      from specjax.data.tokenizer import tokenizer_from_spec
       return model, tokenizer_from_spec(meta["tokenizer"], path)
     return model, hf.load_tokenizer_for(path, meta.get("hf_config"))
   raise ValueError(f"{str(path)!r} is neither a Hugging Face model directory (config.json + "
@@ -148,7 +144,6 @@ def describe(path: str | os.PathLike) -> dict:
   """What `specjax inspect` prints: format, family, config, parameter count, bytes, dtypes."""
   import math
 
-  from specjax.checkpoints import hf, orbax_io
   path = pathlib.Path(path)
   if not path.is_dir():
     raise ValueError(f"checkpoint path {str(path)!r} is not a directory")
@@ -176,7 +171,6 @@ def describe(path: str | os.PathLike) -> dict:
       nbytes = sum(math.prod(s) * d.itemsize for s, d in shapes)
       dtypes = sorted({str(d) for _, d in shapes})
     else:  # no array metadata: count from the config
-      from specjax.models.transformer import param_count
       params = param_count(config)
       nbytes = params * _np_dtype(config.dtype).itemsize
       dtypes = [config.dtype]

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import ml_dtypes
 import numpy as np
+from specjax.files import atomic_write
 
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
@@ -62,7 +63,6 @@ def save_flat(path: str | os.PathLike, params: Any, *, dtype: str = "bfloat16",
   atomically (`dirs.atomic_write`). Returns {name: element count}."""
   from safetensors.numpy import save
 
-  from specjax.checkpoints.dirs import atomic_write
 
   if dtype not in _DTYPES:
     raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")

@@ -19,6 +19,7 @@ from specjax.checkpoints import orbax_io
 from specjax.data.tokenizer import Tokenizer, tokenizer_from_spec
 from specjax.models.transformer import (ModelConfig, Transformer, abstract_model, cast_floats,
                                         from_params)
+from specjax import sharding
 
 TRAINED_KIND = "specjax-lm"  # metadata "kind" of a checkpoint written by the trainer
 
@@ -65,7 +66,6 @@ def load_trained(directory: str | pathlib.Path, *, step: int | None = None,
   stored = stored_config(directory, meta)
   _, target = abstract_model(stored.replace(dtype="float32"))  # stored in float32
   if mesh is not None:
-    from specjax import sharding
     target = sharding.abstract_params(mesh, stored, target)
   restored = orbax_io.restore(directory, params_target=target, config=config or stored,
                               step=step)

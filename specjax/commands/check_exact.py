@@ -1,6 +1,6 @@
 """`specjax check-exact`: is speculative decoding with this draft exactly the target's law?
 
-Runs `specjax.exactness.check`: the real compiled loop on many independent rows, the χ²
+Runs `specjax.exactness.checker.check`: the real compiled loop on many independent rows, the χ²
 test of the first m tokens against the target's enumerated law (greedy identity at T = 0),
 its power, and planted-bug controls. Exit code 0 on PASS, 1 on FAIL; bad input is one line
 on stderr (exit 2, the CLI's policy).
@@ -73,7 +73,7 @@ def add_parser(subparsers) -> None:
 
 def parse_tree(text: str):
   """--tree: 'W1,W2,..' (trees.branching) or 'dynamic:N,D,W' (trees.DynamicTree)."""
-  from specjax import trees
+  from specjax.verify import trees
   body = text.split(":", 1)[1] if text.startswith("dynamic:") else text
   try:
     numbers = [int(x) for x in body.split(",")]
@@ -92,7 +92,8 @@ def parse_tree(text: str):
 
 def _check_args(args) -> None:
   """Flags that need no model, checked before any model is loaded or built."""
-  from specjax import planted_bugs, sampling
+  from specjax.exactness import planted_bugs
+  from specjax.verify import sampling
   from specjax.drafters.oracle import check_alpha
   sampling.make_sampler(args.temperature, args.top_k, args.top_p)
   for flag, value, lo in (("--k", args.k, 1), ("--tokens", args.tokens, 1),
@@ -149,7 +150,8 @@ def _models(args):
 
 
 def run(args: argparse.Namespace) -> int:
-  from specjax import exactness, sampling
+  from specjax.exactness import checker as exactness
+  from specjax.verify import sampling
 
   _check_args(args)
   sampler = sampling.make_sampler(args.temperature, args.top_k, args.top_p)

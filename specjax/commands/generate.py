@@ -50,7 +50,7 @@ def add_parser(subparsers) -> None:
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--k", type=_k_arg, default=None,
                  help="drafted tokens per verification, or 'auto': the adaptive policy picks "
-                 "a chain k in {0, 1, 2, 4, 6} every cycle (specjax.adaptive) (default 4; "
+                 "a chain k in {0, 1, 2, 4, 6} every cycle (specjax.engine.adaptive.policy) (default 4; "
                  "not with --tree or --dynamic-tree, which set their own nodes)")
   p.add_argument("--tree", type=ints_arg(1), default=None, metavar="W1,W2,...",
                  help="verify a static tree instead of a chain: W_d candidates per node at "
@@ -95,7 +95,7 @@ def _draft_kind(args) -> tuple[str, int | str | None]:
 def _drafter(args, target, draft, serving=None):
   """(drafter, the k= or tree= of speculative_generate) for --draft (`resolve.make_drafter`),
   validated before anything compiles; `serving`: the target as served (--target-dtype)."""
-  from specjax import trees
+  from specjax.verify import trees
   from specjax.resolve import make_drafter
   tree = _tree(args)
   # a static tree at T = 0 drafts distinct top candidates (i.i.d. siblings would all be the
@@ -144,7 +144,7 @@ def _k_arg(text: str):
 
 def _tree(args):
   """The tree --tree or --dynamic-tree asks for (None: a chain of --k)."""
-  from specjax import trees
+  from specjax.verify import trees
   if args.tree is not None:
     return trees.branching(args.tree)
   if args.dynamic_tree is not None:
@@ -156,7 +156,7 @@ def _tree(args):
 def _plan(args):
   """The speculation plan --k, --tree or --dynamic-tree asks for (`plan.of`: the host API's
   one check of a shape), built before any model; its error names the flag."""
-  from specjax import plan
+  from specjax.engine import plan
   tree = _tree(args)
   try:
     return plan.of(k=None if tree is not None else args.k, tree=tree)
@@ -180,7 +180,7 @@ def _k_max(args) -> int:
   largest chain."""
   spec = _plan(args)
   if spec.auto:
-    from specjax import adaptive
+    from specjax.engine.adaptive import policy as adaptive
     return max(adaptive.DEFAULT_CHAINS)
   return spec.k
 
@@ -203,7 +203,7 @@ def _check_args(args) -> None:
     args.k = 4  # the default chain
   _plan(args)  # --k / the tree, checked once by the library
   if args.draft_stop != 0.0:
-    from specjax import adaptive
+    from specjax.engine.adaptive import policy as adaptive
     if args.k != "auto":
       raise ValueError(f"--draft-stop {args.draft_stop} needs --k auto (draft stopping is "
                        f"part of the adaptive loop), got --k {args.k}")
@@ -238,7 +238,7 @@ def _check_context(args, configs, n_prompt_tokens: int, known: bool = True) -> N
   """The longest prompt + --max-new-tokens + --k + 1 against the models' max_len, before the
   chain of --k drafts is built or anything compiles: a clear message naming the flags.
   known=False: the prompt is not tokenized yet and n_prompt_tokens is a lower bound."""
-  from specjax.batching import context_limits  # the library's context rule
+  from specjax.engine.batching import context_limits  # the library's context rule
   max_len, limited, lift = context_limits(configs, args.allow_beyond_max_len)
   need = n_prompt_tokens + args.max_new_tokens + _k_max(args) + 1
   if limited and need > max_len:
@@ -268,7 +268,7 @@ def _encode(args, tok, text: str) -> list[int]:
   after a BOS."""
   if not args.chat:
     return tok.encode(text, bos=True)
-  from specjax import chat
+  from specjax.data import chat
   if chat.template_of(tok) is None:
     target = (f"--target {args.target}" if args.target is not None
               else f"a random target from --target-config {args.target_config} (byte "
@@ -283,7 +283,7 @@ def _stop_ids(tok):
   """Every EOS id the target's files list (`chat.stop_ids`: generation_config.json's
   eos_token_id, an int or a list, else config.json's, and the tokenizer's eos); None
   without any."""
-  from specjax import chat
+  from specjax.data import chat
   return list(chat.stop_ids(tok)) or None
 
 
@@ -291,7 +291,9 @@ def run(args: argparse.Namespace) -> int:
   import jax
   import numpy as np
 
-  from specjax import decoding, plan, sampling, timing
+  from specjax.engine import decoding, plan
+  from specjax.verify import sampling
+  from specjax.calibration import timing
 
   _check_args(args)
   sampler = sampling.make_sampler(args.temperature, args.top_k, args.top_p)

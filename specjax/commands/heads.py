@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 
+from specjax import resolve
+
 
 def _formats() -> list[str]:
-  from specjax.checkpoints.published import FORMATS
+  from specjax.training.published import FORMATS
   return sorted(FORMATS)
 
 
@@ -58,10 +60,11 @@ def add_parsers(subparsers) -> None:
 
 
 def run_import(args: argparse.Namespace) -> int:
-  from specjax.checkpoints import published
+  from specjax.training import published
   from specjax.training.heads import read_head_meta, spec_text
   kind = args.kind or published.detect_kind(args.src)
-  out = published.import_head(args.src, args.target, args.out, kind=kind,
+  target, tokenizer = resolve.load_target(args.target)
+  out = published.import_head(args.src, target, args.out, kind=kind, tokenizer=tokenizer,
                               overwrite=args.overwrite)
   head = read_head_meta(out)["head"]
   doc = {"out": str(out), "format": kind, "kind": head["kind"], "spec": head["spec"],
@@ -75,8 +78,8 @@ def run_import(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-  from specjax.checkpoints import published
-  out = published.export_head(args.head, args.target, args.out, format=args.format,
-                              dtype=args.dtype, overwrite=args.overwrite)
+  from specjax.training import published
+  out = published.export_head(args.head, resolve.load_target(args.target)[0], args.out,
+                              format=args.format, dtype=args.dtype, overwrite=args.overwrite)
   print(f"exported {args.head} as a {args.format} head into {out}")
   return 0

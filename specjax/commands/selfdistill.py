@@ -43,6 +43,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
   from specjax.data.instructions import Recipe
+  from specjax.resolve import load_target
   from specjax.training.selfdistill import make_data
   flags = {"seed": "--seed", "sample_fraction": "--sample-fraction",
            "code_fraction": "--code-fraction", "max_chars": "--max-chars"}
@@ -57,7 +58,8 @@ def run(args) -> int:
   try:
     manifest = make_data(args.target, args.out, prompts=args.prompts,
                          max_new_tokens=args.max_new_tokens, batch=args.batch, recipe=recipe,
-                         exclude=args.exclude)
+                         exclude=args.exclude,
+                         loaded=lambda: load_target(args.target, flag="--target"))
   except ValueError as e:
     message = str(e)
     for name in ("prompts", "max_new_tokens", "batch", "out", "exclude", "target"):

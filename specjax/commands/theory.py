@@ -14,7 +14,8 @@ import os
 import sys
 from typing import Any
 
-from specjax import adaptive_k, roofline, theory
+from specjax.engine.adaptive import roofline_k as adaptive_k
+from specjax.analysis import roofline, theory
 from specjax.commands import theory_flags as flags
 
 _DEFAULT_ALPHAS = "0.6,0.7,0.8,0.9"
@@ -261,7 +262,7 @@ def _calibrations(path: str | None, temperature: float) -> dict:
   those made at `temperature`)."""
   import pathlib
 
-  from specjax import calibration  # lazy: imports JAX
+  from specjax.calibration import loop_costs as calibration  # lazy: imports JAX
 
   root = calibration.cache_root() if path is None else pathlib.Path(path)
   if path is not None and not root.exists():
@@ -284,7 +285,8 @@ def _calibrations(path: str | None, temperature: float) -> dict:
 def _adaptive(args) -> int:
   import numpy as np
 
-  from specjax import adaptive, loop  # lazy: imports JAX
+  from specjax.engine.adaptive import policy as adaptive  # lazy: imports JAX
+  from specjax.engine import loop
 
   alphas = flags.floats("--alphas", args.alphas)
   for a in alphas:

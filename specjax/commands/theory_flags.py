@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any
 
-from specjax import roofline, theory
+from specjax.analysis import roofline, theory
 
 
 def add_model_args(s: argparse.ArgumentParser, context_default: int = 640) -> None:

@@ -256,7 +256,7 @@ def shared_ngrams(texts: Sequence[str], reference, n: int = 8) -> dict[int, tupl
 
 def evaluation_texts(path) -> list[str]:
   """Every turn (and reference answer, where the file has them) of a question file
-  (`specjax.prompts.read_jsonl`'s formats): the text an evaluation set holds."""
+  (`specjax.data.prompts.read_jsonl`'s formats): the text an evaluation set holds."""
   import json
   out = []
   with open(path, encoding="utf-8") as f:

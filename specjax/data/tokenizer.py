@@ -22,6 +22,7 @@ import pathlib
 from typing import Iterable, Protocol
 
 import numpy as np
+from specjax.files import atomic_write
 
 BYTE_VOCAB = 256
 
@@ -88,7 +89,6 @@ def _save_json(directory: str | pathlib.Path, text: str) -> None:
   """DIRECTORY/tokenizer.json = `text`, written aside, fsync'd and renamed in
   (`checkpoints.dirs.atomic_write`): a process killed while saving leaves the old file or
   the new one, never a truncated tokenizer.json that every later load would refuse."""
-  from specjax.checkpoints.dirs import atomic_write  # here: that package imports this one
   atomic_write(pathlib.Path(directory) / "tokenizer.json", text)
 
 

@@ -1,5 +1,5 @@
-"""The drafter protocol shared by every draft kind (`Drafter`, with defaults), and the `LM`
-handle for jitted models.
+"""The drafter protocol shared by every draft kind (`Drafter`, with defaults). The jit
+handle of a model, `LM`, is `specjax.models.lm`'s.
 
 A drafter is a pytree: its arrays (weights) are leaves, its static description (graph
 definition, flags) is auxiliary data, so it passes through `jax.jit` as an ordinary
@@ -53,7 +53,7 @@ chain of the max probability of the draft's softmax at each node's parent) is be
 threshold.
 The nodes it did not draft are fillers, point masses (q one-hot at the filler token), and
 `Proposal.drafted` says how many nodes were drafted; the loop emits at most drafted + 1
-tokens (module doc of `specjax.adaptive`: why this stays exact).
+tokens (module doc of `specjax.engine.adaptive.policy`: why this stays exact).
 
 Lazy catch-up (optional, adaptive loop only). A plain (k = 0) step of the adaptive loop emits
 one token without drafting. A drafter that declares `lazy_catch_up` is not told about such
@@ -86,9 +86,9 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from flax import nnx, struct
+from flax import struct
 
+from specjax.models.lm import LM  # noqa: F401 - drafters build on it; the old path
 from specjax.models.transformer import ModelConfig
 
 Array = jax.Array
@@ -203,49 +203,3 @@ class Drafter:
   def commit(self, state: Any, ctx: Context, tree: Any, path_BP: Array,
              n_accepted_B: Array) -> Any:
     raise NotImplementedError
-
-
-@struct.dataclass
-class LM:
-  """A Transformer split once into a static graph and its weights.
-
-  The jit boundary (docs/architecture.md): the graph definition and config are static
-  auxiliary data, the weights are leaves, so a jitted loop takes the model as an ordinary
-  argument and new weights of the same shapes do not recompile.
-  """
-
-  graphdef: Any = struct.field(pytree_node=False)
-  config: ModelConfig = struct.field(pytree_node=False)
-  params: Any
-
-  @classmethod
-  def of(cls, model) -> "LM":
-    if isinstance(model, LM):
-      return model
-    graphdef, params = nnx.split(model)
-    return cls(graphdef=graphdef, config=model.config, params=params)
-
-  def module(self):
-    return nnx.merge(self.graphdef, self.params)
-
-  def __call__(self, tokens_BT, positions_BT, cache=None, block_mask_TT=None, capture=()):
-    return self.module()(tokens_BT, positions_BT, cache, block_mask_TT, capture)
-
-  def prefill(self, cache, prompt_BP: Array, prompt_len_B: Array, capture: tuple[int, ...] = ()):
-    """Runs the padded prompts through the model; returns (last hidden_BD, cache), and with
-    a non-empty `capture` also the captured features_BPCD of every prompt position
-    (`Transformer.__call__`).
-
-    Rows are right-padded to a common bucket length P; padding sits after every real token,
-    so causal attention keeps it invisible to them, and committing `prompt_len` leaves the
-    padding beyond the row's length, to be overwritten.
-    """
-    b, p = prompt_BP.shape
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    _, hidden_BPD, cache, *features = self(prompt_BP, positions, cache, capture=capture)
-    last = jnp.take_along_axis(hidden_BPD, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]
-    cache = cache.replace(lengths=prompt_len_B.astype(jnp.int32))
-    return (last, cache, features[0]) if capture else (last, cache)
-
-  def head(self, hidden_BD: Array) -> Array:
-    return self.module().logits(hidden_BD[:, None])[:, 0]

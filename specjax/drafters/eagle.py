@@ -59,7 +59,8 @@ import numpy as np
 from flax import nnx, struct
 
 from specjax.drafters import eagle3
-from specjax.drafters.base import LM, Context
+from specjax.models.lm import LM
+from specjax.drafters.base import Context
 from specjax.drafters.eagle3 import Eagle3Head
 from specjax.drafters.levels import LevelDrafter, _plan
 from specjax.models import attention
@@ -246,7 +247,7 @@ def embed(target_module, tokens: Array) -> Array:
   return jnp.take(target_module.embed[...], tokens, axis=0).astype(jnp.float32)
 
 
-def _lm_head_DV(target_module) -> Array:
+def lm_head_DV(target_module) -> Array:
   """The target's LM head as a [D, V] matrix (the tied embedding transposed)."""
   if target_module.lm_head is not None:
     return target_module.lm_head.kernel[...]
@@ -263,7 +264,7 @@ def head_logits(head: EagleHead, target_module, h: Array, vocab: Array | None = 
     x = head.out(x)
   if vocab is None:
     return target_module.logits(x)
-  w_DR = jnp.take(_lm_head_DV(target_module), vocab, axis=1)
+  w_DR = jnp.take(lm_head_DV(target_module), vocab, axis=1)
   return _scatter_vocab(jnp.einsum("btd,dr->btr", x.astype(w_DR.dtype), w_DR,
                                    preferred_element_type=jnp.float32),
                         vocab, target_module.config.vocab_size)
@@ -286,7 +287,7 @@ def folded_lm_head(head: EagleHead, target_module, vocab: Array | None = None) -
   1.82 ms, a plain step 1.2 ms. Same function as `head_logits` up to float rounding (x is
   not rounded to the target's dtype), which changes the draft law q only: the output law
   stays exactly the target's."""
-  w_DV = _lm_head_DV(target_module).astype(jnp.float32)
+  w_DV = lm_head_DV(target_module).astype(jnp.float32)
   if vocab is not None:
     w_DV = jnp.take(w_DV, vocab, axis=1)
   if head.out is None:

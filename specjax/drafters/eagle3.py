@@ -23,7 +23,7 @@ ids and verification, unchanged, keeps the output law exactly the target's.
 The head is always float32 (as trained heads are); its decoder-layer shape (heads, KV heads,
 MLP width, norm eps, rope) may differ from the target's (`eagle3_config`) but its width is
 the target's d_model. The format and its import/export live in
-`specjax.checkpoints.published.eagle3`.
+`specjax.training.published.eagle3`.
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from specjax.drafters.base import LM, Context
+from specjax.models.lm import LM
+from specjax.drafters.base import Context
 from specjax.drafters.levels import _plan
 from specjax.drafters.model import ModelDrafter, ModelDraftState
 from specjax.models import cache as kv

@@ -32,15 +32,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import sampling
+from specjax.verify import sampling
 from specjax.drafters.base import Context, Drafter, Proposal
 from specjax.models import cache as kv
-from specjax.trees import DynamicTree, TreeSpec
+from specjax.verify.trees import DynamicTree, TreeSpec
 
 Array = jax.Array
 
@@ -107,6 +108,28 @@ class _DynamicPlan:
     (never needed: clipped)."""
     slots = jnp.maximum(jnp.take_along_axis(state.node_slots, path_BP, axis=1), 0)
     return kv.gather_block(state.cache, slots, self.tree.region)
+
+
+class _Pool(NamedTuple):
+  """The dynamic tree's candidate pool [B, P] (index 0 the root): token, cumulative log
+  probability, parent pool index, depth, and region slot (-1 until it is expanded)."""
+  tok: Array
+  score: Array
+  parent: Array
+  depth: Array
+  slot: Array
+
+
+class _Search(NamedTuple):
+  """What one level of the dynamic search carries to the next: the draft cache, the pool,
+  the region's ancestor matrix [B, R, R] and hidden states [B, R, ...], and the candidates
+  of the next level (pool indices and scores [B, K*K])."""
+  cache: Any
+  pool: _Pool
+  anc: Array
+  h: Array
+  cand_idx: Array
+  cand_score: Array
 
 
 @functools.singledispatch
@@ -337,57 +360,57 @@ class LevelDrafter(Drafter):
     scale = 1.0 / tree.confidence  # scores from the draft softmax at that temperature
     logp, tok = jax.lax.top_k(jax.nn.log_softmax(root_logits_BV * scale, axis=-1), K)  # [B, K]
     neg = jnp.full((b, P), -jnp.inf, jnp.float32)
-    pool_tok = jnp.zeros((b, P), jnp.int32).at[:, 1:1 + K].set(tok.astype(jnp.int32))
-    pool_score = neg.at[:, 0].set(0.0).at[:, 1:1 + K].set(logp)
-    pool_parent = jnp.zeros((b, P), jnp.int32)
-    pool_depth = jnp.zeros((b, P), jnp.int32).at[:, 1:1 + K].set(1)
-    pool_slot = jnp.full((b, P), -1, jnp.int32).at[:, 0].set(0)
+    pool = _Pool(tok=jnp.zeros((b, P), jnp.int32).at[:, 1:1 + K].set(tok.astype(jnp.int32)),
+                 score=neg.at[:, 0].set(0.0).at[:, 1:1 + K].set(logp),
+                 parent=jnp.zeros((b, P), jnp.int32),
+                 depth=jnp.zeros((b, P), jnp.int32).at[:, 1:1 + K].set(1),
+                 slot=jnp.full((b, P), -1, jnp.int32).at[:, 0].set(0))
     if D > 1:
-      reg_anc = jnp.zeros((b, R, R), bool).at[:, 0, 0].set(True)
-      reg_h = jnp.zeros((b, R) + root_h_BH.shape[1:], root_h_BH.dtype).at[:, 0].set(root_h_BH)
-      cand_idx = jnp.zeros((b, K * K), jnp.int32).at[:, :K].set(1 + jnp.arange(K))
-      cand_score = jnp.full((b, K * K), -jnp.inf).at[:, :K].set(logp)
 
-      def level(carry, t):  # expand the best K candidates of level d = t + 1
-        cache, pool, reg_anc, reg_h, cand_idx, cand_score = carry
-        pool_tok, pool_score, pool_parent, pool_depth, pool_slot = pool
-        _, best = jax.lax.top_k(cand_score, K)
-        f_idx = jnp.take_along_axis(cand_idx, best, axis=1)  # [B, K] pool indices
+      def level(search: _Search, t):  # expand the best K candidates of level d = t + 1
+        pool = search.pool
+        _, best = jax.lax.top_k(search.cand_score, K)
+        f_idx = jnp.take_along_axis(search.cand_idx, best, axis=1)  # [B, K] pool indices
         slots = 1 + t * K + jnp.arange(K, dtype=jnp.int32)  # region slots of the frontier
-        pool_slot = pool_slot.at[rows, f_idx].set(jnp.broadcast_to(slots, (b, K)))
+        pool_slot = pool.slot.at[rows, f_idx].set(jnp.broadcast_to(slots, (b, K)))
         parent_slot = jnp.take_along_axis(
-            pool_slot, jnp.take_along_axis(pool_parent, f_idx, axis=1), axis=1)
+            pool_slot, jnp.take_along_axis(pool.parent, f_idx, axis=1), axis=1)
         own = jax.nn.one_hot(slots, R, dtype=jnp.bool_)[None]  # [1, K, R]
-        anc = jnp.take_along_axis(reg_anc, parent_slot[:, :, None], axis=1) | own  # [B, K, R]
-        reg_anc = reg_anc.at[rows, jnp.broadcast_to(slots, (b, K))].set(anc)
+        anc = jnp.take_along_axis(search.anc, parent_slot[:, :, None], axis=1) | own  # [B,K,R]
+        reg_anc = search.anc.at[rows, jnp.broadcast_to(slots, (b, K))].set(anc)
         start = 1 + t * K
         ri = jnp.arange(lookback + K, dtype=jnp.int32) - lookback + start  # window columns
         mask = (ri < 0)[None, None] | jnp.take(anc, jnp.clip(ri, 0, R - 1), axis=2)
-        cache = kv.set_lengths(cache, base + start)
-        feed = jnp.take_along_axis(pool_tok, f_idx, axis=1)
+        cache = kv.set_lengths(search.cache, base + start)
+        feed = jnp.take_along_axis(pool.tok, f_idx, axis=1)
         pos = jnp.broadcast_to((base + t + 1)[:, None], (b, K))
         parent_h = jnp.take_along_axis(
-            reg_h, parent_slot.reshape((b, K) + (1,) * (reg_h.ndim - 2)), axis=1)
+            search.h, parent_slot.reshape((b, K) + (1,) * (search.h.ndim - 2)), axis=1)
         logits_BKV, h_BKH, cache = self._step(feed, parent_h, pos, cache, mask)
-        reg_h = reg_h.at[rows, jnp.broadcast_to(slots, (b, K))].set(h_BKH)
+        reg_h = search.h.at[rows, jnp.broadcast_to(slots, (b, K))].set(h_BKH)
         logp, kid_tok = jax.lax.top_k(jax.nn.log_softmax(logits_BKV * scale, axis=-1), K)
-        score = (jnp.take_along_axis(pool_score, f_idx, axis=1)[:, :, None] + logp)
+        score = (jnp.take_along_axis(pool.score, f_idx, axis=1)[:, :, None] + logp)
         score = score.reshape(b, K * K)
         base_idx = 1 + K + t * K * K
         new_idx = base_idx + jnp.arange(K * K, dtype=jnp.int32)
         upd = lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, base_idx, axis=1)
-        pool = (upd(pool_tok, kid_tok.reshape(b, K * K).astype(jnp.int32)),
-                upd(pool_score, score),
-                upd(pool_parent, jnp.repeat(f_idx, K, axis=1)),
-                upd(pool_depth, jnp.full((b, K * K), t + 2, jnp.int32)),
-                pool_slot)
-        return (cache, pool, reg_anc, reg_h, jnp.broadcast_to(new_idx, (b, K * K)),
-                score), None
+        pool = _Pool(tok=upd(pool.tok, kid_tok.reshape(b, K * K).astype(jnp.int32)),
+                     score=upd(pool.score, score),
+                     parent=upd(pool.parent, jnp.repeat(f_idx, K, axis=1)),
+                     depth=upd(pool.depth, jnp.full((b, K * K), t + 2, jnp.int32)),
+                     slot=pool_slot)
+        return _Search(cache, pool, reg_anc, reg_h, jnp.broadcast_to(new_idx, (b, K * K)),
+                       score), None
 
-      pool = (pool_tok, pool_score, pool_parent, pool_depth, pool_slot)
-      carry = (cache, pool, reg_anc, reg_h, cand_idx, cand_score)
-      (cache, pool, *_), _ = jax.lax.scan(level, carry, jnp.arange(D - 1, dtype=jnp.int32))
-      pool_tok, pool_score, pool_parent, pool_depth, pool_slot = pool
+      search = _Search(
+          cache=cache, pool=pool,
+          anc=jnp.zeros((b, R, R), bool).at[:, 0, 0].set(True),
+          h=jnp.zeros((b, R) + root_h_BH.shape[1:], root_h_BH.dtype).at[:, 0].set(root_h_BH),
+          cand_idx=jnp.zeros((b, K * K), jnp.int32).at[:, :K].set(1 + jnp.arange(K)),
+          cand_score=jnp.full((b, K * K), -jnp.inf).at[:, :K].set(logp))
+      search, _ = jax.lax.scan(level, search, jnp.arange(D - 1, dtype=jnp.int32))
+      cache, pool = search.cache, search.pool
+    pool_tok, pool_score, pool_parent, pool_depth, pool_slot = pool
     # The N best candidates (ties: lower pool index, i.e. ancestors first), in pool order.
     _, sel = jax.lax.top_k(pool_score[:, 1:], N)
     sel = jnp.sort(sel + 1, axis=1)  # [B, N] pool indices, topological

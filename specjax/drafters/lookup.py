@@ -46,7 +46,7 @@ import numpy as np
 from flax import struct
 
 from specjax.drafters.base import Context, Drafter, Proposal
-from specjax.trees import TreeSpec, chain
+from specjax.verify.trees import TreeSpec, chain
 
 Array = jax.Array
 

@@ -40,8 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.drafters.base import LM, Context, Drafter, Proposal
-from specjax.trees import DynamicTree, TreeSpec
+from specjax.models.lm import LM
+from specjax.drafters.base import Context, Drafter, Proposal
+from specjax.verify.trees import DynamicTree, TreeSpec
 
 Array = jax.Array
 

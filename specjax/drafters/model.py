@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.drafters.base import LM, Context, Proposal
+from specjax.models.lm import LM
+from specjax.drafters.base import Context, Proposal
 from specjax.drafters.levels import LevelDrafter, _plan
 from specjax.models import cache as kv
 

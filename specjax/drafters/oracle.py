@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import sampling
-from specjax.drafters.base import LM
+from specjax.verify import sampling
+from specjax.models.lm import LM
 from specjax.drafters.model import ModelDrafter
 
 Array = jax.Array

@@ -19,7 +19,7 @@ near-tie. So both loops run under one named policy:
 Weights stored in bfloat16 (`ModelConfig.dtype`) are a separate choice: their products take
 bf16 inputs with float32 accumulation under every policy.
 
-The loops (`specjax.loop`) take the policy as a static `precision` argument, "highest" by
+The loops (`specjax.engine.loop`) take the policy as a static `precision` argument, "highest" by
 default, and trace every product under it, so a direct call and the host API's compile the
 same program; changing the policy compiles the loop once more.
 """

@@ -36,6 +36,7 @@ from flax import nnx
 
 from specjax.models import attention, one_row_bf16
 from specjax.models import cache as kv
+from specjax.analysis import roofline
 
 Array = jax.Array
 
@@ -278,7 +279,6 @@ def param_count(config: ModelConfig) -> int:
   """Number of parameters, from the config alone in closed form (`roofline.param_counts`,
   tested against the abstract model's leaves): nothing is traced, so it answers at once for
   any size, 10^9 layers included."""
-  from specjax import roofline  # plain numpy
   return roofline.param_counts(config)["total"]
 
 

@@ -4,7 +4,7 @@ A config names its inputs by path (`prompts=q.jsonl`, `target=DIR`, `draft=eagle
 GGUF file ...); the same text can name other contents tomorrow. `digests(axes, fixed)`
 finds every string value (nested ones too) that names an existing file or directory, alone
 or after a `KIND:` prefix, and takes the sha256 of what it names: a file's bytes, a
-directory's regular files (names, sizes, contents; hidden ones aside: `resolve._files_key`,
+directory's regular files (names, sizes, contents; hidden ones aside: `files.dir_sha256`,
 the key of the Hugging Face import cache). Embedded references (`default`, `code`,
 `random:SPEC`, `eagle:default` ...) name no path and add nothing, so a run without paths
 keeps the fingerprint it had. `run_directory.fingerprint` hashes the digests with the
@@ -20,7 +20,7 @@ import stat
 from typing import Any, Mapping, Sequence
 
 # Words that are references, never paths, wherever they appear (a file named `code` in the
-# working directory is not the embedded `code` set: `specjax.prompts`).
+# working directory is not the embedded `code` set: `specjax.data.prompts`).
 RESERVED = frozenset({"default", "code", "prose", "random", "self", "lookup"})
 
 
@@ -67,7 +67,7 @@ def _exists(text: str) -> bool:
 
 
 def path_digest(path: str) -> str | None:
-  """The sha256 of a regular file's bytes or of a directory's files (`resolve._files_key`);
+  """The sha256 of a regular file's bytes or of a directory's files (`files.dir_sha256`);
   None for anything else (a pipe is read by its consumer, once) or what cannot be read.
   Each version of a path (inode, size, modification time of it and its files) is hashed
   once per process."""
@@ -97,11 +97,11 @@ def _version(path: str) -> tuple:
 @functools.lru_cache(maxsize=64)
 def _digest(path: str, version: tuple) -> str | None:
   if version[0] == "file":
-    from specjax.checkpoints.dirs import file_sha256
+    from specjax.files import file_sha256
     return file_sha256(path)
   if version[0] == "dir":
-    from specjax.resolve import _files_key
-    return _files_key(pathlib.Path(path))
+    from specjax.files import dir_sha256
+    return dir_sha256(path)
   return None
 
 

@@ -31,6 +31,7 @@ import gin
 from specjax import sharding
 from specjax.sweeps import inputs, overrides, report, run_directory, runner
 from specjax.sweeps.sweep import Sweep
+from specjax.models import cache as kv
 
 def _config_dir() -> pathlib.Path:
   """The shipped configs: specjax/configs/ in an installed wheel (setup.py's package data),
@@ -239,7 +240,6 @@ def plan(sweep: Sweep, shard_index: int = 0, num_shards: int = 1) -> list[runner
       except ValueError as e:
         raise ValueError(f"sweep point {p.params}: {e}") from None
   if sweep.memory_fn is not None:
-    from specjax.models import cache as kv
     available = kv.available_memory_bytes()
     for p in points:
       need = int(sweep.memory_fn(p.params))

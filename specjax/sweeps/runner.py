@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from specjax.sweeps.run_directory import (DamagedConfig, RunDirError, check_writable,
                                            read_run_config, write_failed)
+from specjax.files import atomic_write
 
 RESULTS = "results.jsonl"
 
@@ -295,7 +296,6 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
   """Writes `text` all or nothing (`checkpoints.dirs.atomic_write`: a temporary file,
   fsync, rename; the umask's mode): readers see the old or the new file, never half of
   one; a failed write (ENOSPC) leaves the old file and raises `RunDirError`."""
-  from specjax.checkpoints.dirs import atomic_write  # imported when first needed: heavy
   path = pathlib.Path(path)
   try:
     atomic_write(path, text)

@@ -22,6 +22,7 @@ import numpy as np
 
 from specjax.checkpoints import orbax_io
 from specjax.training.config import TrainConfig
+from specjax import sharding
 
 
 @contextlib.contextmanager
@@ -163,7 +164,6 @@ class CheckpointedRun:
     `frozen` trees (returned) replicated on every device, each step's rows split over
     `data` (the micro-batch must divide), gradients reduced by XLA. The `model` axis holds
     copies. A step computes the same sums in another order, so losses agree to rounding."""
-    from specjax import sharding
     if mesh is None:  # explicit only: the CLI's default mesh is for decoding
       return frozen
     self.mesh = sharding.check_mesh(mesh)
@@ -182,7 +182,6 @@ class CheckpointedRun:
     batch = self.data.train_batch(tc.seed, self.step, tc.batch_size, tc.seq_len, tc.grad_accum)
     if self.mesh is None:
       return batch
-    from specjax import sharding
     return sharding.split_rows(self.mesh, batch, axis=1)
 
   def _batch_mask(self) -> np.ndarray | None:

@@ -63,13 +63,16 @@ from flax import nnx
 from specjax.data.batches import TokenData
 from specjax.data.corpus import EMBEDDED, load_corpus
 from specjax.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
-from specjax.checkpoints.dirs import atomic_write, file_sha256
+from specjax.files import atomic_write, file_sha256
 from specjax.checkpoints.trained import load_trained
 from specjax.models.transformer import ModelConfig, Transformer, from_params
 from specjax.training.config import TrainConfig
 from specjax.training.presets import DEFAULT_PRESET, get_preset
 from specjax.training import shipped
 from specjax.training.trainer import Teacher, params_fingerprint, train
+from specjax.drafters.eagle import head_config
+from specjax.training.heads import load_head
+from specjax.training.heads import HeadTrainer, TargetBinding, kind_from_spec
 
 CACHE_FORMAT = 2  # 2: the target and the draft are separate entries
 MANIFEST = "manifest.json"
@@ -162,6 +165,14 @@ class CacheEntryError(ValueError):
   """A cache entry (or its `.partial` build) that cannot be used or mended here: one line
   naming the directory and what to do (a ValueError, so the CLI prints it without a
   traceback)."""
+
+
+def _shipped(load, *args):
+  """A shipped entry's loader, its damage reported as a CacheEntryError (one line)."""
+  try:
+    return load(*args)
+  except shipped.ShippedError as e:
+    raise CacheEntryError(str(e)) from None
 
 
 def _one_line(e: BaseException) -> str:
@@ -333,7 +344,7 @@ def load_default_target(preset: str = DEFAULT_PRESET, corpus: str | None = None,
   entry = entry_dir(preset, corpus)
   found = None if rebuild else shipped.entry(preset, corpus, recipe, "target")
   if found is not None:
-    return shipped.load_target(*found, recipe)
+    return DefaultTarget(*_shipped(shipped.load_target, *found, recipe))
 
   def verify_and_load(d: pathlib.Path) -> DefaultTarget:
     target = _load_checked(d, recipe, "target")
@@ -365,7 +376,7 @@ def load_default_pair(preset: str = DEFAULT_PRESET, corpus: str | None = None, *
     recipe = _draft_recipe(preset, corpus, shipped.target_fingerprint_float32(found[1]))
     found = shipped.entry(preset, corpus, recipe, "draft")
     if found is not None:
-      draft = shipped.load_model_params(*found, "draft", recipe["draft"])
+      draft = _shipped(shipped.load_model_params, *found, "draft", recipe["draft"])
       return DefaultPair(target.target_config, target.target_params,
                          ModelConfig.from_dict(recipe["draft"]), draft, target.tokenizer)
   recipe = _draft_recipe(preset, corpus, fingerprint)
@@ -498,7 +509,6 @@ def default_head_spec(kind: str, target: ModelConfig, preset: str = DEFAULT_PRES
   spec = dict(heads_table(preset)[kind][0])
   width = spec.get("width")
   if width is not None:
-    from specjax.drafters.eagle import head_config
     try:
       narrower = head_config(target, width).d_model < target.d_model
     except ValueError:
@@ -522,7 +532,6 @@ def heads_entry_dir(kind: str, preset: str, corpus: str, target_fingerprint: str
 
 
 def _verify_and_load_heads(entry: pathlib.Path, recipe: dict, target: DefaultTarget):
-  from specjax.training.heads import load_head
   manifest = _check_manifest(entry, recipe, "default heads")
   try:
     head = load_head(entry / "head", target=(target.target_config, target.target_params),
@@ -543,7 +552,6 @@ def load_default_heads(kind: str = "medusa", preset: str = DEFAULT_PRESET,
   later uses load and verify them (manifest recipe, file digests, the binding to the
   target, the parameter fingerprint). rebuild=True discards a cached entry first.
   """
-  from specjax.training.heads import HeadTrainer, TargetBinding, kind_from_spec
   table = heads_table(preset)
   if kind not in table:
     raise ValueError(f"kind must be one of {sorted(table)} (the default heads), got {kind!r}")
@@ -554,7 +562,7 @@ def load_default_heads(kind: str = "medusa", preset: str = DEFAULT_PRESET,
     recipe = _heads_recipe(kind, preset, corpus, shipped.target_fingerprint_float32(found[1]))
     found = shipped.entry(preset, corpus, recipe, kind)
     if found is not None:
-      return shipped.load_head(*found, kind, recipe, target)
+      return _shipped(shipped.load_head, *found, kind, recipe, target)
   recipe = _heads_recipe(kind, preset, corpus, TargetBinding.of(
       target.target_config, target.target_params).fingerprint)
   entry = heads_entry_dir(kind, preset, corpus, recipe["target_fingerprint"])

@@ -2,7 +2,7 @@
 (`specjax.drafters.eagle3.Eagle3Head`: three-layer fusion, [normed embedding; normed hidden]
 attention input, its own LM head over a reduced draft vocabulary) for the head trainer of
 `heads.py`, and the kind an imported EAGLE-3 checkpoint is stored as
-(`specjax.checkpoints.published.eagle3`).
+(`specjax.training.published.eagle3`).
 
 Its spec holds what rebuilding the head needs besides the target: the captured layers, the
 decoder-layer fields that differ from the target's (`eagle3.HEAD_FIELDS`) and the draft
@@ -24,6 +24,7 @@ from specjax.drafters.eagle3 import (HEAD_FIELDS, Eagle3Head, build_head, check_
                                      eagle3_layers)
 from specjax.models.transformer import ModelConfig
 from specjax.training.eagle import check_unroll
+from specjax.drafters.eagle import lm_head_DV
 
 Array = jax.Array
 
@@ -117,8 +118,7 @@ class Eagle3Heads:
     """The head's lm_head starts as the target's LM head at the draft ids (today's heads
     share the target's trained LM head; a random one learns far slower on a short budget),
     its norm as ones; `target` is the frozen target `LM`. Called once by the trainer."""
-    from specjax.drafters.eagle import _lm_head_DV
-    w_DV = _lm_head_DV(target.module()).astype(jnp.float32)
+    w_DV = lm_head_DV(target.module()).astype(jnp.float32)
     params["lm_head"]["kernel"] = nnx.Param(jnp.take(w_DV, jnp.asarray(self.ids(target.config)),
                                                      axis=1))
     return params

@@ -65,11 +65,11 @@ import numpy as np
 import optax
 from flax import struct
 
-from specjax import trees
+from specjax.verify import trees
 from specjax.checkpoints import orbax_io
 from specjax.data.batches import TokenData, padded_chunks
 from specjax.data.tokenizer import Tokenizer, tokenizer_from_spec
-from specjax.drafters.base import LM
+from specjax.models.lm import LM
 from specjax.models.transformer import ModelConfig, cast_floats
 from specjax.training.config import TrainConfig
 from specjax.training.losses import masked_mean, positions_for, predicted_weights
@@ -79,6 +79,8 @@ from specjax.training.eagle3 import Eagle3Heads
 from specjax.training.medusa import MedusaHeads
 from specjax.training.trainer import (_with_learning_rate, f32_graphdef, learning_rate,
                                       make_optimizer, params_fingerprint, param_total)
+from specjax.checkpoints.hf import load_tokenizer_for
+from specjax.files import assembling, prepare_output_dir
 
 Array = jax.Array
 
@@ -572,7 +574,6 @@ def _head_tokenizer(spec: dict | None, directory: pathlib.Path):
   if spec is None:
     return None
   if spec.get("kind") == "hf":
-    from specjax.checkpoints.hf import load_tokenizer_for
     return load_tokenizer_for(directory)
   return tokenizer_from_spec(spec, directory)
 
@@ -583,7 +584,6 @@ def save_head(directory: str | pathlib.Path, kind: HeadKind, params, target, tok
   to `target`: (config, params), an LM or a Transformer), all or nothing; for heads made
   elsewhere (`checkpoints.published`: imported heads). metadata: extra fields (where the
   head came from). A non-empty `directory` is refused unless `overwrite`."""
-  from specjax.checkpoints.dirs import assembling, prepare_output_dir
   out = prepare_output_dir(directory, overwrite)
   binding = _as_binding(target)
   meta = {**(metadata or {}), "kind": HEAD_KIND,

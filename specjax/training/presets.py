@@ -1,22 +1,24 @@
 """Size presets: a target, a draft and a tokenizer, and how to train each.
 
-base   the default pair: a 4.8M-parameter target (6 layers, d_model 256, ~19 MB of float32
-       weights) over a 2,048-id byte-level BPE trained on the corpus, and a 1-layer d_model 96
-       draft distilled from it. Sized so that a batch-1 decode step is dominated by the
-       target's weights (~1 ms of matrix-vector work against a loop overhead of a few tens of
-       microseconds) while the draft's step is a few percent of it, and so that the first-use
-       build (tokenizer, target, draft) fits in about four minutes on a 2-core CPU. The
-       measurements behind the choice are in BUILD_NOTES.md ("Embedded pair").
-tiny   the first-wave pair (0.25M-parameter target, byte vocabulary): overhead-bound, kept for
-       tests and comparisons.
-small  a target with ~90 MB of float32 weights, far beyond CPU caches, with a 2-layer draft.
-       Minutes on an accelerator, about an hour on a 2-core CPU (estimated from the FLOP count:
-       6 x 22.7M params x 2M target tokens at ~100 GFLOP/s; not run here).
+shipped the default pair (`DEFAULT_PRESET`): a 10.4M-parameter target (5 layers, d_model
+        384) over a 4,096-id byte-level BPE and a 1-layer distilled draft, with EAGLE and
+        Medusa heads, trained on an accelerator on code+tests and committed under
+        `specjax/embedded/` (`training.shipped`). Why: BUILD_NOTES.md, "Training and the
+        embedded models".
+base    the CPU-built pair (4.8M-parameter target, 6 layers, d_model 256, BPE 2,048; a
+        1-layer d_model 96 draft distilled from it), built on first use in about four
+        minutes on a 2-core CPU; the default before `shipped`.
+tiny    the first-wave pair (0.25M-parameter target, byte vocabulary): overhead-bound, kept for
+        tests and comparisons.
+small   a target with ~90 MB of float32 weights, far beyond CPU caches, with a 2-layer draft.
+        Minutes on an accelerator, about an hour on a 2-core CPU (estimated from the FLOP count:
+        6 x 22.7M params x 2M target tokens at ~100 GFLOP/s; not run here).
 
-All use Llama-family blocks (RMSNorm, RoPE, no biases) with tied embeddings; base and tiny use a
-GELU MLP (two matrices), measured ~25% cheaper per step than SwiGLU at these widths on this
-CPU; small keeps SwiGLU. `tokenizer` is "byte" (the 259-id ByteTokenizer) or "bpe:N" (a
-byte-level BPE with N ids, trained on the corpus's training split when the pair is built).
+All use Llama-family blocks (RMSNorm, RoPE, no biases) with tied embeddings; shipped, base
+and tiny use a GELU MLP (two matrices), measured ~25% cheaper per step than SwiGLU at these
+widths on this CPU; small keeps SwiGLU. `tokenizer` is "byte" (the 259-id ByteTokenizer) or
+"bpe:N" (a byte-level BPE with N ids, trained on the corpus's training split when the pair is
+built).
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ PRESETS: dict[str, Preset] = {
         tokenizer=f"bpe:{_BPE_VOCAB}"),
     # Trained on an accelerator (bf16 compute, float32 master weights): on an H200 the whole
     # recipe (tokenizer, target, draft, EAGLE and Medusa heads) takes minutes; on a 2-core CPU
-    # it would take days (BUILD_NOTES.md, "Shipped pair"). Corpus: code+tests.
+    # it would take days (BUILD_NOTES.md, "Shipped pair (training)"). Corpus: code+tests.
     "shipped": Preset(
         name="shipped",
         target=_llama(d_model=384, n_layers=5, n_heads=6, n_kv_heads=6, d_ff=1536, mlp="gelu",

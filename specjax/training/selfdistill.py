@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Callable, Sequence
 
-from specjax.checkpoints.dirs import atomic_write, file_sha256
+from specjax.files import atomic_write, file_sha256
 from specjax.data import instructions, selfdistill
 from specjax.data.instructions import Recipe
 
@@ -71,7 +71,7 @@ def _run_spec(recipe: Recipe, target, tokenizer, max_new_tokens: int, batch: int
   """What decides the shards (module doc), as the manifest records it."""
   from flax import nnx
 
-  from specjax.chat import stop_ids
+  from specjax.data.chat import stop_ids
   from specjax.models.transformer import cast_floats
   from specjax.training.trainer import params_fingerprint
   import jax.numpy as jnp
@@ -94,12 +94,14 @@ def _differences(stored: dict, now: dict) -> list[str]:
 def make_data(target_ref: str, out: str | pathlib.Path, *, prompts: int, max_new_tokens: int,
               batch: int, recipe: Recipe | None = None, exclude: Sequence[str] = (),
               stop_after: int | None = None, log: Callable[[str], None] = _log,
-              loaded=None) -> dict:
+              loaded) -> dict:
   """Make (or continue) the data directory `out` (module doc); returns the manifest.
   stop_after: make at most this many new shards, then return (as if killed there).
-  loaded: the (target, tokenizer) of `target_ref` when the caller has it."""
-  from specjax import decoding, resolve, sampling
-  from specjax.chat import encode_messages
+  loaded: the (target, tokenizer) of `target_ref`, or a callable returning them (called once
+  the arguments are checked; `specjax.resolve` sits above this layer, so the caller loads)."""
+  from specjax.engine import decoding
+  from specjax.verify import sampling
+  from specjax.data.chat import encode_messages
   recipe = Recipe() if recipe is None else recipe
   _check_int("prompts", prompts, 1)
   _check_int("max_new_tokens", max_new_tokens, 1)
@@ -117,7 +119,7 @@ def make_data(target_ref: str, out: str | pathlib.Path, *, prompts: int, max_new
   if stored is None and out.is_dir() and any(out.iterdir()):
     raise ValueError(f"out {str(out)!r} is not empty and holds no {selfdistill.MANIFEST}: "
                      "choose an empty or new directory")
-  target, tokenizer = loaded if loaded is not None else resolve.load_target(target_ref)
+  target, tokenizer = loaded() if callable(loaded) else loaded
   run = _run_spec(recipe, target, tokenizer, max_new_tokens, batch, exclude)
   if stored is not None:
     diff = _differences(stored["run"], run)

@@ -10,12 +10,12 @@ on first use.
         eagle.safetensors     the default heads, where built
         medusa.safetensors
 
-`export(preset, corpus, out)` writes this layout from the model cache (building what is
-missing there by the preset's recipe: `specjax train defaults --preset shipped --corpus
-code+tests` and the default heads). `training.defaults` reads it: a shipped entry whose
-recipes equal the ones the code computes now is used instead of the cache, its files checked
-against the manifest's digests; anything else (another recipe, a damaged file) falls back to
-the cache and the recipe, saying why in one line.
+`export_shipped.export(preset, corpus, out)` writes this layout from the model cache
+(building what is missing there by the preset's recipe: `specjax train defaults --preset
+shipped --corpus code+tests` and the default heads). `training.defaults` reads it: a
+shipped entry whose recipes equal the ones the code computes now is used instead of the
+cache, its files checked against the manifest's digests; anything else (another recipe, a
+damaged file) falls back to the cache and the recipe, saying why in one line.
 
 Weights are stored in bfloat16 (the quickstart serves the target in bf16) and loaded as the
 float32 values those bf16 numbers are; the manifest records both the fingerprint of the
@@ -27,14 +27,16 @@ from __future__ import annotations
 
 import json
 import pathlib
-import platform
-import shutil
-import time
+import sys
 
 import jax
 
-from specjax.checkpoints.dirs import file_sha256
-from specjax.checkpoints.flat import load_flat, save_flat
+from specjax.checkpoints.flat import load_flat
+from specjax.data.tokenizer import load_tokenizer
+from specjax.files import file_sha256
+from specjax.models.transformer import ModelConfig
+from specjax.training.heads import HeadAcceptance, TargetBinding, TrainedHead, kind_from_spec
+from specjax.training.trainer import abstract_params
 
 SHIPPED_FORMAT = 1
 MANIFEST = "manifest.json"
@@ -48,53 +50,6 @@ def embedded_root() -> pathlib.Path:
 
 def shipped_dir(preset: str, corpus: str) -> pathlib.Path:
   return embedded_root() / f"{preset}-{corpus}"
-
-
-def export(preset: str, corpus: str, out: str | pathlib.Path, *, heads=HEAD_KINDS,
-           progress: bool = True) -> dict:
-  """Write the shipped layout for (preset, corpus) into `out` from the model cache, building
-  what is missing there first. Returns the manifest."""
-  from specjax.training import defaults
-  from specjax.training.heads import TargetBinding
-  from specjax.training.trainer import params_fingerprint
-
-  out = pathlib.Path(out)
-  out.mkdir(parents=True, exist_ok=True)
-  t0 = time.perf_counter()
-  pair = defaults.load_default_pair(preset, corpus, progress=progress)
-  target_fp = params_fingerprint(pair.target_params)
-  entries = {"target": defaults.entry_dir(preset, corpus),
-             "draft": defaults.draft_entry_dir(preset, corpus, target_fp)}
-  manifest: dict = {"format": SHIPPED_FORMAT, "preset": preset, "corpus": corpus,
-                    "exported": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    "backend": jax.default_backend(),
-                    "device": str(jax.devices()[0].device_kind),
-                    "jax": jax.__version__, "python": platform.python_version()}
-  for role, entry in entries.items():
-    built = json.loads((entry / defaults.MANIFEST).read_text())
-    params = getattr(pair, f"{role}_params")
-    save_flat(out / f"{role}.safetensors", params, dtype="bfloat16")
-    manifest[role] = {"recipe": built["recipe"], "trained": {k: v for k, v in built.items()
-                                                            if k not in ("recipe", "files")},
-                      "fingerprint_float32": params_fingerprint(params)}
-  shutil.copyfile(entries["target"] / "tokenizer.json", out / "tokenizer.json")
-  manifest["heads"] = {}
-  for kind in heads:
-    head = defaults.load_default_heads(kind, preset, corpus, progress=progress)
-    entry = defaults.heads_entry_dir(kind, preset, corpus,
-                                     TargetBinding.of(pair.target_config,
-                                                      pair.target_params).fingerprint)
-    built = json.loads((entry / defaults.MANIFEST).read_text())
-    save_flat(out / f"{kind}.safetensors", head.params, dtype="bfloat16")
-    manifest["heads"][kind] = {"recipe": built["recipe"],
-                               "trained": {k: v for k, v in built.items()
-                                           if k not in ("recipe", "files")},
-                               "spec": built["recipe"]["spec"]}
-  manifest["export_seconds"] = round(time.perf_counter() - t0, 1)
-  manifest["files"] = {p.name: file_sha256(p) for p in sorted(out.iterdir())
-                       if p.is_file() and p.name != MANIFEST}
-  (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-  return manifest
 
 
 class ShippedError(ValueError):
@@ -136,7 +91,6 @@ def load_params(directory: pathlib.Path, manifest: dict, name: str, like):
 
 
 def _log(msg: str) -> None:
-  import sys
   print(f"specjax: {msg}", file=sys.stderr, flush=True)
 
 
@@ -168,43 +122,38 @@ def target_fingerprint_float32(manifest: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- loading
-# (for training.defaults, which decides when a shipped entry is used)
+# (for training.defaults, which decides when a shipped entry is used and turns a
+# ShippedError into its CacheEntryError)
 
 
 def load_model_params(directory: pathlib.Path, manifest: dict, name: str, config: dict | None,
                       like=None):
   """The float32 parameters of shipped `name` (a model of `config`, or the tree `like`);
-  `defaults.CacheEntryError` (one line saying what to do) when a file is damaged."""
-  from specjax.models.transformer import ModelConfig
-  from specjax.training.defaults import CacheEntryError
-  from specjax.training.trainer import abstract_params
+  `ShippedError` (one line saying what to do) when a file is damaged."""
   if like is None:
     like = abstract_params(ModelConfig.from_dict(config))[1]
   try:
     return load_params(directory, manifest, name, like)
   except ShippedError as e:
-    raise CacheEntryError(f"the shipped {name} is damaged ({e}): reinstall specjax, or run "
-                          "`specjax train defaults --rebuild` to build it from its "
-                          "recipe") from None
+    raise ShippedError(f"the shipped {name} is damaged ({e}): reinstall specjax, or run "
+                       "`specjax train defaults --rebuild` to build it from its "
+                       "recipe") from None
 
 
 def load_target(directory: pathlib.Path, manifest: dict, recipe: dict):
-  """The shipped target as a `defaults.DefaultTarget` (float32 weights, its tokenizer)."""
-  from specjax.data.tokenizer import load_tokenizer
-  from specjax.models.transformer import ModelConfig
-  from specjax.training.defaults import CacheEntryError, DefaultTarget
+  """The shipped target: (ModelConfig, float32 weights, tokenizer); `ShippedError` when a
+  file is damaged."""
   params = load_model_params(directory, manifest, "target", recipe["target"])
   try:
     tokenizer = load_tokenizer(check_file(directory, manifest, "tokenizer.json"))
   except ShippedError as e:
-    raise CacheEntryError(f"the shipped tokenizer is damaged ({e}): reinstall specjax") from None
-  return DefaultTarget(ModelConfig.from_dict(recipe["target"]), params, tokenizer)
+    raise ShippedError(f"the shipped tokenizer is damaged ({e}): reinstall specjax") from None
+  return ModelConfig.from_dict(recipe["target"]), params, tokenizer
 
 
 def load_head(directory: pathlib.Path, manifest: dict, kind: str, recipe: dict, target):
   """The shipped `kind` heads as a `heads.TrainedHead`, bound to the shipped `target` (a
   DefaultTarget: the bf16-rounded weights they draft for)."""
-  from specjax.training.heads import HeadAcceptance, TargetBinding, TrainedHead, kind_from_spec
   head_kind = kind_from_spec(kind, recipe["spec"])
   cfg = target.target_config.replace(dtype="float32")
   like = jax.eval_shape(lambda: head_kind.init(cfg, jax.random.key(0)))

@@ -17,8 +17,8 @@ One file per concern:
 
 from __future__ import annotations
 
-from specjax.checkpoints.dirs import MARKER as OUTPUT_MARKER
-from specjax.checkpoints.dirs import prepare_output_dir, publish_dir
+from specjax.files import MARKER as OUTPUT_MARKER
+from specjax.files import prepare_output_dir, publish_dir
 from specjax.checkpoints.hf.config import (ARCHITECTURES, FAMILIES, config_from_hf, detect_family,
                                            family_for, hf_config_for, read_hf_config,
                                            rope_fields_of, rope_theta_of)

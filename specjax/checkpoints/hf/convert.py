@@ -9,7 +9,7 @@ expected shape, every tensor present must be used (known non-parameter buffers e
 and all problems are reported together, naming the tensors, before anything is built or
 written. Export writes safetensors (sharded with an index above `max_shard_bytes`) and a
 config.json that `transformers` loads with `AutoModelForCausalLM.from_pretrained`; the
-directory is assembled aside and renamed into place (`specjax.checkpoints.dirs`).
+directory is assembled aside and renamed into place (`specjax.files`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import ml_dtypes
 import numpy as np
 
-from specjax.checkpoints.dirs import assembling, prepare_output_dir
+from specjax.files import assembling, prepare_output_dir
 from specjax.checkpoints.hf.config import config_from_hf, family_for, hf_config_for, read_hf_config
 from specjax.checkpoints.hf.keys import IGNORED_BUFFERS, PREFIX, TIED_HEAD, Rule, rules_for
 from specjax.checkpoints.hf.tensor_files import (FLAX_MSGPACK, SAFETENSORS, SAFETENSORS_INDEX,
@@ -32,6 +32,7 @@ from specjax.checkpoints.hf.tensor_files import (FLAX_MSGPACK, SAFETENSORS, SAFE
 from specjax.checkpoints.hf.tokenizer import copy_tokenizer_files
 from specjax.models.transformer import (ModelConfig, abstract_model, check_params_fit,
                                         from_params)
+from specjax import sharding
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
@@ -72,7 +73,6 @@ def build_model(config: ModelConfig, params: Mapping[str, Any], mesh=None):
   if mesh is None:
     put = lambda name, v: jnp.asarray(v)
   else:
-    from specjax import sharding
     put = lambda name, v: jax.device_put(v, sharding.named(mesh, config, name.split("."),
                                                            np.shape(v)))
   nnx.replace_by_pure_dict(state, nest({k: put(k, v) for k, v in flat.items()}))

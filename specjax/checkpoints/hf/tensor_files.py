@@ -30,6 +30,7 @@ import ml_dtypes  # registers numpy's 'bfloat16' for the package's numpy backend
 import numpy as np
 import safetensors
 import safetensors.numpy
+from specjax.files import file_mode
 
 SAFETENSORS, SAFETENSORS_INDEX, FLAX_MSGPACK = (
     "model.safetensors", "model.safetensors.index.json", "flax_model.msgpack")
@@ -153,7 +154,6 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]
     arrays[name] = arr
   meta = {str(k): str(v) for k, v in metadata.items()} if metadata else None
   safetensors.numpy.save_file(arrays, str(path), metadata=meta)
-  from specjax.checkpoints.dirs import file_mode
   os.chmod(path, file_mode())
 
 

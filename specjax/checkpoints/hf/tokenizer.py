@@ -1,5 +1,5 @@
 """Tokenizers in a model directory: Hugging Face `tokenizer.json` behind specjax's Tokenizer
-interface (with the directory's chat template and EOS ids, `specjax.chat`), finding which
+interface (with the directory's chat template and EOS ids, `specjax.data.chat`), finding which
 tokenizer a directory holds, and copying the tokenizer files along with a model.
 """
 
@@ -14,6 +14,9 @@ import shutil
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
+from specjax.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
+from specjax.data.chat import merge_eos_ids
+from specjax.data.chat import load_chat_template
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model",
@@ -80,7 +83,6 @@ def _backend(d: pathlib.Path, tokenizers):
 def load_tokenizer_for(directory: str | os.PathLike, hf_config: dict | None = None) -> Any:
   """The tokenizer stored in `directory`: a Hugging Face tokenizer.json (HFTokenizer), a
   specjax tokenizer file, or the byte tokenizer when there is no tokenizer.json."""
-  from specjax.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
   path = pathlib.Path(directory) / "tokenizer.json"
   if not path.is_file():
     if any((pathlib.Path(directory) / n).is_file() for n in _SLOW_FILES):
@@ -143,7 +145,7 @@ class HFTokenizer:
   config.json / generation_config.json ids; any of them may be None (no such token).
   `eos_ids` are the ids to stop on: every id of generation_config.json's `eos_token_id` (an
   int or a list; without one, config.json's), then `eos_id`, each once. `chat_template` is
-  the directory's template (`specjax.chat.load_chat_template`, read on first use), None
+  the directory's template (`specjax.data.chat.load_chat_template`, read on first use), None
   without one.
   """
 
@@ -152,7 +154,6 @@ class HFTokenizer:
   def __init__(self, backend, *, bos_id: int | None, eos_id: int | None,
                pad_id: int | None, eos_ids: Sequence[int] = (),
                directory: str | os.PathLike | None = None) -> None:
-    from specjax.chat import merge_eos_ids
     self._tok = backend
     self.vocab_size = int(backend.get_vocab_size())
     self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
@@ -197,8 +198,7 @@ class HFTokenizer:
 
   @functools.cached_property
   def chat_template(self):
-    """The directory's chat template (`specjax.chat.ChatTemplate`), or None."""
-    from specjax.chat import load_chat_template
+    """The directory's chat template (`specjax.data.chat.ChatTemplate`), or None."""
     return None if self.directory is None else load_chat_template(self.directory)
 
   def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
