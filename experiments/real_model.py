@@ -54,6 +54,7 @@ from specjax.experiments import adaptive as adaptive_study
 from specjax.experiments import hf_peer
 from specjax.experiments.specbench import EMBEDDED_COUNT, EMBEDDED_LEN, _eos_ids
 from specjax.data.prompts import EMBEDDED, encode_prompt, load_prompts
+from specjax.models.transformer import with_dtype
 
 DEFAULT_SYSTEMS = ("lookup@4", "lookup@auto", "layer-skip:8@4", "layer-skip:15@4")
 HF_SYSTEMS = ("plain", "lookup", "assisted")
@@ -119,7 +120,6 @@ def _target(ref: str, dtype: str | None):
   """(stored model, served model, tokenizer) of the target, once per process."""
   model, tok = resolve.load_target(ref)
   if dtype is not None:
-    from specjax.models.transformer import with_dtype
     return model, with_dtype(model, dtype), tok
   return model, model, tok
 

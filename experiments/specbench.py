@@ -49,6 +49,9 @@ from specjax.calibration import timing
 from specjax.data.prompts import encode_prompt, load_prompts
 from specjax.data import chat
 from specjax.sweeps.report import cell
+from specjax.engine import plan
+from specjax import sharding
+from specjax.sweeps.runner import with_defaults
 
 EMBEDDED_COUNT, EMBEDDED_LEN = 16, 64  # the embedded sets' questions and their length
 
@@ -104,10 +107,6 @@ def preflight(params: dict, mesh=None) -> None:
   load (target, draft, its tokenizer, tree, dtype), the mesh fits the devices and the
   models, and a one-token prompt fits the context with `max_new_tokens` and the shape.
   ValueError naming the value, as `specjax generate` reports it."""
-  from specjax.data import chat
-  from specjax.engine import plan
-  from specjax import sharding
-  from specjax.sweeps.runner import with_defaults
   params = with_defaults(point, params)
   key = _key(params)
   run = loaded(*key)

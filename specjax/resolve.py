@@ -61,6 +61,8 @@ from specjax.drafters.layer_skip import LayerSkipDrafter
 from specjax.drafters.lookup import LookupDrafter
 from specjax.drafters.model import ModelDrafter
 from specjax.models.transformer import with_dtype
+from specjax.checkpoints.gguf import open_gguf, save_gguf
+from specjax.checkpoints.gguf.read import is_gguf_file
 
 HEAD_DRAFTS = ("medusa", "eagle", "eagle3")  # draft heads on the target: KIND:DIR, KIND:default
 
@@ -151,8 +153,6 @@ def imported_gguf(path):
   after; written all or nothing (`gguf.save_gguf`)."""
   import pathlib
 
-  from specjax.checkpoints.gguf import open_gguf, save_gguf
-  from specjax.training.defaults import cache_dir
   src = pathlib.Path(path)
   open_gguf(src)  # a missing, foreign or truncated file is named before it is hashed
   key = file_sha256(src)
@@ -191,7 +191,6 @@ def load_from_ref(flag: str, path: str):
   """checkpoints.load_model of a model directory (a Hugging Face one through its cached
   import, `imported_hf`; a GGUF file through `imported_gguf`), its errors naming the
   argument."""
-  from specjax.checkpoints.gguf.read import is_gguf_file
   try:
     if str(path).endswith(".gguf") or is_gguf_file(path):
       return load_model(imported_gguf(path))

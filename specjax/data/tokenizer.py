@@ -23,6 +23,7 @@ from typing import Iterable, Protocol
 
 import numpy as np
 from specjax.files import atomic_write
+from specjax.data.json_files import loads
 
 BYTE_VOCAB = 256
 
@@ -189,7 +190,6 @@ def load_tokenizer(path: str | pathlib.Path | None = None) -> Tokenizer:
   if not p.is_file():
     raise ValueError(f"tokenizer path {str(path)!r} is not a tokenizer.json file or a "
                      "directory holding one (use None or 'byte' for the byte tokenizer)")
-  from specjax.data.json_files import loads
   try:
     text = p.read_text()
   except (OSError, UnicodeDecodeError) as e:

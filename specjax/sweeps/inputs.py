@@ -18,6 +18,8 @@ import os
 import pathlib
 import stat
 from typing import Any, Mapping, Sequence
+from specjax.files import file_sha256
+from specjax.files import dir_sha256
 
 # Words that are references, never paths, wherever they appear (a file named `code` in the
 # working directory is not the embedded `code` set: `specjax.data.prompts`).
@@ -97,10 +99,8 @@ def _version(path: str) -> tuple:
 @functools.lru_cache(maxsize=64)
 def _digest(path: str, version: tuple) -> str | None:
   if version[0] == "file":
-    from specjax.files import file_sha256
     return file_sha256(path)
   if version[0] == "dir":
-    from specjax.files import dir_sha256
     return dir_sha256(path)
   return None
 

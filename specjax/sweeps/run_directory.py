@@ -24,6 +24,7 @@ import pathlib
 import platform
 import sys
 from typing import Callable, Mapping, Sequence
+from specjax.sweeps.inputs import changed
 
 
 class RunDirError(OSError, ValueError):
@@ -101,7 +102,6 @@ class Identity:
   def other_inputs(self, old: dict) -> str:
     """What changed when the run recorded in `old` (a config.json) has this config on other
     inputs ("" when it is another config, or nothing tells)."""
-    from specjax.sweeps.inputs import changed
     if self.config_fingerprint is None or old.get("config_fingerprint") != \
         self.config_fingerprint:
       return ""

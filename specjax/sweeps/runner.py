@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from specjax.sweeps.run_directory import (DamagedConfig, RunDirError, check_writable,
                                            read_run_config, write_failed)
 from specjax.files import atomic_write
+from specjax.sweeps.inputs import changed
 
 RESULTS = "results.jsonl"
 
@@ -452,7 +453,6 @@ def merge(run_dirs: Sequence[str | os.PathLike], out: str | os.PathLike) -> path
       raise RunDirError(f"cannot read {str(gin)!r}: {e.strerror or e}", e.errno) from None
   if len(texts) != 1:
     raise ValueError("cannot merge runs of different configs (their config.gin differ)")
-  from specjax.sweeps.inputs import changed
   for d, c in zip(dirs[1:], configs[1:]):
     other = changed(configs[0].get("inputs"), c.get("inputs") or [])
     if other:

@@ -192,7 +192,6 @@ class CheckpointedRun:
                                       tc.grad_accum)
     if mask is None or self.mesh is None:
       return mask
-    from specjax import sharding
     return sharding.split_rows(self.mesh, mask, axis=1)
 
   def _eval_due(self) -> bool:

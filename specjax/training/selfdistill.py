@@ -31,6 +31,12 @@ from typing import Callable, Sequence
 from specjax.files import atomic_write, file_sha256
 from specjax.data import instructions, selfdistill
 from specjax.data.instructions import Recipe
+from specjax.data.chat import stop_ids
+from specjax.models.transformer import cast_floats
+from specjax.training.trainer import params_fingerprint
+from specjax.engine import decoding
+from specjax.verify import sampling
+from specjax.data.chat import encode_messages
 
 NGRAM = 8  # words in a run shared with an evaluation set that excludes a prompt
 
@@ -71,9 +77,6 @@ def _run_spec(recipe: Recipe, target, tokenizer, max_new_tokens: int, batch: int
   """What decides the shards (module doc), as the manifest records it."""
   from flax import nnx
 
-  from specjax.data.chat import stop_ids
-  from specjax.models.transformer import cast_floats
-  from specjax.training.trainer import params_fingerprint
   import jax.numpy as jnp
   return {"recipe": recipe.spec(),
           "target": {"fingerprint": params_fingerprint(
@@ -99,9 +102,6 @@ def make_data(target_ref: str, out: str | pathlib.Path, *, prompts: int, max_new
   stop_after: make at most this many new shards, then return (as if killed there).
   loaded: the (target, tokenizer) of `target_ref`, or a callable returning them (called once
   the arguments are checked; `specjax.resolve` sits above this layer, so the caller loads)."""
-  from specjax.engine import decoding
-  from specjax.verify import sampling
-  from specjax.data.chat import encode_messages
   recipe = Recipe() if recipe is None else recipe
   _check_int("prompts", prompts, 1)
   _check_int("max_new_tokens", max_new_tokens, 1)

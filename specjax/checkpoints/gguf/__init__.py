@@ -25,13 +25,15 @@ import tempfile
 from specjax.checkpoints.gguf.config import ARCHITECTURES, hf_config, hf_tensors, unpermute
 from specjax.checkpoints.gguf.read import TENSOR_TYPES, GGUFFile, is_gguf_file, open_gguf
 from specjax.checkpoints.gguf.tokenizer import build_tokenizer, tokenizer_files
+from specjax.checkpoints import hf
+from specjax.models.transformer import check_params_fit
+from specjax.checkpoints import save_model
+from specjax.checkpoints.hf import load_tokenizer_for
 
 
 def import_gguf(path: str | os.PathLike, *, dtype: str | None = None):
   """Read and convert a GGUF file: an `hf.HFImport` (layout 'gguf'). dtype: None or
   'float32' (the default), or 'bfloat16'. ValueError naming the file and what is wrong."""
-  from specjax.checkpoints import hf
-  from specjax.models.transformer import check_params_fit
   if dtype not in (None, "float32", "bfloat16"):
     raise ValueError(f"dtype must be None, 'float32' or 'bfloat16', got {dtype!r}")
   f = open_gguf(path)
@@ -63,8 +65,6 @@ def save_gguf(path: str | os.PathLike, out: str | os.PathLike, *, dtype: str | N
               overwrite: bool = False, metadata: dict | None = None) -> pathlib.Path:
   """Import a GGUF file and save it as a specjax checkpoint (`checkpoints.save_model`: all or
   nothing) with the tokenizer files; returns the checkpoint directory."""
-  from specjax.checkpoints import save_model
-  from specjax.checkpoints.hf import load_tokenizer_for
   src = pathlib.Path(path)
   imported = import_gguf(src, dtype=dtype)
   with tempfile.TemporaryDirectory(prefix="specjax-gguf-tok-") as tok_dir:

@@ -20,6 +20,7 @@ import pathlib
 from typing import Iterable, Mapping
 
 from specjax.models.transformer import ModelConfig, check_field
+from specjax.data.json_files import read_object
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
@@ -31,7 +32,6 @@ def read_hf_config(directory: str | os.PathLike) -> dict:
   path = pathlib.Path(directory) / "config.json"
   if not path.is_file():
     raise ValueError(f"{str(directory)!r} is not a Hugging Face model directory: no config.json")
-  from specjax.data.json_files import read_object
   return read_object(path)
 
 

@@ -31,6 +31,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 from specjax.files import file_mode
+from specjax.data.json_files import field, read_object
 
 SAFETENSORS, SAFETENSORS_INDEX, FLAX_MSGPACK = (
     "model.safetensors", "model.safetensors.index.json", "flax_model.msgpack")
@@ -220,7 +221,6 @@ def checkpoint_layout(directory: str | os.PathLike) -> str:
 
 
 def _read_index(directory: pathlib.Path) -> dict[str, str]:
-  from specjax.data.json_files import field, read_object
   path = directory / SAFETENSORS_INDEX
   weight_map = field(read_object(path), "weight_map", "object", where=repr(str(path)))
   for name, file in weight_map.items():

@@ -17,6 +17,7 @@ import numpy as np
 from specjax.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
 from specjax.data.chat import merge_eos_ids
 from specjax.data.chat import load_chat_template
+from specjax.data.json_files import read_object
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model",
@@ -30,7 +31,6 @@ def _backend(d: pathlib.Path, tokenizers):
   """The `tokenizers.Tokenizer` of a directory, as transformers loads it: tokenizer.json;
   else GPT-2's byte-level BPE from vocab.json + merges.txt; else a SentencePiece
   tokenizer.model converted by transformers (refused, naming what to install, without it)."""
-  from specjax.data.json_files import read_object
   if (d / "tokenizer.json").is_file():
     try:
       return tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
@@ -88,7 +88,6 @@ def load_tokenizer_for(directory: str | os.PathLike, hf_config: dict | None = No
     if any((pathlib.Path(directory) / n).is_file() for n in _SLOW_FILES):
       return HFTokenizer.from_dir(directory, hf_config)  # what transformers loads: never bytes
     return ByteTokenizer()
-  from specjax.data.json_files import read_object
   data = read_object(path)
   if data.get("kind") == "byte":
     return ByteTokenizer()
@@ -114,7 +113,6 @@ def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list
 
 
 def _is_byte_marker(path: pathlib.Path) -> bool:
-  from specjax.data.json_files import read_object
   try:
     return read_object(path).get("kind") == "byte"
   except ValueError:
@@ -170,7 +168,6 @@ class HFTokenizer:
       raise ImportError("reading a Hugging Face tokenizer.json needs the `tokenizers` package "
                         "(pip install 'specjax[hf]')") from e
     backend = _backend(d, tokenizers)
-    from specjax.data.json_files import read_object
     extra = {}
     for name in ("generation_config.json", "tokenizer_config.json"):
       extra[name] = read_object(d / name) if (d / name).is_file() else {}

@@ -19,6 +19,7 @@ import pathlib
 
 from specjax.training.published import eagle, eagle3, files, medusa
 from specjax.checkpoints.hf import safetensors_specs
+from specjax.files import prepare_output_dir
 
 FORMATS = {
     "eagle": eagle,
@@ -66,7 +67,6 @@ def detect_kind(src_dir: str | os.PathLike) -> str:
 def _check_out(out_dir, overwrite: bool, source, target) -> None:
   """The output directory's refusals (`dirs.prepare_output_dir`) before any reading, naming
   --out; it may not hold the source nor a target directory."""
-  from specjax.files import prepare_output_dir
   inputs = (source,) + ((target,) if isinstance(target, (str, os.PathLike))
                         and os.path.exists(target) else ())
   try:

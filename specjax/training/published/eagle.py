@@ -37,6 +37,7 @@ from specjax.checkpoints.hf import nest
 from specjax.drafters.eagle import init_head
 from specjax.training.eagle import EagleHeads
 from specjax.checkpoints.hf import hf_config_for
+from specjax.data.json_files import field
 
 FORMAT = "eagle"
 WEIGHTS = "model.safetensors"
@@ -68,7 +69,6 @@ def _check_config(hf: dict, config) -> None:
   """The head's config must describe the target's layer (one line naming the field)."""
   fields = [("num_attention_heads", config.n_heads), ("num_key_value_heads", config.n_kv_heads),
             ("rms_norm_eps", config.norm_eps), ("rope_theta", config.rope_theta)]
-  from specjax.data.json_files import field
   for name, want in fields:
     have = field(hf, name, "number" if isinstance(want, float) else "positive int",
                  where="config.json", default=None, null_ok=True)

@@ -41,6 +41,7 @@ from specjax.drafters.eagle3 import Eagle3Head, check_draft_ids, eagle3_layers
 from specjax.checkpoints.hf.config import rope_fields_of
 from specjax.training.eagle3 import Eagle3Heads
 from specjax.training.heads import read_head_meta
+from specjax.data.json_files import field
 
 FORMAT = "eagle3"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -91,7 +92,6 @@ def capture_to_hidden_state(c: int, n_layers: int) -> int:
 
 def _head_fields(config: Mapping, d_model: int) -> dict:
   """The decoder-layer fields config.json gives (`eagle3.HEAD_FIELDS`)."""
-  from specjax.data.json_files import field
   act = field(config, "hidden_act", "str", where="config.json", default="silu", null_ok=True)
   if act != "silu":
     raise ValueError(f"config.json: hidden_act={act!r} is not supported (EAGLE-3 heads use "
@@ -99,7 +99,6 @@ def _head_fields(config: Mapping, d_model: int) -> dict:
   for flag in ("attention_bias", "mlp_bias"):
     if config.get(flag):
       raise ValueError(f"config.json: {flag}=true is not supported (EAGLE-3 heads have none)")
-  from specjax.data.json_files import field
   w = "config.json"
   heads = field(config, "num_attention_heads", "positive int", where=w)
   fields = {"n_heads": heads,
@@ -122,7 +121,6 @@ def head_params(config: Mapping, tensors: Mapping[str, np.ndarray], target) -> t
   d, v = tc.d_model, tc.vocab_size
   layers = _layers(config, tc.n_layers)
   fields = _head_fields(config, d)
-  from specjax.data.json_files import field
   vd = (field(config, "draft_vocab_size", "positive int", where="config.json", default=None,
               null_ok=True)
         or field(config, "vocab_size", "positive int", where="config.json", default=None,

@@ -32,6 +32,7 @@ from specjax.files import assembling, prepare_output_dir
 from specjax.checkpoints.hf import write_safetensors
 from specjax.training.heads import load_head
 from specjax.training.heads import save_head
+from specjax.data.json_files import read_object
 
 CONFIG = "config.json"
 _PICKLES = ("*.bin", "*.pt", "*.pth")
@@ -44,7 +45,6 @@ def read_config(directory: str | os.PathLike, required: bool = True) -> dict:
     if required:
       raise ValueError(f"{str(directory)!r} holds no {CONFIG}")
     return {}
-  from specjax.data.json_files import read_object
   return read_object(path)
 
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from specjax.training.published import files
 from specjax.training.medusa import MedusaHeads
+from specjax.data.json_files import field
 
 FORMAT = "medusa"
 WEIGHTS = "medusa_lm_head.safetensors"
@@ -40,7 +41,6 @@ def _sizes(hf: dict, names) -> tuple[int, int]:
   found = [m.groups() for m in map(_NAME.match, names) if m]
   if not found:
     raise ValueError("no Medusa head tensors ({i}.{r}.linear.weight, {i}.{R}.weight) found")
-  from specjax.data.json_files import field
   k = field(hf, "medusa_num_heads", "positive int", where="config.json",
             default=1 + max(int(i) for i, _, _ in found))
   r = field(hf, "medusa_num_layers", "positive int", where="config.json",
