@@ -54,8 +54,8 @@ def test_cli_overwrite_of_the_sources_parent_is_one_line_and_deletes_nothing(
   src = ow / "src"
   src.mkdir()
   (src / "config.json").write_text("{}")
-  extra = {"import-head": ["--kind", "eagle", "--target", "random:tiny"],
-           "export-head": ["--format", "eagle", "--target", "random:tiny"]}.get(command, [])
+  extra = {"import-head": ["--kind", "eagle", "--target", "random:tiny-llama"],
+           "export-head": ["--format", "eagle", "--target", "random:tiny-llama"]}.get(command, [])
   assert cli.main([command, str(src), *extra, "--out", str(ow), "--overwrite"]) == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and "--out" in err and "holds the input" in err, err

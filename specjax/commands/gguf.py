@@ -32,7 +32,7 @@ def run_import_gguf(args: argparse.Namespace) -> int:
   from specjax.checkpoints import describe
   from specjax.checkpoints.gguf import save_gguf
   from specjax.commands.checkpoints import _human, _output_dir
-  _output_dir(args)  # fail before reading the file
+  _output_dir(args, args.src)  # fail before reading the file
   try:
     out = save_gguf(args.src, args.out, dtype=args.dtype, overwrite=args.overwrite)
   except OSError as e:  # disk full, read-only, permissions: nothing was written at --out

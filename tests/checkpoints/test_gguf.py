@@ -237,7 +237,7 @@ def test_gguf_target_resolves_and_is_cached(tmp_path, monkeypatch):
   entries = list((tmp_path / "cache" / "gguf").iterdir())
   assert len(entries) == 1 and entries[0].name.startswith("a-")
   assert run.tokenizer.chat_template is not None
-  monkeypatch.setattr("specjax.checkpoints.gguf.save_gguf",
+  monkeypatch.setattr("specjax.resolve.save_gguf",
                       lambda *a, **k: pytest.fail("imported twice"))
   assert resolve.imported_gguf(path) == entries[0]
   write_model(tmp_path / "a.gguf", seed=1)

@@ -243,7 +243,7 @@ def test_a_head_for_another_target_is_refused_naming_the_fields(data, byte_targe
 def test_bad_input_is_refused_before_any_work(byte_target):
   target = byte_target[0]
   assert default_layers(2) == (0, 1, 2)
-  with pytest.raises(ValueError, match=r"layers must be .* in \[0, 2\]"):
+  with pytest.raises(ValueError, match=r"layers must be .* in \[-1, 2\]"):
     EagleDrafter.of(target, layers=(0, 3))
   with pytest.raises(ValueError, match="the head fuses 3 target layers but layers has 2"):
     EagleDrafter.of(target, EagleDrafter.of(target).head, layers=(0, 2))

@@ -418,7 +418,9 @@ def test_transformer_capture_returns_the_residual_stream_and_final_hidden():
   x = jnp.take(m.embed[...], toks, axis=0)
   x1, _ = m.blocks[0](x, pos, None, 0, None)
   np.testing.assert_allclose(feats[:, :, 1], x1, rtol=1e-5, atol=1e-5)
-  for bad in ((cfg.n_layers + 1,), (-1,), [0], (True,)):
+  *_, emb = m(toks, pos, capture=(-1,))  # -1: the embedding output (hidden_states[0])
+  np.testing.assert_array_equal(emb[:, :, 0], x)
+  for bad in ((cfg.n_layers + 1,), (-2,), [0], (True,)):
     with pytest.raises(ValueError, match="capture"):
       m(toks, pos, capture=bad)
 
