@@ -86,6 +86,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
 from specjax.models.lm import LM  # noqa: F401 - drafters build on it; the old path
@@ -112,6 +113,9 @@ class Proposal:
     static TreeSpec.
   drafted: int32 [B] nodes actually drafted when drafting stopped early (`with_stopping`;
     the rest are point-mass fillers), None: every node was drafted.
+  finite: bool [B], False for a row whose draft logits held a NaN or +inf (`finite_rows`):
+    its candidates are meaningless even where q is None or a point mass (an argmax of NaNs).
+    The loops count such rows and the host API refuses the run; None: no logits (lookup).
   """
 
   tokens: Array
@@ -119,6 +123,14 @@ class Proposal:
   parents: Array | None = None
   depth: Array | None = None
   drafted: Array | None = None
+  finite: Array | None = None
+
+
+def finite_rows(logits_BXV: Array) -> Array:
+  """bool [B]: the rows of draft logits [B, ..., V] without a NaN or +inf (`x < inf` is
+  False for both). -inf is a mask, not a fault (padded or reduced vocabularies), so it
+  passes. One comparison and reduction over logits the drafter computed anyway."""
+  return jnp.all(logits_BXV < jnp.inf, axis=tuple(range(1, logits_BXV.ndim)))
 
 
 class Drafter:

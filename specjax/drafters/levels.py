@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.verify import sampling
-from specjax.drafters.base import Context, Drafter, Proposal
+from specjax.drafters.base import Context, Drafter, Proposal, finite_rows
 from specjax.models import cache as kv
 from specjax.verify.trees import DynamicTree, TreeSpec
 
@@ -123,13 +123,15 @@ class _Pool(NamedTuple):
 class _Search(NamedTuple):
   """What one level of the dynamic search carries to the next: the draft cache, the pool,
   the region's ancestor matrix [B, R, R] and hidden states [B, R, ...], and the candidates
-  of the next level (pool indices and scores [B, K*K])."""
+  of the next level (pool indices and scores [B, K*K]), and whether every level so far had
+  finite logits (finite [B], `Proposal.finite`)."""
   cache: Any
   pool: _Pool
   anc: Array
   h: Array
   cand_idx: Array
   cand_score: Array
+  finite: Array
 
 
 @functools.singledispatch
@@ -243,6 +245,7 @@ class LevelDrafter(Drafter):
     drafted = None  # every node drafted, unless the chain stops early
     stops = self._stops(tree)
     root_logits_BV, root_h_BH, cache = self._root(state, ctx)
+    finite = finite_rows(root_logits_BV)  # and every level's logits, below
     warp = (lambda x: None) if self.deterministic else (lambda x: self.draft_law(x, sampler))
     root_q_BV = warp(root_logits_BV)
     gen0 = self._children(root_logits_BV[:, None], None if root_q_BV is None else
@@ -267,17 +270,20 @@ class LevelDrafter(Drafter):
         rank = jnp.asarray(plan.gen_rank)[t + 1]
         kids_BM = self._children(logits_BWV, q_BWV, parent_row, rank, plan.child_width,
                                  step_key)
+        ok_B = finite_rows(logits_BWV)
         if stops:  # the stopping rule's confidence and filler candidate of each fed row
-          return (cache, kids_BM[:, :W], h_BWH), (kids_BM, q_BWV, logits_BWV[:, 0])
-        return (cache, kids_BM[:, :W], h_BWH), (kids_BM, q_BWV)
+          return (cache, kids_BM[:, :W], h_BWH), (kids_BM, q_BWV, ok_B, logits_BWV[:, 0])
+        return (cache, kids_BM[:, :W], h_BWH), (kids_BM, q_BWV, ok_B)
 
       carry0 = (cache, gen0[:, :W], h0_BWH)
       if stops:
-        cache, kids_GBM, q_GBWV, drafted = self._levels_until_unsure(
+        cache, kids_GBM, q_GBWV, ok_B, drafted = self._levels_until_unsure(
             level, carry0, keys[1:], root_logits_BV, root_q_BV, D - 1, plan.gen_width)
+        finite = finite & ok_B
       else:
         xs = (jnp.arange(D - 1, dtype=jnp.int32), keys[1:])
-        (cache, _, _), (kids_GBM, q_GBWV) = jax.lax.scan(level, carry0, xs)
+        (cache, _, _), (kids_GBM, q_GBWV, ok_GB) = jax.lax.scan(level, carry0, xs)
+        finite = finite & jnp.all(ok_GB, axis=0)
       gens.append(kids_GBM)
       if q_GBWV is not None:
         q_rows.append(q_GBWV.transpose(1, 0, 2, 3).reshape(q_GBWV.shape[1], -1,
@@ -288,7 +294,8 @@ class LevelDrafter(Drafter):
     if root_q_BV is not None:
       q = _gather_rows(jnp.concatenate(q_rows, axis=1), plan.q_row)  # [B, T, V]
     cache = kv.set_lengths(cache, length)
-    return Proposal(tokens=tokens_BN, q=q, drafted=drafted), state.replace(cache=cache)
+    return (Proposal(tokens=tokens_BN, q=q, drafted=drafted, finite=finite),
+            state.replace(cache=cache))
 
   # -- dynamic draft stopping (`base` module doc): chains
   def with_stopping(self, threshold):
@@ -312,8 +319,8 @@ class LevelDrafter(Drafter):
     row the token the newest draft logits make least likely (among those not at -inf: a
     padded or reduced vocabulary's missing ids are never proposed), with a one-hot law when the
     candidates are sampled (point masses are exact for any token). Returns (cache, kids
-    [levels, B, M], q [levels, B, 1, V] or None, drafted [B]: nodes drafted, 1 + levels
-    run)."""
+    [levels, B, M], q [levels, B, 1, V] or None, finite [B]: the levels run had finite
+    logits (`Proposal.finite`), drafted [B]: nodes drafted, 1 + levels run)."""
     b, v = root_logits_BV.shape
     kids0 = jnp.zeros((levels, b, m), jnp.int32)
     q0 = None if root_q_BV is None else jnp.zeros((levels, b, 1, v), root_q_BV.dtype)
@@ -325,26 +332,27 @@ class LevelDrafter(Drafter):
     conf0, low0 = score(root_logits_BV)
 
     def unsure(c):
-      return (c[0] < levels) & jnp.any(c[4] >= self.stop_below)
+      return (c[0] < levels) & jnp.any(c[5] >= self.stop_below)
 
     def step(c):
-      t, carry, kids, q, conf, _ = c
-      carry, (kids_BM, q_BWV, logits_BV) = level(carry, (t, keys[t]))
+      t, carry, kids, q, ok, conf, _ = c
+      carry, (kids_BM, q_BWV, ok_B, logits_BV) = level(carry, (t, keys[t]))
       kids = jax.lax.dynamic_update_index_in_dim(kids, kids_BM, t, axis=0)
       if q is not None:
         q = jax.lax.dynamic_update_index_in_dim(q, q_BWV, t, axis=0)
       c_BV, low = score(logits_BV)
-      return t + 1, carry, kids, q, conf * c_BV, low
+      return t + 1, carry, kids, q, ok & ok_B, conf * c_BV, low
 
-    ran, (cache, _, _), kids, q, _, low = jax.lax.while_loop(
-        unsure, step, (jnp.zeros((), jnp.int32), carry0, kids0, q0, conf0, low0))
+    ok0 = jnp.ones((b,), bool)
+    ran, (cache, _, _), kids, q, ok, _, low = jax.lax.while_loop(
+        unsure, step, (jnp.zeros((), jnp.int32), carry0, kids0, q0, ok0, conf0, low0))
     filler = low.astype(jnp.int32)  # [B]
     skipped = (jnp.arange(levels) >= ran)[:, None, None]
     kids = jnp.where(skipped, filler[None, :, None], kids)
     if q is not None:
       point = jax.nn.one_hot(filler, v, dtype=q.dtype)[None, :, None]
       q = jnp.where(skipped[..., None], point, q)
-    return cache, kids, q, jnp.full((b,), ran + 1, jnp.int32)
+    return cache, kids, q, ok, jnp.full((b,), ran + 1, jnp.int32)
 
   def _propose_dynamic(self, state, ctx, tree: DynamicTree, key):
     del key  # deterministic candidates
@@ -357,6 +365,7 @@ class LevelDrafter(Drafter):
     b = length.shape[0]
     rows = jnp.arange(b)[:, None]
     root_logits_BV, root_h_BH, cache = self._root(state, ctx)
+    finite = finite_rows(root_logits_BV)
     scale = 1.0 / tree.confidence  # scores from the draft softmax at that temperature
     logp, tok = jax.lax.top_k(jax.nn.log_softmax(root_logits_BV * scale, axis=-1), K)  # [B, K]
     neg = jnp.full((b, P), -jnp.inf, jnp.float32)
@@ -400,16 +409,16 @@ class LevelDrafter(Drafter):
                      depth=upd(pool.depth, jnp.full((b, K * K), t + 2, jnp.int32)),
                      slot=pool_slot)
         return _Search(cache, pool, reg_anc, reg_h, jnp.broadcast_to(new_idx, (b, K * K)),
-                       score), None
+                       score, search.finite & finite_rows(logits_BKV)), None
 
       search = _Search(
           cache=cache, pool=pool,
           anc=jnp.zeros((b, R, R), bool).at[:, 0, 0].set(True),
           h=jnp.zeros((b, R) + root_h_BH.shape[1:], root_h_BH.dtype).at[:, 0].set(root_h_BH),
           cand_idx=jnp.zeros((b, K * K), jnp.int32).at[:, :K].set(1 + jnp.arange(K)),
-          cand_score=jnp.full((b, K * K), -jnp.inf).at[:, :K].set(logp))
+          cand_score=jnp.full((b, K * K), -jnp.inf).at[:, :K].set(logp), finite=finite)
       search, _ = jax.lax.scan(level, search, jnp.arange(D - 1, dtype=jnp.int32))
-      cache, pool = search.cache, search.pool
+      cache, pool, finite = search.cache, search.pool, search.finite
     pool_tok, pool_score, pool_parent, pool_depth, pool_slot = pool
     # The N best candidates (ties: lower pool index, i.e. ancestors first), in pool order.
     _, sel = jax.lax.top_k(pool_score[:, 1:], N)
@@ -424,5 +433,5 @@ class LevelDrafter(Drafter):
     node_slots = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
                                   jnp.take_along_axis(pool_slot, sel, axis=1)], axis=1)
     proposal = Proposal(tokens=jnp.take_along_axis(pool_tok, sel, axis=1), q=None,
-                        parents=parents, depth=depth)
+                        parents=parents, depth=depth, finite=finite)
     return proposal, state.replace(cache=kv.set_lengths(cache, length), node_slots=node_slots)

@@ -41,7 +41,7 @@ import numpy as np
 from flax import struct
 
 from specjax.models.lm import LM
-from specjax.drafters.base import Context, Drafter, Proposal
+from specjax.drafters.base import Context, Drafter, Proposal, finite_rows
 from specjax.verify.trees import DynamicTree, TreeSpec
 
 Array = jax.Array
@@ -161,7 +161,7 @@ class MedusaDrafter(Drafter):
     else:
       top_BKW = jax.lax.top_k(logits_BKV, width)[1]
     tokens_BN = top_BKW[:, head_idx, rank].astype(jnp.int32)
-    return Proposal(tokens=tokens_BN, q=None), state
+    return Proposal(tokens=tokens_BN, q=None, finite=finite_rows(logits_BKV)), state
 
   def commit(self, state: MedusaState, ctx: Context, tree, path_BP, n_accepted_B,
              features=None) -> MedusaState:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.models.lm import LM
-from specjax.drafters.base import Context, Proposal
+from specjax.drafters.base import Context, Proposal, finite_rows
 from specjax.drafters.levels import LevelDrafter, _plan
 from specjax.models import cache as kv
 
@@ -149,8 +149,10 @@ class ModelDrafter(LevelDrafter):
     logits_BWV, _, cache = self._lm(feed_BW, pos_BW, kv.set_lengths(state.cache, start))
     rows = (length - behind_B - start)[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
     logits_BPV = jnp.take_along_axis(logits_BWV, jnp.clip(rows, 0, w - 1)[:, :, None], axis=1)
+    valid = jnp.arange(width)[None, :, None] < behind_B[:, None, None]  # rows j < behind
     guess = Proposal(tokens=jnp.argmax(logits_BPV, axis=-1).astype(jnp.int32),
-                     q=None if self.deterministic else self.draft_law(logits_BPV, sampler))
+                     q=None if self.deterministic else self.draft_law(logits_BPV, sampler),
+                     finite=finite_rows(jnp.where(valid, logits_BPV, 0.0)))
     return state.replace(cache=kv.set_lengths(cache, length - 1)), guess
 
   def commit(self, state: ModelDraftState, ctx: Context, tree, path_BP, n_accepted_B

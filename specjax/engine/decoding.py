@@ -190,24 +190,36 @@ def _precision_kw(precision: str) -> dict:
 
 
 class NonFiniteLogitsError(ValueError):
-  """A run whose target logits (or draft probabilities) held a NaN or ±inf: its tokens are
-  meaningless. The loops count such passes (`loop.LoopState.nonfinite`, one reduction per
-  pass, no host sync); the host refuses the result. `generation` holds it for inspection."""
+  """A run whose target logits, or draft logits / probabilities, held a NaN or ±inf: its
+  tokens (target) or its acceptance figures (draft: NaN drafts look like rejected ones, α =
+  0) are meaningless. The loops count such passes (`loop.LoopState.nonfinite` for the
+  target, `draft_nonfinite` for the draft; one reduction per pass, no host sync); the host
+  refuses the result. `generation` holds it for inspection; `passes` is the sum of
+  `target_passes` and `draft_passes`."""
 
-  def __init__(self, passes: int, generation: "Generation"):
-    super().__init__(
-        f"the target's logits (or the draft's probabilities) were NaN or infinite in {passes} "
-        f"decoding pass(es): the generated tokens are meaningless; check the model's weights "
-        f"(a checkpoint holding NaN/inf) and numerics (dtype, norm_eps, positions past "
-        f"max_len)")
-    self.passes, self.generation = passes, generation
+  def __init__(self, target_passes: int, generation: "Generation", draft_passes: int = 0):
+    numerics = "numerics (dtype, norm_eps, positions past max_len)"
+    if target_passes:
+      also = (f" (the draft's logits too, in {draft_passes} drafting pass(es))"
+              if draft_passes else "")
+      text = (f"the target's logits were NaN or infinite in {target_passes} decoding "
+              f"pass(es){also}: the generated tokens are meaningless; check the model's "
+              f"weights (a checkpoint holding NaN/inf) and {numerics}")
+    else:
+      text = (f"the draft's logits were NaN or infinite in {draft_passes} drafting pass(es): "
+              f"its proposals and the acceptance figures (α) are meaningless; check the "
+              f"draft's weights (a checkpoint or head holding NaN/inf) and {numerics}")
+    super().__init__(text)
+    self.target_passes, self.draft_passes = target_passes, draft_passes
+    self.passes, self.generation = target_passes + draft_passes, generation
 
 
 def _collect(state: loop.LoopState, batch: Batch, seconds: float, k: int,
              tree: Any = None, policy: Any = None) -> Generation:
   """The loop's final state as a Generation on the host, without the rows that only pad the
   batch for a mesh (`Batch.padded`); raises NonFiniteLogitsError when the loop counted
-  non-finite logits (a run can never silently return NaN-driven tokens)."""
+  non-finite target or draft logits (a run can never silently return NaN-driven tokens or
+  figures)."""
   rows = len(batch.prompt_len_B) - batch.padded
   tokens = np.asarray(state.tokens)
   length = np.asarray(state.length)
@@ -227,8 +239,9 @@ def _collect(state: loop.LoopState, batch: Batch, seconds: float, k: int,
   run = Generation(tokens=out, prompt_lengths=batch.prompt_len_B[:rows].tolist(), stats=stats,
                    seconds=seconds, k=k, tree=tree, **extra)
   passes = int(np.sum(np.asarray(state.nonfinite)))  # vmapped loops: one count per instance
-  if passes:
-    raise NonFiniteLogitsError(passes, run)
+  draft_passes = int(np.sum(np.asarray(state.draft_nonfinite)))
+  if passes or draft_passes:
+    raise NonFiniteLogitsError(passes, run, draft_passes)
   return run
 
 

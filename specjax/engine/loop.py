@@ -126,9 +126,12 @@ class LoopState:
   draft: Any = None  # drafter state (speculative loops only)
   stats: Stats | None = None
   adapt: Any = None  # adaptive_loop.AdaptState (adaptive loop only)
-  # int32 []: target passes (plain steps, verifications) in which an active row's logits, or
-  # the draft's probabilities q, held a NaN or ±inf; the host API refuses such a run.
+  # int32 []: target passes (plain steps, verifications) in which an active row's logits
+  # held a NaN or ±inf; the host API refuses such a run.
   nonfinite: Any = np.int32(0)
+  # int32 []: drafting passes (proposals, catch-ups) in which an active row's draft logits
+  # held a NaN or +inf (`Proposal.finite`) or its q a NaN or ±inf; refused the same way.
+  draft_nonfinite: Any = np.int32(0)
 
   def context(self) -> Context:
     return Context(tokens=self.tokens, length=self.length)
@@ -142,6 +145,16 @@ def count_nonfinite(active_B, *arrays_B) -> Array:
     if x is not None:
       bad_B = bad_B | ~jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim)))
   return jnp.any(bad_B & active_B).astype(jnp.int32)
+
+
+def count_draft_nonfinite(active_B, proposal) -> Array:
+  """1 (int32) if an active row's proposal was drafted from non-finite logits
+  (`Proposal.finite`; None: no logits to check) or its q holds a NaN or ±inf, else 0: a
+  NaN draft proposes argmaxes of NaNs that look like ordinary rejected drafts (α = 0)."""
+  bad = count_nonfinite(active_B, proposal.q)
+  if proposal.finite is not None:
+    bad = bad | jnp.any(active_B & ~proposal.finite).astype(jnp.int32)
+  return bad
 
 
 def not_finished(state: LoopState) -> Array:
@@ -326,7 +339,8 @@ def spec_cycle(target, drafter, s: LoopState, tree, sampler, draft_key, accept_k
     cache = kv.gather_block(cache, result.path, layout.n_nodes)
   new = s.replace(tokens=tokens, length=length, done=done,
                   cache=kv.set_lengths(cache, length),
-                  nonfinite=s.nonfinite + count_nonfinite(active, logits, proposal.q),
+                  nonfinite=s.nonfinite + count_nonfinite(active, logits),
+                  draft_nonfinite=s.draft_nonfinite + count_draft_nonfinite(active, proposal),
                   draft=drafter.commit(draft, ctx, tree, result.path, n,
                                        **extra(features[0] if capture else None)))
   if stop is not None:  # fillers are not drafts (after emission and commit, which use all)

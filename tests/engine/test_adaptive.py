@@ -248,10 +248,10 @@ class _MisreportedFillers(ModelDrafter):
   planted: bool = struct.field(pytree_node=False, default=True)
 
   def _levels_until_unsure(self, level, carry0, keys, root_logits_BV, root_q_BV, levels, m):
-    cache, kids, q, drafted = super()._levels_until_unsure(level, carry0, keys,
-                                                           root_logits_BV, root_q_BV, levels, m)
+    cache, kids, q, finite, drafted = super()._levels_until_unsure(
+        level, carry0, keys, root_logits_BV, root_q_BV, levels, m)
     skipped = (jnp.arange(levels)[:, None] >= drafted[None] - 1)[..., None, None]
-    return cache, kids, jnp.where(skipped, root_q_BV[None, :, None], q), drafted
+    return cache, kids, jnp.where(skipped, root_q_BV[None, :, None], q), finite, drafted
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from specjax.verify import acceptance, sampling, trees
 from specjax.models.lm import LM
 from specjax.drafters.base import Context
 from specjax.engine.loop import (LAZY_SLOTS, TRACE_COUNTS, LoopState, Stats, count_nonfinite,
-                                 draft_proposal, emit, not_finished, plain_step, spec_cycle,
+                                 count_draft_nonfinite, draft_proposal, emit, not_finished, plain_step, spec_cycle,
                                  start, under_precision)
 from specjax.models import cache as kv
 
@@ -153,7 +153,10 @@ def _catch_up(call: _Call, s: LoopState):
   acc_obs, tried_obs = _catch_up_observation(guess, s.tokens, s.length, a.behind, a.behind_p,
                                              call.policy)
   adapt = a.replace(behind=jnp.zeros_like(a.behind), catch_ups=a.catch_ups + 1)
-  return s.replace(draft=draft, adapt=adapt), acc_obs, tried_obs
+  # the guess's `finite` covers its rows j < behind (its q's padding rows are not guesses)
+  bad = 0 if guess is None else count_draft_nonfinite(a.behind > 0, guess.replace(q=None))
+  return (s.replace(draft=draft, adapt=adapt, draft_nonfinite=s.draft_nonfinite + bad),
+          acc_obs, tried_obs)
 
 
 def _catch_up_and_choose(call: _Call, s: LoopState, active0, left):
@@ -222,7 +225,8 @@ def _plain_branch(call: _Call, s: LoopState):
                          jnp.zeros((b,), jnp.int32), **call.extra(feats))
   new = s.replace(tokens=tokens, length=length, done=done, key=key, draft=draft,
                   cache=kv.set_lengths(cache, length),
-                  nonfinite=s.nonfinite + count_nonfinite(active, logits))
+                  nonfinite=s.nonfinite + count_nonfinite(active, logits),
+                  draft_nonfinite=s.draft_nonfinite + count_draft_nonfinite(active, proposal))
   acc_obs = call.policy.first_draft_observation(_draft_acceptance(proposal, p_BV))
   tried_obs = call.policy.first_draft_observation(jnp.ones((b,), jnp.float32))
   return (new, acc_obs, tried_obs, active, jnp.zeros((b,), jnp.int32),
