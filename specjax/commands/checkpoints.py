@@ -129,8 +129,23 @@ def _import_tokenizer(args: argparse.Namespace, src: pathlib.Path, hf_config: di
   return tokenizer, tok_dir
 
 
+def save_and_report(args: argparse.Namespace, save, summary) -> int:
+  """Runs `save()` (writes --out all or nothing, returns the directory), then prints the
+  checkpoint's `describe` as JSON (--json) or the line `summary(info)`; returns 0. An
+  OSError names --out and says nothing was written."""
+  from specjax.checkpoints import describe
+  try:
+    out = save()
+  except OSError as e:  # disk full, read-only, permissions: nothing was written at --out
+    raise OSError(e.errno, f"{e.strerror or e} (nothing was written)", f"--out {args.out}") \
+        from None
+  info = describe(out)
+  print(json.dumps(info, indent=2) if args.json else summary(info))
+  return 0
+
+
 def run_import(args: argparse.Namespace) -> int:
-  from specjax.checkpoints import describe, hf, save_model
+  from specjax.checkpoints import hf, save_model
   src = pathlib.Path(args.src)
   _output_dir(args, src)  # fail before reading gigabytes
   imported = hf.import_hf(src, dtype=args.dtype)
@@ -139,20 +154,12 @@ def run_import(args: argparse.Namespace) -> int:
   metadata = {"family": imported.family, "source_layout": imported.layout,
               "source": src.name, "hf_config": imported.hf_config,
               "tokenizer": tokenizer.to_spec()}
-  try:
-    out = save_model(args.out, imported.model(), metadata=metadata, tokenizer_dir=tok_dir,
-                     overwrite=args.overwrite)
-  except OSError as e:  # disk full, read-only, permissions: nothing was written at --out
-    raise OSError(e.errno, f"{e.strerror or e} (nothing was written)", f"--out {args.out}") \
-        from None
-  info = describe(out)
-  if args.json:
-    print(json.dumps(info, indent=2))
-  else:
-    print(f"imported {imported.family} ({imported.layout}) from {src} -> {out}: "
-          f"{info['parameters']:,} parameters, {_human(info['bytes'])}, {imported.config.dtype}; "
-          f"tokenizer: {tokenizer!r}")
-  return 0
+  return save_and_report(args, lambda: save_model(
+      args.out, imported.model(), metadata=metadata, tokenizer_dir=tok_dir,
+      overwrite=args.overwrite), lambda info: (
+      f"imported {imported.family} ({imported.layout}) from {src} -> {args.out}: "
+      f"{info['parameters']:,} parameters, {_human(info['bytes'])}, {imported.config.dtype}; "
+      f"tokenizer: {tokenizer!r}"))
 
 
 def run_export(args: argparse.Namespace) -> int:

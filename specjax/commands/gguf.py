@@ -9,7 +9,6 @@ model.gguf`): it is imported once into the cache (`resolve.imported_gguf`).
 from __future__ import annotations
 
 import argparse
-import json
 
 
 def add_parser(subparsers) -> None:
@@ -29,20 +28,11 @@ def add_parser(subparsers) -> None:
 
 
 def run_import_gguf(args: argparse.Namespace) -> int:
-  from specjax.checkpoints import describe
   from specjax.checkpoints.gguf import save_gguf
-  from specjax.commands.checkpoints import _human, _output_dir
+  from specjax.commands.checkpoints import _human, _output_dir, save_and_report
   _output_dir(args, args.src)  # fail before reading the file
-  try:
-    out = save_gguf(args.src, args.out, dtype=args.dtype, overwrite=args.overwrite)
-  except OSError as e:  # disk full, read-only, permissions: nothing was written at --out
-    raise OSError(e.errno, f"{e.strerror or e} (nothing was written)", f"--out {args.out}") \
-        from None
-  info = describe(out)
-  if args.json:
-    print(json.dumps(info, indent=2))
-  else:
-    print(f"imported {info['family']} (gguf) from {args.src} -> {out}: "
-          f"{info['parameters']:,} parameters, {_human(info['bytes'])}, "
-          f"{info['config']['dtype']}")
-  return 0
+  return save_and_report(
+      args, lambda: save_gguf(args.src, args.out, dtype=args.dtype, overwrite=args.overwrite),
+      lambda info: (f"imported {info['family']} (gguf) from {args.src} -> {args.out}: "
+                    f"{info['parameters']:,} parameters, {_human(info['bytes'])}, "
+                    f"{info['config']['dtype']}"))
