@@ -166,18 +166,13 @@ def point(batch: int = 1, k: int = 4, max_new_tokens: int = 64, prompt_len: int 
                              chat_template=chat_template)
   prompt_ids = work.ids
   shapes = [trees.chain(j) for j in calibration_ks(k, calibration_k)]
-  # One cache length for the calibration and the measured runs: what is calibrated is what
-  # is measured (and the compiled loops are shared).
-  cache_len = calibration.default_cache_len(target, draft, prompt_ids, shapes, max_new_tokens)
-  costs = calibration.calibrate(target, draft, prompt_ids, shapes,
-                                max_new_tokens=max_new_tokens, repeats=calibration_repeats,
-                                temperature=temperature, seed=seed, cache_len=cache_len,
-                                recalibrate=recalibrate, statistic=statistic)
-  cmp = measure.compare(target, draft, prompt_ids, tree=tree, max_new_tokens=max_new_tokens,
-                        repeats=repeats, temperature=temperature, seed=seed,
-                        cache_len=cache_len, decode_only=True, loop_costs=costs,
-                        statistic=statistic)
-  sc = measure.step_costs(target, draft, batch, tree, cmp.context, cache_len,
+  cmp = measure.calibrated_compare(target, draft, prompt_ids, shapes, tree=tree,
+                                   max_new_tokens=max_new_tokens, repeats=repeats,
+                                   calibration_repeats=calibration_repeats,
+                                   temperature=temperature, seed=seed,
+                                   recalibrate=recalibrate, statistic=statistic)
+  costs = cmp.loop_costs
+  sc = measure.step_costs(target, draft, batch, tree, cmp.context, cmp.cache_len,
                           max(FORWARD_REPEATS, repeats))
   summary = cmp.spec.summary()
   alpha = summary.alpha_trial

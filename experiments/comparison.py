@@ -15,6 +15,10 @@ measured τ for a tree).
 Every run and timing of a point reads one cache length: `cycle_slots` +
 `decoding.cache_len_for`, the engine's own rule (attention reads every slot, so a different
 length is a different cost).
+
+`calibrated_compare` is the sequence the studies share: one cache length for the calibrated
+shapes and the measured tree, the calibration (cached per machine), then `compare` of the
+decode phase with the calibrated costs as the prediction.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+from specjax.calibration import loop_costs as calibration
 from specjax.engine import decoding
 from specjax.verify import sampling
 from specjax.drafters.base import Drafter
@@ -175,3 +180,33 @@ def compare(target, draft, prompt_ids: Sequence[Sequence[int]], *, tree, max_new
                     cache_len=cache_len, context=context,
                     plain_prefill_s=seconds.get("plain_prefill"),
                     spec_prefill_s=seconds.get("spec_prefill"), loop_costs=loop_costs)
+
+
+def calibrated_compare(target, draft, prompt_ids: Sequence[Sequence[int]],
+                       shapes: Sequence[Any], *, tree, max_new_tokens: int, repeats: int,
+                       calibration_repeats: int, temperature: float = 0.0, seed: int = 0,
+                       batch: int | None = None, statistic: str = "median",
+                       recalibrate: bool = False, revalidate: float | None = None,
+                       drafter_for=None, deterministic: bool = False,
+                       cache_len: int | None = None) -> Comparison:
+  """Calibrate, then compare: the loop costs of `shapes` (`calibration.calibrate`, with
+  `drafter_for(draft, shape)` as each shape's drafter, cached per machine) and `compare` of
+  `tree` on the decode phase with those costs as the prediction (`Comparison.loop_costs`).
+  Both read one cache length: `cache_len`, by default the largest the engine picks for
+  `shapes` (which hold `tree`) with their drafters (`calibration.default_cache_len`), so
+  what is calibrated is what is measured and the compiled loops are shared. The measured
+  speculative run drafts with `drafter_for(draft, tree)` (default: `draft` itself,
+  top-k candidates when `deterministic`)."""
+  if cache_len is None:
+    cache_len = calibration.default_cache_len(target, draft, prompt_ids, list(shapes),
+                                              max_new_tokens, drafter_for)
+  costs = calibration.calibrate(target, draft, prompt_ids, list(shapes), batch=batch,
+                                max_new_tokens=max_new_tokens, repeats=calibration_repeats,
+                                temperature=temperature, seed=seed, cache_len=cache_len,
+                                recalibrate=recalibrate, statistic=statistic,
+                                drafter_for=drafter_for, revalidate=revalidate)
+  spec_draft = draft if drafter_for is None else drafter_for(draft, tree)
+  return compare(target, spec_draft, prompt_ids, batch=batch, tree=tree,
+                 max_new_tokens=max_new_tokens, repeats=repeats, temperature=temperature,
+                 seed=seed, deterministic=deterministic, cache_len=cache_len,
+                 decode_only=True, loop_costs=costs, statistic=statistic)

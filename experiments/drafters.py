@@ -322,17 +322,11 @@ def point(variant: str, category: str = "code", temperature: float = 0.0, batch:
   for c in sorted(c for c in set(calibration_k) - chain_k if c < max(chain_k)):
     by_key[calibration.shape_key(trees.chain(c))] = (build("chain")[0], trees.chain(c))
   shapes = [t for _, t in by_key.values()]
-  cache_len = max(calibration.default_cache_len(target, d, all_ids, [t], max_new_tokens)
-                  for d, t in by_key.values())
-  costs = calibration.calibrate(target, drafter, all_ids, shapes, batch=batch,
-                                max_new_tokens=max_new_tokens, repeats=calibration_repeats,
-                                temperature=temperature, seed=seed, cache_len=cache_len,
-                                recalibrate=recalibrate, statistic=statistic,
-                                drafter_for=lambda _d, t: by_key[calibration.shape_key(t)][0])
-  cmp = measure.compare(target, drafter, all_ids, batch=batch, tree=tree,
-                        max_new_tokens=max_new_tokens, repeats=repeats,
-                        temperature=temperature, seed=seed, cache_len=cache_len,
-                        decode_only=True, loop_costs=costs, statistic=statistic)
+  cmp = measure.calibrated_compare(
+      target, drafter, all_ids, shapes, tree=tree, batch=batch,
+      max_new_tokens=max_new_tokens, repeats=repeats, calibration_repeats=calibration_repeats,
+      temperature=temperature, seed=seed, recalibrate=recalibrate, statistic=statistic,
+      drafter_for=lambda _d, t: by_key[calibration.shape_key(t)][0])
   st = cmp.spec.stats
   tau_loop = calibration.run_tokens_per_iteration(st, tree, batch, max_new_tokens - 1)
   row = measure.speculative_row(cmp, tau_loop, temperature)

@@ -125,15 +125,12 @@ def point(context_len: int, batch: int = 4, k: int = 4, max_new_tokens: int = 64
   target, draft, tok, texts = measure.models(models, "float32", draft)
   tree = trees.chain(k)
   prompt_ids = long_prompts(tok, source_texts(models, prompts, texts), batch, context_len)
-  cache_len = calibration.default_cache_len(target, draft, prompt_ids, [tree], max_new_tokens)
-  costs = calibration.calibrate(target, draft, prompt_ids, [tree],
-                                max_new_tokens=max_new_tokens, repeats=calibration_repeats,
-                                temperature=temperature, seed=seed, cache_len=cache_len,
-                                recalibrate=recalibrate, statistic="fastest")
-  cmp = measure.compare(target, draft, prompt_ids, tree=tree, max_new_tokens=max_new_tokens,
-                        repeats=repeats, temperature=temperature, seed=seed,
-                        cache_len=cache_len, statistic="fastest", decode_only=True,
-                        loop_costs=costs)
+  cmp = measure.calibrated_compare(target, draft, prompt_ids, [tree], tree=tree,
+                                   max_new_tokens=max_new_tokens, repeats=repeats,
+                                   calibration_repeats=calibration_repeats,
+                                   temperature=temperature, seed=seed,
+                                   recalibrate=recalibrate, statistic="fastest")
+  costs, cache_len = cmp.loop_costs, cmp.cache_len
   sc = measure.step_costs(target, draft, batch, tree, cmp.context, cache_len, 3 * repeats)
   c, v = sc.c, sc.v
   summary = cmp.spec.summary()

@@ -14,7 +14,8 @@ is re-exported here, so a study reads `measure.compare`, `measure.models`, ... :
   `Timing`s), `forward_seconds`, `draft_passes`, `step_costs` -> `StepCosts` (the standalone
   costs t_1, v, c) and `hardware()` (this machine's roofline, calibrated once per process);
 - `comparison`: `compare(...) -> Comparison`, plain vs speculative decoding measured side by
-  side with the predicted speedup (calibrated loop costs or standalone step costs), and
+  side with the predicted speedup (calibrated loop costs or standalone step costs),
+  `calibrated_compare(...)`, the calibrate-then-compare sequence of the studies, and
   `cycle_slots` / `drafter_of` (the engine's cache-length rule for a point);
 - `report_fields`: `speculative_row(cmp, tau_loop, temperature)`, the result fields every
   point reports about a `Comparison` measured with calibrated loop costs, `loop_fields`,
@@ -26,7 +27,8 @@ is re-exported here, so a study reads `measure.compare`, `measure.models`, ... :
 from __future__ import annotations
 
 from specjax.experiments.checks import check_choice, check_int, check_number
-from specjax.experiments.comparison import Comparison, compare, cycle_slots, drafter_of
+from specjax.experiments.comparison import (Comparison, calibrated_compare, compare, cycle_slots,
+                                            drafter_of)
 from specjax.experiments.forward_timing import (StepCosts, Timing, alternate, draft_passes,
                                                 forward_seconds, hardware, step_costs)
 from specjax.experiments.report_fields import divergences, loop_fields, say, speculative_row
@@ -37,6 +39,7 @@ from specjax.experiments.study_prompts import FALLBACK_TEXT, _held_out_texts, pr
 
 __all__ = [
     "FALLBACK_TEXT", "Comparison", "StepCosts", "Timing", "alternate", "cache_bytes",
+    "calibrated_compare",
     "check_choice", "check_int", "check_number", "compare", "cycle_slots", "divergences",
     "draft_model", "draft_passes", "drafter_of", "eagle_config", "eagle_drafter",
     "forward_seconds", "hardware", "head", "loop_fields", "model_configs", "models",

@@ -184,17 +184,11 @@ def point(mode: str, batch: int = 1, k: int = 4, tree_widths: tuple = (2, 1, 1, 
       return measure.eagle_drafter(target, models, deterministic, head_steps)
     return ModelDrafter.of(model, deterministic=deterministic)
 
-  cache_len = max(calibration.default_cache_len(target, drafter_for(draft, t), all_ids, [t],
-                                                max_new_tokens) for t in shapes)
-  costs = calibration.calibrate(target, draft, all_ids, shapes, batch=batch,
-                                max_new_tokens=max_new_tokens, repeats=calibration_repeats,
-                                temperature=temperature, seed=seed, cache_len=cache_len,
-                                recalibrate=recalibrate, statistic=statistic,
-                                drafter_for=drafter_for, revalidate=revalidate)
-  cmp = measure.compare(target, drafter_for(draft, tree), all_ids, batch=batch, tree=tree,
-                        max_new_tokens=max_new_tokens, repeats=repeats,
-                        temperature=temperature, seed=seed, cache_len=cache_len,
-                        decode_only=True, loop_costs=costs, statistic=statistic)
+  cmp = measure.calibrated_compare(
+      target, draft, all_ids, shapes, tree=tree, batch=batch, max_new_tokens=max_new_tokens,
+      repeats=repeats, calibration_repeats=calibration_repeats, temperature=temperature,
+      seed=seed, recalibrate=recalibrate, statistic=statistic, revalidate=revalidate,
+      drafter_for=drafter_for)
   summary = cmp.spec.summary()
   if mode == "chain":
     alpha = summary.alpha_trial

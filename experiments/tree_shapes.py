@@ -174,18 +174,14 @@ def point(shape: str, budget: int, temperature: float = 0.0, batch: int = 1,
   work = references.batched_workload(models, tok, texts, prompts, prompt_count, batch,
                                      prompt_len, chat_template=chat_template)
   prompt_ids = work.ids
-  cache_len = _cache_len(prompt_len, max_new_tokens, tree, draft)
-  costs = loop_calibration.calibrate(
-      target, draft, prompt_ids, [tree], batch=batch, max_new_tokens=max_new_tokens,
-      repeats=calibration_repeats, temperature=temperature, seed=seed, cache_len=cache_len,
-      recalibrate=recalibrate, statistic=statistic,
+  cmp = measure.calibrated_compare(
+      target, draft, prompt_ids, [tree], tree=tree, batch=batch,
+      max_new_tokens=max_new_tokens, repeats=repeats, calibration_repeats=calibration_repeats,
+      temperature=temperature, seed=seed, recalibrate=recalibrate, statistic=statistic,
+      cache_len=_cache_len(prompt_len, max_new_tokens, tree, draft),
       drafter_for=lambda model, _t: ModelDrafter.of(model, deterministic=deterministic))
-  cmp = measure.compare(target, draft, prompt_ids, batch=batch, tree=tree,
-                        max_new_tokens=max_new_tokens,
-                        repeats=repeats, temperature=temperature, seed=seed,
-                        deterministic=deterministic, cache_len=cache_len, decode_only=True,
-                        loop_costs=costs, statistic=statistic)
-  sc = measure.step_costs(target, draft, batch, tree, cmp.context, cache_len, 3 * repeats)
+  costs = cmp.loop_costs
+  sc = measure.step_costs(target, draft, batch, tree, cmp.context, cmp.cache_len, 3 * repeats)
   ts = cmp.spec.tree_summary()
   st = cmp.spec.stats
   # Each row's own reach by depth: a batch runs until its slowest row is done, and the

@@ -349,7 +349,8 @@ def measure(target, draft, prompt_ids: Sequence[Sequence[int]], shapes: Sequence
   drafters = {shape_key(t): drafter_for(draft, t) for t in shapes}
   rows = len(prompt_ids) if batch is None else batch
   if cache_len is None:
-    cache_len = default_cache_len(target, draft, prompt_ids, shapes, max_new_tokens)
+    cache_len = default_cache_len(target, draft, prompt_ids, shapes, max_new_tokens,
+                                  drafter_for)
   common = dict(sampler=sampling.make_sampler(temperature), seed=seed, cache_len=cache_len)
   fns: dict[str, Callable[[], Any]] = {}
   for n, tag in ((max_new_tokens, "M"), (1, "1")):
@@ -400,11 +401,13 @@ def depth_alpha(chain_stats: Sequence[Mapping[str, np.ndarray]]) -> list[float]:
 
 
 def default_cache_len(target, draft, prompt_ids, shapes: Sequence[Tree],
-                      max_new_tokens: int) -> int:
-  """The largest cache length the engine would pick for any of the shapes (one length for
-  every calibrated run, so they all read caches of one size)."""
+                      max_new_tokens: int, drafter_for: Callable | None = None) -> int:
+  """The largest cache length the engine would pick for any of the shapes, each drafted by
+  `drafter_for(draft, shape)` (default: as `calibrate` drafts it): one length for every
+  calibrated run, so they all read caches of one size."""
   longest = max(len(p) for p in prompt_ids)
-  slots = max(max(t.n_nodes, _default_drafter(draft, t).slots_needed(t)) for t in shapes)
+  drafter_for = drafter_for or _default_drafter
+  slots = max(max(t.n_nodes, drafter_for(draft, t).slots_needed(t)) for t in shapes)
   cfg = LM.of(target).config
   return decoding.cache_len_for(longest, max_new_tokens, slots,
                                 limit=cfg.max_len if cfg.positions == "learned" else None)
@@ -555,7 +558,8 @@ def calibrate(target, draft, prompt_ids: Sequence[Sequence[int]],
   shapes, rows = _check_calibrate_args(shapes, prompt_ids, max_new_tokens, repeats, seed,
                                        temperature, statistic, recalibrate, batch)
   if cache_len is None:
-    cache_len = default_cache_len(target, draft, prompt_ids, shapes, max_new_tokens)
+    cache_len = default_cache_len(target, draft, prompt_ids, shapes, max_new_tokens,
+                                  drafter_for)
   cache_len = _check_int("cache_len", cache_len, 2)
   drafters = {shape_key(t): (drafter_for or _default_drafter)(draft, t) for t in shapes}
   fp = fingerprint(target, drafters, prompt_ids, temperature=float(temperature),

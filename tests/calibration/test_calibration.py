@@ -477,3 +477,35 @@ def test_in_batches_warms_up_one_batch_per_prompt_length():
   timing.alternate({"run": decoding.in_batches(call, prompts, 1)}, 1,
                    timer=iter(range(100)).__next__)
   assert seen == [[3], [5]] + [[n] for n in (3, 3, 5, 3, 5, 5)]
+
+
+class _WideDrafter:
+  """A drafter that writes 40 cache slots per cycle, whatever the shape."""
+
+  def slots_needed(self, tree) -> int:
+    return 40
+
+
+def test_the_cache_length_counts_each_shapes_own_drafter(random_pair, fake_engine, tmp_path,
+                                                         monkeypatch):
+  """default_cache_len sizes the cache for the drafter each shape runs with (drafter_for),
+  and calibrate without a cache_len times every call at that length."""
+  target, draft = random_pair
+  prompts, shapes = [[1, 2, 3, 4]], SHAPES[:2]
+  plain = calibration.default_cache_len(target, draft, prompts, shapes, 31)
+  wide = calibration.default_cache_len(target, draft, prompts, shapes, 31,
+                                       lambda _d, _t: _WideDrafter())
+  assert wide > plain  # 4 + 31 + 40 slots round up past 4 + 31 + 3
+  assert wide == decoding.cache_len_for(4, 31, 40)
+  seen = []
+  fake = calibration.decoding.speculative_generate
+
+  def speculative_generate(target, drafter, prompts, *, cache_len, **kw):
+    seen.append(cache_len)
+    return fake(target, drafter, prompts, **kw)
+
+  monkeypatch.setattr(calibration.decoding, "speculative_generate", speculative_generate)
+  calibration.calibrate(target, draft, prompts, shapes, max_new_tokens=31, repeats=1,
+                        cache_dir=tmp_path, timer=fake_engine[0],
+                        drafter_for=lambda _d, _t: _WideDrafter())
+  assert seen and set(seen) == {wide}
