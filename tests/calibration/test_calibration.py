@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from specjax.calibration import loop_costs as calibration, cycle_fit, timing
+from specjax.drafters.lookup import LookupDrafter
 from specjax.engine import decoding
 from specjax.analysis import theory
 from specjax.verify import trees
@@ -338,7 +339,6 @@ def test_calibrate_times_any_drafter_object(fake_engine, random_pair, tmp_path, 
   """A `Drafter` passed as `draft` is what every timed loop runs, its own cost lands in the
   fit (a planted zero draft cost, as for prompt lookup, comes out as t_draft = 0), and its
   static fields key the cache: another n-gram size is another calibration."""
-  from specjax.drafters.lookup import LookupDrafter
   from specjax.drafters.model import ModelDrafter
   clock, calls = fake_engine
   target, draft = random_pair
@@ -479,7 +479,7 @@ def test_in_batches_warms_up_one_batch_per_prompt_length():
   assert seen == [[3], [5]] + [[n] for n in (3, 3, 5, 3, 5, 5)]
 
 
-class _WideDrafter:
+class _WideDrafter(LookupDrafter):
   """A drafter that writes 40 cache slots per cycle, whatever the shape."""
 
   def slots_needed(self, tree) -> int:

@@ -158,7 +158,7 @@ def test_front_builds_the_question_axis_and_refuses_bad_flags(capsys):
 @pytest.mark.slow
 def test_real_model_run_beside_transformers_resumes(tmp_path, monkeypatch):
   pytest.importorskip("transformers")
-  from test_bench_hf import _llama_dir
+  from hf_testing import llama_dir as _llama_dir
   monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))
   target = _llama_dir(tmp_path / "target", 2, 0)
   qs = tmp_path / "q.jsonl"
