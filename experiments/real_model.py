@@ -29,7 +29,9 @@ loops' own step and cycle costs, measured once per drafter and temperature on
 `calibration_questions` and cached on disk): a chain of K: τ_loop of this run's own
 acceptance ÷ the chain's cycle steps (`adaptive.calibrated_prediction`); K = auto: the
 tokens emitted ÷ the calibrated steps of the shapes the policy chose, cycle by cycle
-(`adaptive_prediction`); `efficiency` = measured ÷ predicted.
+(`adaptive_prediction`); `efficiency` = measured ÷ predicted. A K = auto system runs the
+adaptive policy priced by that calibration (`auto_policy`), calibrated before its first
+timed call.
 
 Checks at T = 0 (float32): every specjax system's tokens equal specjax plain's (else
 `divergences`, `only_ties`, as in Spec-Bench's study); transformers' plain tokens against
@@ -47,6 +49,7 @@ import os
 
 from specjax.calibration import loop_costs as calibration, timing
 from specjax.engine import decoding
+from specjax.engine.adaptive import policy as adaptive
 from specjax import resolve
 from specjax.verify import sampling, trees
 from specjax.experiments import measure
@@ -162,6 +165,17 @@ def _questions(prompts: str, ref: str, dtype: str | None) -> dict:
   return {p.question_id: p for p in found}
 
 
+def auto_policy(costs: calibration.LoopCosts, drafter) -> adaptive.AdaptivePolicy:
+  """The policy a K = auto system runs: the default menu (k = 0 and chains of
+  `AUTO_CHAINS`) priced by the drafter's calibration at batch 1, its priors from what the
+  calibration measured (`AdaptivePolicy.from_costs`), k = 0 with the drafter's catch-up
+  share. Without it `k="auto"` runs the uncalibrated `decoding.default_policy`, which prices
+  a drafter with no model of its own (prompt lookup) at a full target step per draft pass and
+  never speculates."""
+  return adaptive.AdaptivePolicy.from_costs((0, *AUTO_CHAINS), {1: costs},
+                                            lazy_slots=decoding.lazy_slots_of(drafter))
+
+
 def adaptive_prediction(costs: calibration.LoopCosts, gen) -> float:
   """The calibrated prediction of an adaptive run at batch 1: the tokens its loop emitted
   after the prefill ÷ the calibrated plain steps it spent: each speculative iteration the
@@ -198,8 +212,21 @@ def point(question, temperature: float = 0.0, target: str = "", hf_model: str | 
   def plain(n):
     return lambda: decoding.generate(serving, [ids], max_new_tokens=n, **common)
 
+  calib_ids = tuple(tuple(encode(q)) for q in (calibration_questions or [question]))
+
+  def costs_of(draft):  # one calibration per drafter: every chain its systems run
+    ks = tuple(sorted({kk for d, kk in parsed.values() if d == draft and kk != "auto"}
+                      | (set(AUTO_CHAINS) if any(d == draft and kk == "auto"
+                                                 for d, kk in parsed.values()) else set())))
+    return _costs(target, target_dtype, draft, ks, float(temperature), max_new_tokens,
+                  calibration_repeats, seed, calib_ids)
+
   def spec(draft, k, n):
     d = _drafter(target, target_dtype, draft)
+    if k == "auto":  # the policy priced by this machine's calibration, as the prediction is
+      pol = auto_policy(costs_of(draft), d)
+      return lambda: decoding.speculative_generate(serving, d, [ids], policy=pol,
+                                                   max_new_tokens=n, **common)
     return lambda: decoding.speculative_generate(serving, d, [ids], k=k, max_new_tokens=n,
                                                  **common)
 
@@ -224,16 +251,10 @@ def point(question, temperature: float = 0.0, target: str = "", hf_model: str | 
                           "seconds": seconds["specjax plain"], "tok_s": base_tok_s,
                           "speedup": 1.0, "tau": 1.0,
                           "prefill_seconds": seconds["specjax plain/prefill"]}
-  calib_ids = tuple(tuple(encode(q)) for q in (calibration_questions or [question]))
   for s, (draft, k) in parsed.items():
     name = f"specjax {s}"
-    ks = tuple(sorted({kk for d, kk in parsed.values() if d == draft and kk != "auto"}
-                      | (set(AUTO_CHAINS) if any(d == draft and kk == "auto"
-                                                 for d, kk in parsed.values()) else set())))
-    costs = _costs(target, target_dtype, draft, ks, float(temperature), max_new_tokens,
-                   calibration_repeats, seed, calib_ids)
     out[name] = _spec_fields(timed[name].result, seconds, name, out["specjax plain"], k,
-                             costs, temperature, serving, ids, base)
+                             costs_of(draft), temperature, serving, ids, base)
   if hf_names:
     ref = timed["transformers plain"].result
     ref_tok_s = len(ref.tokens) / seconds["transformers plain"]

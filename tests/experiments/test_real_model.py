@@ -213,3 +213,25 @@ def test_hf_peer_generate_is_greedy_and_counts_forwards():
   sampled = [hf_peer.generate(model, prompt, 6, temperature=1.0, seed=s).tokens
              for s in (1, 1, 2)]
   assert sampled[0] == sampled[1]  # seeded: the same draw again
+
+
+def test_an_auto_system_runs_the_policy_its_calibration_prices():
+  """K = auto runs the adaptive policy priced by the drafter's calibration (its priors
+  included): cheap verification and a drafter that accepted most drafts make it speculate;
+  the uncalibrated default (`decoding.default_policy`) charges a drafter with no model of its
+  own a full target step per draft pass, so prompt lookup never speculated under it."""
+  from specjax.calibration import loop_costs as calibration
+  from specjax.drafters.lookup import LookupDrafter
+  from specjax.experiments import real_model
+  from specjax.verify import trees
+  chains = {trees.chain(k): 1.0 + 0.05 * k for k in real_model.AUTO_CHAINS}
+  costs = calibration.LoopCosts.from_timings(1.0, chains, meta={"batch": 1, "alpha": 0.7})
+  lookup = LookupDrafter(max_ngram=3)
+  pol = real_model.auto_policy(costs, lookup)
+  assert pol.names == ["k=0", "k=1", "k=2", "k=4", "k=6"]
+  assert float(pol.prior_alpha) == pytest.approx(0.7)
+  assert pol.names[pol.choose(0.7, 1)] != "k=0"  # priced by the calibration: speculate
+  assert pol.names[pol.choose(0.05, 1)] == "k=0"  # and not where drafts are rarely accepted
+  assert np.asarray(pol.seconds)[0, 1:].tolist() == pytest.approx(
+      [1.0 + 0.05 * k for k in real_model.AUTO_CHAINS])  # the calibration's own cycles
+  assert np.asarray(pol.seconds)[0, 0] == pytest.approx(1.0)  # lookup: no catch-up cost
