@@ -28,6 +28,7 @@ def test_generate_cli_rejects_bad_input_with_a_clear_message(capsys):
   assert "k must be an int >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # compile-bound (5-18 s): the fast tier's 3 minutes
 def test_generate_cli_rope_past_max_len_only_with_the_opt_in(capsys):
   argv = ["generate", "--target-config", "tiny-llama:max_len=32", "--draft-config", "self",
           "--max-new-tokens", "8", "--k", "2", "--repeats", "1", "--json",

@@ -280,6 +280,7 @@ def test_cli_trains_an_eagle_head_and_generates_with_it(byte_target, tmp_path, c
   assert "layers must be" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # compile-bound (5-18 s): the fast tier's 3 minutes
 def test_default_eagle_head_is_built_on_first_use_then_cached(monkeypatch, tmp_path, capfd,
                                                              byte_target):
   """`load_default_heads("eagle")` trains once into the cache, then loads; the head drafts

@@ -75,6 +75,7 @@ def test_tree_branches_on_distinct_matches_ranked_by_length_then_recency():
   assert grand == [[6, 8], [5, 8], [4, 8], [8, 8]]
 
 
+@pytest.mark.slow  # compile-bound (5-18 s): the fast tier's 3 minutes
 def test_ragged_batch_greedy_output_is_identical_to_plain_decoding():
   target = model(TINY["llama"], logit_scale=4.0)
   prompts = [[1, 2, 3, 1, 2], [4, 5, 6, 7, 8, 9, 10, 11, 12], [7], [9, 8]]

@@ -118,6 +118,7 @@ def test_chain_acceptance_is_alpha_and_planted_bug_fails(target):
   assert worst < 1e-9, _alpha_pvalues(gen_bug, k)
 
 
+@pytest.mark.slow  # compile-bound (5-18 s): the fast tier's 3 minutes
 def test_greedy_output_unchanged_and_alpha_is_a_runtime_value(target):
   prompts = _prompts(len(ALPHAS) * ROWS_PER_ALPHA, seed=1)
   plain = decoding.generate(target, prompts, max_new_tokens=40)

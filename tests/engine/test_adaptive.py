@@ -180,6 +180,7 @@ def test_drafter_state_survives_plain_steps_and_nothing_recompiles(pair):
   assert loop.TRACE_COUNTS["adaptive"] == before, "a runtime policy value recompiled"
 
 
+@pytest.mark.slow  # compile-bound (5-18 s): the fast tier's 3 minutes
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_forced_plain_equals_plain_decoding_token_for_token(pair, temperature):
   target, draft = pair

@@ -96,6 +96,7 @@ def test_lazy_greedy_identity_self_drafting_and_no_recompile(pair):
   assert loop.TRACE_COUNTS["adaptive"] == before, "a new forced schedule recompiled"
 
 
+@pytest.mark.slow  # compile-bound (5-18 s): the fast tier's 3 minutes
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_lazy_forced_plain_equals_plain_decoding_in_runs_and_catches_up_only_at_overflow(
     pair, temperature):

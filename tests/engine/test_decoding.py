@@ -73,6 +73,7 @@ def test_self_speculation_at_temperature_one_accepts_nearly_everything():
   assert s.tau > 4.0
 
 
+@pytest.mark.slow  # compile-bound (5-18 s): the fast tier's 3 minutes
 def test_eos_and_per_row_budgets(family_models):
   target, weak = family_models
   plain = decoding.generate(target, RAGGED, max_new_tokens=30)
@@ -380,6 +381,7 @@ def test_prompt_bucket_is_capped_at_what_the_model_allows():
                            cache_len=317)
 
 
+@pytest.mark.slow  # compile-bound (5-18 s): the fast tier's 3 minutes
 def test_300_token_prompt_generates_on_a_512_position_learned_model():
   target = model(TINY["gpt2"].replace(max_len=512), logit_scale=4.0)
   prompt = [(7 * i) % 61 for i in range(300)]

@@ -46,6 +46,7 @@ def _expected(target):
   return ids, want
 
 
+@pytest.mark.slow  # compile-bound (5-18 s): the fast tier's 3 minutes
 def test_a_row_stops_at_the_first_of_several_eos_ids(pair):
   """batch 6, T = 0: plain and speculative runs equal the plain run without EOS cut at each
   row's first hit of either id; with one id alone (negative control) some row is cut

@@ -41,6 +41,7 @@ def tiny_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # compile-bound (5-18 s): the fast tier's 3 minutes
 def test_tiny_run_metrics_are_present_and_sane(tiny_run):
   summary, out, cache = tiny_run
   assert (summary.total, summary.ok, summary.failed) == (2, 2, 0)
@@ -79,6 +80,7 @@ def test_tiny_run_metrics_are_present_and_sane(tiny_run):
   assert len(list((cache / "calibration").glob("*.json"))) == 2
 
 
+@pytest.mark.slow  # compile-bound (5-18 s): the fast tier's 3 minutes
 def test_tiny_run_report_has_break_even_lines_table_and_plot(tiny_run):
   _, out, _ = tiny_run
   report = (out / "report.md").read_text()

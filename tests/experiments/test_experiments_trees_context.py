@@ -97,6 +97,7 @@ def test_tree_shapes_dynamic(tmp_path, monkeypatch):
   assert by_shape["dynamic"]["parents"] is None and "budget=6" in by_shape["dynamic"]["pretty"]
 
 
+@pytest.mark.slow  # compile-bound (5-18 s): the fast tier's 3 minutes
 def test_long_context_speedup_vs_context_and_report(tmp_path, monkeypatch):
   monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))  # a fresh calibration
   out = tmp_path / "run"

@@ -69,6 +69,7 @@ def test_bad_precision_is_refused_naming_the_argument(bad):
     decoding.generate(target, [[1, 2]], max_new_tokens=2, precision=bad)
 
 
+@pytest.mark.slow  # compile-bound (5-18 s): the fast tier's 3 minutes
 def test_host_api_runs_both_loops_under_the_requested_policy(monkeypatch):
   seen = []
 

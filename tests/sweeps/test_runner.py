@@ -78,6 +78,7 @@ def test_sweep_runs_every_point_and_writes_report(config, tmp_path):
   assert again.resumed and (again.skipped, again.ok) == (10, 0)
 
 
+@pytest.mark.slow  # compile-bound (5-18 s): the fast tier's 3 minutes
 def test_killed_sweep_resumes_and_finishes_every_point_exactly_once(config, tmp_path):
   out = tmp_path / "run"
   env = {"SWEEP_KILL_AT": "3", "SWEEP_KILL_MARKER": str(tmp_path / "marker")}

@@ -24,6 +24,7 @@ SMALL = Recipe(seed=3, max_chars=200)  # short prompts: byte-level prompts stay 
 # ----------------------------------------------------------------------------- recipe
 
 
+@pytest.mark.slow  # compile-bound (5-18 s): the fast tier's 3 minutes
 def test_recipe_is_a_pure_function_of_seed_and_index():
   a = [Recipe(seed=1).item(i) for i in range(40)]
   assert a == [Recipe(seed=1).item(i) for i in range(40)]

@@ -125,6 +125,7 @@ def test_sigterm_saves_a_checkpoint_and_resumes(data, six_steps, tmp_path):
   assert resumed.resumed_from == 4 and _same(resumed.params, full.params)
 
 
+@pytest.mark.slow  # compile-bound (5-18 s): the fast tier's 3 minutes
 def test_killed_process_resumes_from_last_checkpoint(data, tmp_path):
   """SIGKILL a real training process mid-run; resuming here reaches the uninterrupted result."""
   tc = TC.replace(steps=400, ckpt_every=2, keep=2)
