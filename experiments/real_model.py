@@ -61,7 +61,7 @@ from specjax.models.transformer import with_dtype
 
 DEFAULT_SYSTEMS = ("lookup@4", "lookup@auto", "layer-skip:8@4", "layer-skip:15@4")
 HF_SYSTEMS = ("plain", "lookup", "assisted")
-AUTO_CHAINS = (1, 2, 4, 6)  # the adaptive menu's chains (`adaptive.DEFAULT_CHAINS`, k > 0)
+AUTO_CHAINS = tuple(k for k in adaptive.DEFAULT_CHAINS if k)  # the default menu's chains
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -172,7 +172,7 @@ def auto_policy(costs: calibration.LoopCosts, drafter) -> adaptive.AdaptivePolic
   share. Without it `k="auto"` runs the uncalibrated `decoding.default_policy`, which prices
   a drafter with no model of its own (prompt lookup) at a full target step per draft pass and
   never speculates."""
-  return adaptive.AdaptivePolicy.from_costs((0, *AUTO_CHAINS), {1: costs},
+  return adaptive.AdaptivePolicy.from_costs(adaptive.DEFAULT_CHAINS, {1: costs},
                                             lazy_slots=decoding.lazy_slots_of(drafter))
 
 
