@@ -13,5 +13,6 @@ setup(
     packages=find_packages(include=["specjax", "specjax.*"])
     + ["specjax.experiments", "specjax.configs"],
     package_dir={"specjax.experiments": "experiments", "specjax.configs": "configs"},
-    package_data={"specjax": ["embedded/*/*"], "specjax.configs": ["*.gin"]},
+    package_data={"specjax": ["embedded/*/*", "embedded/heads/*/*"],
+                  "specjax.configs": ["*.gin"]},
 )

@@ -10,7 +10,11 @@ after a warm-up call each (`measure.alternate`), specjax and transformers interl
     specjax plain           `decoding.generate` (the reference of every specjax speedup)
     specjax DRAFT@K         `speculative_generate` with a drafter reference (`resolve`:
                             lookup, layer-skip:M, ...) and K drafts per cycle or K = auto
-                            (the adaptive policy), e.g. "lookup@4", "layer-skip:8@auto"
+                            (the adaptive policy), e.g. "lookup@4", "layer-skip:8@auto";
+                            K = tree:W1xW2.. a static tree (`trees.branching`: W1 children
+                            of the root, W2 of each of those, ...), K = dyn:W1xW2.. EAGLE-2's
+                            dynamic tree of the same budget, depth and widest level
+                            (`trees.DynamicTree`, scored at `DYN_T0_CONFIDENCE` at T = 0)
     transformers plain      `generate` on the same float32 weights and the same token ids
                             (the reference of every transformers speedup)
     transformers lookup     `generate(prompt_lookup_num_tokens=hf_lookup_tokens)`
@@ -29,7 +33,9 @@ loops' own step and cycle costs, measured once per drafter and temperature on
 `calibration_questions` and cached on disk): a chain of K: τ_loop of this run's own
 acceptance ÷ the chain's cycle steps (`adaptive.calibrated_prediction`); K = auto: the
 tokens emitted ÷ the calibrated steps of the shapes the policy chose, cycle by cycle
-(`adaptive_prediction`); `efficiency` = measured ÷ predicted. A K = auto system runs the
+(`adaptive_prediction`); a static tree: as a chain; a dynamic tree: its measured τ ÷ the
+cycle steps of the static tree of the same widths (the same verified rows and draft passes:
+the calibration times static shapes only); `efficiency` = measured ÷ predicted. A K = auto system runs the
 adaptive policy priced by that calibration (`auto_policy`), calibrated before its first
 timed call.
 
@@ -62,6 +68,7 @@ from specjax.models.transformer import with_dtype
 DEFAULT_SYSTEMS = ("lookup@4", "lookup@auto", "layer-skip:8@4", "layer-skip:15@4")
 HF_SYSTEMS = ("plain", "lookup", "assisted")
 AUTO_CHAINS = tuple(k for k in adaptive.DEFAULT_CHAINS if k)  # the default menu's chains
+DYN_T0_CONFIDENCE = 0.25  # the drafters study's T = 0 scoring temperature of a dynamic tree
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -80,15 +87,43 @@ def select(prompts: str, per_category: int) -> list:
   return [q for ids in chosen.values() for q in ids]
 
 
-def parse_system(text: str) -> tuple[str, int | str]:
-  """("DRAFT", K) of "DRAFT@K", K an int >= 1 or "auto"; the draft reference is checked by
-  `resolve.draft_kind`."""
+def parse_system(text: str) -> tuple[str, int | str | tuple]:
+  """("DRAFT", K) of "DRAFT@K": K an int >= 1, "auto", or ("tree" | "dyn", widths) for
+  tree:W1xW2.. / dyn:W1xW2..; the draft reference is checked by `resolve.draft_kind`."""
   draft, sep, k = str(text).rpartition("@")
-  if not sep or not draft or not (k == "auto" or (k.isdigit() and int(k) >= 1)):
-    raise ValueError(f"systems entry {text!r}: write DRAFT@K with K an int >= 1 or 'auto' "
-                     f"(e.g. lookup@4, layer-skip:8@auto)")
+  shape, _, widths = k.partition(":")
+  ws = widths.split("x")
+  if shape in ("tree", "dyn") and all(w.isdigit() and int(w) >= 1 for w in ws):
+    parsed = (shape, tuple(int(w) for w in ws))
+  elif k == "auto" or (k.isdigit() and int(k) >= 1):
+    parsed = k if k == "auto" else int(k)
+  else:
+    parsed = None
+  if not sep or not draft or parsed is None:
+    raise ValueError(f"systems entry {text!r}: write DRAFT@K with K an int >= 1, 'auto', "
+                     f"tree:W1xW2.. or dyn:W1xW2.. (e.g. lookup@4, layer-skip:8@auto, "
+                     f"eagle3:DIR@dyn:4x2x2)")
   resolve.draft_kind(draft, flag=f"systems entry {text!r}:")
-  return draft, (k if k == "auto" else int(k))
+  return draft, parsed
+
+
+def shape_of(k, temperature: float = 0.0):
+  """The speculation shape of a parsed K: a chain, a static tree or a dynamic tree (None
+  for "auto": the policy's)."""
+  if k == "auto":
+    return None
+  if isinstance(k, int):
+    return trees.chain(k)
+  static = trees.branching(k[1])
+  if k[0] == "tree":
+    return static
+  return trees.DynamicTree(budget=static.size, depth=static.max_depth, width=max(k[1]),
+                           confidence=DYN_T0_CONFIDENCE if temperature == 0 else 1.0)
+
+
+def calibrated_shape(k):
+  """The static shape whose calibrated cycle prices K's (a dynamic tree: its static twin)."""
+  return trees.chain(k) if isinstance(k, int) else trees.branching(k[1])
 
 
 def validate(params: dict) -> None:
@@ -145,9 +180,10 @@ def _hf(ref: str, threads: int):
 @functools.lru_cache(maxsize=None)
 def _costs(ref, dtype, draft, ks: tuple, temperature, max_new_tokens, repeats, seed,
            calib_ids: tuple):
-  """The calibrated loop costs of `draft` on the target at batch 1 (cached on disk)."""
+  """The calibrated loop costs of `draft` on the target at batch 1 (cached on disk); ks:
+  the parsed Ks whose shapes it times (`calibrated_shape`)."""
   _, serving, _ = _target(ref, dtype)
-  shapes = [trees.chain(k) for k in ks]
+  shapes = list(dict.fromkeys(calibrated_shape(k) for k in ks))
   return calibration.calibrate(serving, _drafter(ref, dtype, draft), [list(i) for i in calib_ids],
                                shapes, batch=1, max_new_tokens=max_new_tokens, repeats=repeats,
                                temperature=temperature, seed=seed)
@@ -217,7 +253,8 @@ def point(question, temperature: float = 0.0, target: str = "", hf_model: str | 
   def costs_of(draft):  # one calibration per drafter: every chain its systems run
     ks = tuple(sorted({kk for d, kk in parsed.values() if d == draft and kk != "auto"}
                       | (set(AUTO_CHAINS) if any(d == draft and kk == "auto"
-                                                 for d, kk in parsed.values()) else set())))
+                                                 for d, kk in parsed.values()) else set()),
+                      key=lambda kk: (isinstance(kk, tuple), str(kk))))
     return _costs(target, target_dtype, draft, ks, float(temperature), max_new_tokens,
                   calibration_repeats, seed, calib_ids)
 
@@ -227,8 +264,12 @@ def point(question, temperature: float = 0.0, target: str = "", hf_model: str | 
       pol = auto_policy(costs_of(draft), d)
       return lambda: decoding.speculative_generate(serving, d, [ids], policy=pol,
                                                    max_new_tokens=n, **common)
-    return lambda: decoding.speculative_generate(serving, d, [ids], k=k, max_new_tokens=n,
-                                                 **common)
+    if isinstance(k, int):
+      return lambda: decoding.speculative_generate(serving, d, [ids], k=k, max_new_tokens=n,
+                                                   **common)
+    tree = shape_of(k, temperature)
+    return lambda: decoding.speculative_generate(serving, d, [ids], tree=tree,
+                                                 max_new_tokens=n, **common)
 
   fns = {"specjax plain": plain(max_new_tokens)}
   prefill = {"specjax plain": plain(1)}
@@ -311,8 +352,10 @@ def _spec_fields(gen, seconds, name, plain, k, costs, temperature, serving, ids,
                     if decode else float("nan"))
   if k == "auto":
     predicted = adaptive_prediction(costs, gen)
+  elif isinstance(k, tuple) and k[0] == "dyn":
+    predicted = costs.predicted_speedup(calibrated_shape(k), summary.tau)
   else:
-    predicted = adaptive_study.calibrated_prediction(costs, gen.stats, trees.chain(k), 1,
+    predicted = adaptive_study.calibrated_prediction(costs, gen.stats, calibrated_shape(k), 1,
                                                      max(new - 1, 1))
   fields = {"library": "specjax", "new_tokens": new, "seconds": seconds[name], "tok_s": tok_s,
             "speedup": tok_s / plain["tok_s"], "speedup_decode": speedup_decode,

@@ -56,6 +56,7 @@ from specjax.verify import trees
 from specjax.drafters.medusa import MedusaDrafter
 from specjax.training.defaults import load_default_heads
 from specjax.training.heads import load_head
+from specjax.training import shipped_heads
 from specjax.drafters.eagle import EagleDrafter
 from specjax.drafters.layer_skip import LayerSkipDrafter
 from specjax.drafters.lookup import LookupDrafter
@@ -100,7 +101,9 @@ def draft_kind(spec: str | None, flag: str = "draft") -> tuple[str, Any]:
       raise ValueError(f"{flag} {spec!r}: write {kind}:DIR or {kind}:default")
     if kind == "eagle3" and where == "default":
       raise ValueError(f"{flag} {spec!r}: no default eagle3 head ships; write eagle3:DIR (a "
-                       f"head from `specjax import-head` or `specjax train eagle3`)")
+                       f"head from `specjax import-head` or `specjax train eagle3`) or "
+                       f"eagle3:NAME, a head shipped for a real target "
+                       f"({', '.join(shipped_heads.names()) or 'none'})")
     return kind, where
   if spec in ("self", "default"):
     return spec, None
@@ -240,6 +243,11 @@ def head_drafter(spec: str, target, kind: str, where: str, *, k, deterministic: 
   if where == "default":
     head = load_default_heads(kind)
   else:
+    if kind == "eagle3" and shipped_heads.is_shipped(where):  # eagle3:NAME, a shipped head
+      try:
+        where = str(shipped_heads.bound_dir(where, target))
+      except ValueError as e:
+        raise ValueError(f"{flag} {spec}: {e}") from None
     try:
       # eagle:DIR takes either EAGLE structure (the head records which); eagle3:DIR only its own
       head = load_head(where, target=(target.config, nnx.state(target, nnx.Param)),

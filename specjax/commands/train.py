@@ -158,20 +158,26 @@ def add_parser(subparsers) -> None:
 
 
 def _medusa_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--heads", type=int, default=4, help="K: heads (draft depth), default 4")
-  p.add_argument("--decay", type=float, default=0.8,
+  p.add_argument("--heads", type=int, default=None, help="K: heads (draft depth), default 4")
+  p.add_argument("--decay", type=float, default=None,
                  help="loss weight of head j is decay^j (default 0.8)")
+
+
+def _given(value, default):
+  """A kind flag's value: as given, else its default (the flags default to None so that a
+  --recipe can tell what the command line set)."""
+  return default if value is None else value
 
 
 def _medusa_kind(args):
   from specjax.training.medusa import MedusaHeads
-  return MedusaHeads(heads=args.heads, decay=args.decay)
+  return MedusaHeads(heads=_given(args.heads, 4), decay=_given(args.decay, 0.8))
 
 
 def _eagle_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--ttt-steps", type=int, default=3,
+  p.add_argument("--ttt-steps", type=int, default=None,
                  help="drafting steps unrolled in training (training-time test), default 3")
-  p.add_argument("--decay", type=float, default=0.8,
+  p.add_argument("--decay", type=float, default=None,
                  help="loss weight of unrolled step j is decay^j (default 0.8)")
   p.add_argument("--layers", default=None, metavar="I,J,K",
                  help="target layers the head reads (default: first block, middle block, "
@@ -199,15 +205,15 @@ def _layers(args) -> tuple[int, ...] | None:
 def _eagle_kind(args):
   from specjax.training.eagle import EagleHeads
   layers = _layers(args)
-  return EagleHeads(steps=args.ttt_steps, decay=args.decay, layers=layers,
-                    width=args.width, structure=args.structure,
+  return EagleHeads(steps=_given(args.ttt_steps, 3), decay=_given(args.decay, 0.8),
+                    layers=layers, width=args.width, structure=args.structure,
                     bias=args.structure == "eagle")  # EAGLE's fc has a bias
 
 
 def _eagle3_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--ttt-steps", type=int, default=3,
+  p.add_argument("--ttt-steps", type=int, default=None,
                  help="drafting steps unrolled in training (training-time test), default 3")
-  p.add_argument("--decay", type=float, default=0.8,
+  p.add_argument("--decay", type=float, default=None,
                  help="loss weight of unrolled step j is decay^j (default 0.8)")
   p.add_argument("--layers", default=None, metavar="I,J,K",
                  help="target layers the head reads (capture indices; default: the EAGLE-3 "
@@ -222,7 +228,8 @@ def _eagle3_kind(args):
   layers = _layers(args)
   if args.draft_vocab is not None and args.draft_vocab < 1:
     raise ValueError(f"--draft-vocab must be an int >= 1, got {args.draft_vocab}")
-  return Eagle3Heads(steps=args.ttt_steps, decay=args.decay, layers=layers)
+  return Eagle3Heads(steps=_given(args.ttt_steps, 3), decay=_given(args.decay, 0.8),
+                     layers=layers)
 
 
 HEAD_KINDS = {
@@ -241,6 +248,9 @@ def _head_args(p: argparse.ArgumentParser) -> None:
                       "cached default target of --preset/--corpus)")
   _common(p)
   _schedule_args(p, "the default heads'", "acceptance", dtype=False)
+  p.add_argument("--recipe", default=None, metavar="NAME",
+                 help="a head recipe for a real target (`training.presets.HEAD_RECIPES`, e.g. "
+                      "smollm2-eagle3): its kind flags and schedule, under the flags given")
   p.add_argument("--tree-budget", type=int, default=16,
                  help="print the best static tree of this many nodes for the measured "
                       "acceptance (default 16)")
@@ -453,11 +463,14 @@ def run_head(args, kind: str) -> int:
   from specjax.training.heads import HeadTrainer
   if args.tree_budget < 1:
     raise ValueError(f"--tree-budget must be an int >= 1, got {args.tree_budget}")
+  base = DEFAULT_HEADS.get(kind, DEFAULT_HEADS["eagle"])[1]
+  if args.recipe is not None:
+    base = _apply_recipe(args, kind)
   head_kind = HEAD_KINDS[kind][2](args)  # validates the kind's own flags first
   out = _out_dir(args.out)
   mesh = _mesh(args)  # before the target
   config, params, tokenizer = _head_target(args)
-  tc = _train_config(DEFAULT_HEADS.get(kind, DEFAULT_HEADS["eagle"])[1], args, "lm")
+  tc = _train_config(base, args, "lm")
   _, data = _load_data(args, tokenizer)
   if getattr(args, "draft_vocab", None) is not None:  # eagle3: the frequent tokens
     head_kind = head_kind.with_frequent_vocab(data.learned_tokens(), args.draft_vocab,
@@ -471,6 +484,17 @@ def run_head(args, kind: str) -> int:
       print(f"best static tree of <= {args.tree_budget} nodes for this acceptance: {tree}")
 
   return _run_trainer(trainer, out, report)
+
+
+def _apply_recipe(args, kind: str):
+  """The schedule of --recipe, its kind flags set on `args` where the command line gave
+  none (a flag given wins; so do the schedule flags, applied over it by `_train_config`)."""
+  from specjax.training.presets import head_recipe
+  recipe = head_recipe(args.recipe, kind)
+  for dest, value in recipe.flags:
+    if getattr(args, dest, None) is None:
+      setattr(args, dest, value)
+  return recipe.schedule
 
 
 def _load_for_measure(spec: str, role: str, args):

@@ -393,9 +393,9 @@ class HeadTrainer(CheckpointedRun):
                out_dir: str | pathlib.Path | None = None, progress: bool = True,
                log: Callable[[str], None] = _log, eval_ranks: int = 4, mesh=None) -> None:
     tc = train_config
-    if target_config.vocab_size != tokenizer.vocab_size:
-      raise ValueError(f"target vocab_size {target_config.vocab_size} != tokenizer vocab_size "
-                       f"{tokenizer.vocab_size}: use the target's own tokenizer")
+    if tokenizer.vocab_size > target_config.vocab_size:  # fewer: padded embedding rows
+      raise ValueError(f"tokenizer vocab_size {tokenizer.vocab_size} exceeds the target's "
+                       f"vocab_size {target_config.vocab_size}: use the target's own tokenizer")
     if tc.seq_len + 1 > target_config.max_len:
       raise ValueError(f"seq_len {tc.seq_len} (+1) exceeds the target's max_len "
                        f"{target_config.max_len}")

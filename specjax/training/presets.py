@@ -147,6 +147,55 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+# ----------------------------------------------------------------------------- head recipes
+#
+# Draft heads for a real target, trained on its own answers (`specjax train selfdistill-data`)
+# by `specjax train KIND --recipe NAME --target FILE.gguf --corpus selfdistill:DIR --out DIR`.
+# A recipe gives the kind's own flags and the schedule; a flag given on the command line
+# wins. Measured figures (time, tokens, held-out acceptance): BUILD_NOTES.md, "Real-target
+# heads".
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadRecipe:
+  name: str
+  kind: str                           # the `specjax train` head command it belongs to
+  flags: tuple[tuple[str, object], ...]  # (argparse dest, value) of the kind's own flags
+  schedule: TrainConfig
+  description: str
+
+
+def _head_schedule(steps: int, lr: float) -> TrainConfig:
+  """8 windows of 256 tokens a step (about 1,000 answer tokens: the selfdistill rows are
+  half prompt), checkpointed every 40 steps, held-out acceptance at the end."""
+  return TrainConfig(steps=steps, batch_size=8, seq_len=256, lr=lr, warmup_steps=20,
+                     eval_every=0, ckpt_every=40, eval_windows=64, keep=1)
+
+
+HEAD_RECIPES: dict[str, HeadRecipe] = {
+    "smollm2-eagle3": HeadRecipe(
+        name="smollm2-eagle3", kind="eagle3",
+        flags=(("draft_vocab", 8192), ("ttt_steps", 3), ("decay", 0.8)),
+        schedule=_head_schedule(240, 3e-3),
+        description="EAGLE-3 head for SmolLM2-135M-Instruct: the format's three layers, "
+                    "an 8,192-token draft vocabulary (9.8 M parameters, 19.6 MB in bf16), "
+                    "three unrolled steps; about one pass over 1,024 answered prompts"),
+    "smollm2-medusa": HeadRecipe(
+        name="smollm2-medusa", kind="medusa", flags=(("heads", 4), ("decay", 0.8)),
+        schedule=_head_schedule(240, 3e-3),
+        description="four Medusa-1 heads for SmolLM2-135M-Instruct, each a residual block "
+                    "and the full 49,152-id head"),
+}
+
+
+def head_recipe(name: str, kind: str) -> HeadRecipe:
+  """The recipe `name` of head kind `kind`; ValueError naming the allowed ones."""
+  mine = sorted(n for n, r in HEAD_RECIPES.items() if r.kind == kind)
+  if name not in HEAD_RECIPES or HEAD_RECIPES[name].kind != kind:
+    raise ValueError(f"--recipe must be one of {mine} for `train {kind}`, got {name!r}")
+  return HEAD_RECIPES[name]
+
+
 def get_preset(name: str) -> Preset:
   if name not in PRESETS:
     raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")

@@ -51,3 +51,23 @@ def test_a_sentencepiece_model_is_converted_or_refused_naming_the_file(tmp_path)
   (tmp_path / "tokenizer.model").write_bytes(b"not a sentencepiece model")
   with pytest.raises(ValueError, match="tokenizer.model"):
     load_tokenizer_for(tmp_path, {"vocab_size": 32000})
+
+
+def test_a_saved_hugging_face_tokenizer_reads_back_equal(tmp_path):
+  """`HFTokenizer.save` (what a head trained on a real target keeps beside its checkpoint):
+  the same ids, specials, EOS ids and chat template after a round trip."""
+  from hf_testing import LLAMA3, write_tokenizer_dir
+  src = write_tokenizer_dir(tmp_path / "src", config={"chat_template": LLAMA3},
+                            generation={"eos_token_id": [3, 5]})
+  ours = load_tokenizer_for(src)
+  ours.save(tmp_path / "dst")
+  back = load_tokenizer_for(tmp_path / "dst")
+  assert isinstance(back, HFTokenizer)
+  assert back.to_spec() == ours.to_spec()
+  assert (back.bos_id, back.eos_id, back.eos_ids) == (ours.bos_id, ours.eos_id, ours.eos_ids)
+  msgs = [{"role": "user", "content": TEXTS[0]}]
+  assert back.apply_chat_template(msgs) == ours.apply_chat_template(msgs)
+  for text in TEXTS:
+    assert back.encode(text) == ours.encode(text)
+  ours.save(tmp_path / "src")  # saving where it was read from rewrites nothing it needs
+  assert load_tokenizer_for(src).to_spec() == ours.to_spec()

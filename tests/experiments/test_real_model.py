@@ -52,12 +52,29 @@ def test_the_shipped_question_file_has_spec_benchs_13_categories():
 
 
 @pytest.mark.parametrize("text, parsed", [("lookup@4", ("lookup", 4)),
-                                          ("layer-skip:8@auto", ("layer-skip:8", "auto"))])
+                                          ("layer-skip:8@auto", ("layer-skip:8", "auto")),
+                                          ("eagle:default@tree:3x1x1",
+                                           ("eagle:default", ("tree", (3, 1, 1)))),
+                                          ("lookup@dyn:4x2", ("lookup", ("dyn", (4, 2))))])
 def test_system_syntax(text, parsed):
   assert real_model.parse_system(text) == parsed
 
 
-@pytest.mark.parametrize("text", ["lookup", "lookup@0", "lookup@x", "@4", "layer-skip:x@4"])
+def test_tree_systems_run_their_shapes_and_are_priced_by_their_static_twin():
+  tree = real_model.shape_of(("tree", (3, 1, 1)))
+  assert tree == trees.branching((3, 1, 1)) and tree.size == 9 and tree.max_depth == 3
+  dyn = real_model.shape_of(("dyn", (3, 1, 1)), temperature=0.0)
+  assert (dyn.budget, dyn.depth, dyn.width) == (9, 3, 3)
+  assert dyn.confidence == real_model.DYN_T0_CONFIDENCE
+  assert real_model.shape_of(("dyn", (3, 1, 1)), temperature=1.0).confidence == 1.0
+  assert real_model.calibrated_shape(("dyn", (3, 1, 1))) == tree
+  assert real_model.calibrated_shape(4) == trees.chain(4) == real_model.shape_of(4)
+  assert real_model.shape_of("auto") is None
+
+
+@pytest.mark.parametrize("text", ["lookup", "lookup@0", "lookup@x", "@4", "layer-skip:x@4",
+                                  "lookup@tree:", "lookup@tree:3x0", "lookup@dyn:ax2",
+                                  "lookup@bush:3"])
 def test_bad_system_is_one_error(text):
   with pytest.raises(ValueError, match="systems entry"):
     real_model.parse_system(text)

@@ -18,6 +18,7 @@ from specjax.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
 from specjax.data.chat import merge_eos_ids
 from specjax.data.chat import load_chat_template
 from specjax.data.json_files import read_object
+from specjax.files import atomic_write
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model",
@@ -227,6 +228,17 @@ class HFTokenizer:
 
   def to_json(self) -> str:
     return self._tok.to_str()
+
+  def save(self, directory: str | os.PathLike) -> None:
+    """Writes the tokenizer into `directory` as Hugging Face lays it out, so that
+    `load_tokenizer_for(directory)` reads back an equal one (a head trained on this target
+    keeps it beside its checkpoint): the files it was read from (`TOKENIZER_FILES`: special
+    ids, chat template, EOS ids), and tokenizer.json itself (all or nothing)."""
+    out = pathlib.Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    if self.directory is not None and pathlib.Path(self.directory).resolve() != out.resolve():
+      copy_tokenizer_files(self.directory, out)
+    atomic_write(out / "tokenizer.json", self.to_json())
 
   def to_spec(self) -> dict:
     return {"kind": "hf", "vocab_size": self.vocab_size,
