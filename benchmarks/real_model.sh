@@ -13,6 +13,7 @@
 # (c) run: benchmarks/real_model.py run, into OUT (default runs/real_model); re-running
 #     the same command resumes it. The flags after the script's name go to `run`.
 # PYTHON: the interpreter (default: python). The download is the only network access.
+# FETCH_ONLY=1: (a) and (b) only (benchmarks/smollm2_drafters.sh uses it).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -60,6 +61,9 @@ case "$IMPORT" in
 esac
 echo "real_model.sh: import via $IMPORT: target $TARGET" >&2
 
-# (c) run
+# (c) run (FETCH_ONLY=1: stop after (a) and (b), printing the GGUF file and the directory)
+if [ "${FETCH_ONLY:-0}" = 1 ]; then
+  echo "$GGUF"; echo "$HF_DIR"; exit 0
+fi
 exec "$PYTHON" "$HERE/real_model.py" run --target "$TARGET" --hf-model "$HF_DIR" \
   --out "$OUT" "$@"

@@ -112,6 +112,7 @@ def add_parser(subparsers) -> None:
                       "cached default target of --preset/--corpus, trained on first use)")
   p.add_argument("--plain", action="store_true",
                  help="plain next-token training instead of distillation (a baseline)")
+  _recipe_arg(p, "smollm2-draft", "its shape and schedule, instead of --preset's")
   p.set_defaults(func=run_draft)
 
   p = sub.add_parser("defaults", help="load the shipped default pair, or build (first use) "
@@ -248,15 +249,19 @@ def _head_args(p: argparse.ArgumentParser) -> None:
                       "cached default target of --preset/--corpus)")
   _common(p)
   _schedule_args(p, "the default heads'", "acceptance", dtype=False)
-  p.add_argument("--recipe", default=None, metavar="NAME",
-                 help="a head recipe for a real target (`training.presets.HEAD_RECIPES`, e.g. "
-                      "smollm2-eagle3): its kind flags and schedule, under the flags given")
+  _recipe_arg(p, "smollm2-eagle3", "its kind flags and schedule, under the flags given")
   p.add_argument("--tree-budget", type=int, default=16,
                  help="print the best static tree of this many nodes for the measured "
                       "acceptance (default 16)")
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _recipe_arg(p: argparse.ArgumentParser, example: str, what: str) -> None:
+  p.add_argument("--recipe", default=None, metavar="NAME",
+                 help=f"a recipe for a real target (`training.presets.RECIPES`, e.g. "
+                      f"{example}): {what}")
 
 
 def _train_config(base, args, objective: str):
@@ -400,9 +405,13 @@ def run_target(args) -> int:
 
 def run_draft(args) -> int:
   _resolve_corpus(args)
-  from specjax.training.presets import get_preset
+  from specjax.training.presets import get_preset, get_recipe
   from specjax.training.trainer import Teacher
   preset = get_preset(_preset_name(args))
+  draft_cfg, base = preset.draft, preset.draft_train
+  if args.recipe is not None:
+    base = _apply_recipe(args, "draft")
+    draft_cfg = get_recipe(args.recipe, "draft").model
   out = _out_dir(args.out)
   teacher = None
   if args.teacher is not None:
@@ -416,8 +425,8 @@ def run_draft(args) -> int:
 
     from specjax.models.transformer import cast_floats
     teacher = Teacher(teacher_cfg, cast_floats(teacher_params, jnp.float32))
-  tc = _train_config(preset.draft_train, args, "lm" if args.plain else "distill")
-  return _train_model(preset.draft, tc, args, tokenizer, out, teacher=teacher,
+  tc = _train_config(base, args, "lm" if args.plain else "distill")
+  return _train_model(draft_cfg, tc, args, tokenizer, out, teacher=teacher,
                       role="draft (plain)" if args.plain else "draft (distilled)")
 
 
@@ -489,8 +498,8 @@ def run_head(args, kind: str) -> int:
 def _apply_recipe(args, kind: str):
   """The schedule of --recipe, its kind flags set on `args` where the command line gave
   none (a flag given wins; so do the schedule flags, applied over it by `_train_config`)."""
-  from specjax.training.presets import head_recipe
-  recipe = head_recipe(args.recipe, kind)
+  from specjax.training.presets import get_recipe
+  recipe = get_recipe(args.recipe, kind)
   for dest, value in recipe.flags:
     if getattr(args, dest, None) is None:
       setattr(args, dest, value)

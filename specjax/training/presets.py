@@ -147,53 +147,64 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-# ----------------------------------------------------------------------------- head recipes
+# ----------------------------------------------------------------------------- real targets
 #
-# Draft heads for a real target, trained on its own answers (`specjax train selfdistill-data`)
-# by `specjax train KIND --recipe NAME --target FILE.gguf --corpus selfdistill:DIR --out DIR`.
-# A recipe gives the kind's own flags and the schedule; a flag given on the command line
-# wins. Measured figures (time, tokens, held-out acceptance): BUILD_NOTES.md, "Real-target
+# Drafters for a real target, trained on its own answers (`specjax train selfdistill-data`)
+# by `specjax train eagle3|medusa --recipe NAME --target FILE.gguf --corpus selfdistill:DIR
+# --out DIR` (heads) and `specjax train draft --recipe NAME --teacher FILE.gguf ...` (a draft
+# model with the target's tokenizer). A recipe gives the kind's own flags, the schedule and,
+# for a draft model, its shape; a flag given on the command line wins. Measured figures (time, tokens, held-out acceptance): BUILD_NOTES.md, "Real-target
 # heads".
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadRecipe:
+class Recipe:
   name: str
-  kind: str                           # the `specjax train` head command it belongs to
+  kind: str                           # the `specjax train` command it belongs to
   flags: tuple[tuple[str, object], ...]  # (argparse dest, value) of the kind's own flags
   schedule: TrainConfig
   description: str
+  model: ModelConfig | None = None    # a draft model's shape (its vocab_size: the target's)
 
 
-def _head_schedule(steps: int, lr: float) -> TrainConfig:
+def _recipe_schedule(steps: int, lr: float) -> TrainConfig:
   """8 windows of 256 tokens a step (about 1,000 answer tokens: the selfdistill rows are
   half prompt), checkpointed every 40 steps, held-out acceptance at the end."""
   return TrainConfig(steps=steps, batch_size=8, seq_len=256, lr=lr, warmup_steps=20,
                      eval_every=0, ckpt_every=40, eval_windows=64, keep=1)
 
 
-HEAD_RECIPES: dict[str, HeadRecipe] = {
-    "smollm2-eagle3": HeadRecipe(
+RECIPES: dict[str, Recipe] = {
+    "smollm2-eagle3": Recipe(
         name="smollm2-eagle3", kind="eagle3",
         flags=(("draft_vocab", 8192), ("ttt_steps", 3), ("decay", 0.8)),
-        schedule=_head_schedule(240, 3e-3),
+        schedule=_recipe_schedule(240, 3e-3),
         description="EAGLE-3 head for SmolLM2-135M-Instruct: the format's three layers, "
                     "an 8,192-token draft vocabulary (9.8 M parameters, 19.6 MB in bf16), "
                     "three unrolled steps; about one pass over 1,024 answered prompts"),
-    "smollm2-medusa": HeadRecipe(
+    "smollm2-medusa": Recipe(
         name="smollm2-medusa", kind="medusa", flags=(("heads", 4), ("decay", 0.8)),
-        schedule=_head_schedule(240, 3e-3),
+        schedule=_recipe_schedule(240, 3e-3),
         description="four Medusa-1 heads for SmolLM2-135M-Instruct, each a residual block "
                     "and the full 49,152-id head"),
+    "smollm2-draft": Recipe(
+        name="smollm2-draft", kind="draft", flags=(),
+        schedule=dataclasses.replace(_recipe_schedule(240, 2e-3), objective="distill"),
+        model=_llama(d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=768,
+                     vocab_size=49152, max_len=2048, rope_theta=100000.0),
+        description="a distilled draft model for SmolLM2-135M-Instruct: 2 layers of width "
+                    "256 with the target's tokenizer and tied 49,152-id embedding (14.2 M "
+                    "parameters), the target's RoPE base and 2,048 positions"),
 }
 
 
-def head_recipe(name: str, kind: str) -> HeadRecipe:
-  """The recipe `name` of head kind `kind`; ValueError naming the allowed ones."""
-  mine = sorted(n for n, r in HEAD_RECIPES.items() if r.kind == kind)
-  if name not in HEAD_RECIPES or HEAD_RECIPES[name].kind != kind:
+def get_recipe(name: str, kind: str) -> Recipe:
+  """The recipe `name` of kind `kind` (a head kind or "draft"); ValueError naming the
+  allowed ones."""
+  mine = sorted(n for n, r in RECIPES.items() if r.kind == kind)
+  if name not in RECIPES or RECIPES[name].kind != kind:
     raise ValueError(f"--recipe must be one of {mine} for `train {kind}`, got {name!r}")
-  return HEAD_RECIPES[name]
+  return RECIPES[name]
 
 
 def get_preset(name: str) -> Preset:

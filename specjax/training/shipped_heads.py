@@ -4,7 +4,7 @@
     specjax/embedded/heads/<NAME>/
         config.json           the head in the published EAGLE-3 layout (`export-head
         model.safetensors     --format eagle3 --dtype bfloat16`: what SGLang and vLLM load)
-        manifest.json         name, kind, the recipe (`presets.HEAD_RECIPES`), the training
+        manifest.json         name, kind, the recipe (`presets.RECIPES`), the training
                               data's run and totals, the trained head's schedule, seconds and
                               held-out acceptance, the target's config and float32 parameter
                               fingerprint, the sha256 of both files above
@@ -36,7 +36,7 @@ from specjax.models.transformer import cast_floats
 from specjax.training import published
 from specjax.training.defaults import cache_dir
 from specjax.training.heads import read_head_meta
-from specjax.training.presets import HEAD_RECIPES
+from specjax.training.presets import RECIPES
 from specjax.training.shipped import embedded_root
 from specjax.training.trainer import params_fingerprint
 
@@ -121,15 +121,15 @@ def ship(head_dir, target, out, *, name: str, recipe: str, target_name: str,
   head (e.g. the real-model benchmark's); `training_seconds`: the training run's wall time.
   Returns the manifest."""
   module, _ = published.files.target_of(target)
-  if recipe not in HEAD_RECIPES:
-    raise ValueError(f"recipe must be one of {sorted(HEAD_RECIPES)}, got {recipe!r}")
+  if recipe not in RECIPES:
+    raise ValueError(f"recipe must be one of {sorted(RECIPES)}, got {recipe!r}")
   out = pathlib.Path(out)
   published.export_head(head_dir, module, out, format="eagle3", dtype="bfloat16",
                         overwrite=True)
   meta = read_head_meta(head_dir)
   manifest = {
       "format": FORMAT, "name": name, "kind": "eagle3",
-      "recipe": {"name": recipe, **_jsonable(dataclasses.asdict(HEAD_RECIPES[recipe]))},
+      "recipe": {"name": recipe, **_jsonable(dataclasses.asdict(RECIPES[recipe]))},
       "trained": {**{k: meta[k] for k in ("train_config", "data", "acceptance") if k in meta},
                   "seconds": training_seconds},
       "target": {"name": target_name, "fingerprint_float32": target_fingerprint(module),

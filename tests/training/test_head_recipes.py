@@ -1,4 +1,4 @@
-"""Head recipes for a real target (`training.presets.HEAD_RECIPES`, `specjax train KIND
+"""Recipes for a real target (`training.presets.RECIPES`, `specjax train KIND
 --recipe NAME`) and head training on a Hugging Face target, whose tokenizer the checkpoint
 keeps (issue 44)."""
 
@@ -7,18 +7,32 @@ import argparse
 import pytest
 
 from specjax.commands import train as train_cmd
-from specjax.training.presets import HEAD_RECIPES, head_recipe
+from specjax.training.presets import RECIPES, get_recipe
 
 
 def _args(kind: str, *argv: str) -> argparse.Namespace:
   parser = argparse.ArgumentParser()
   sub = parser.add_subparsers(dest="what")
   train_cmd.add_parser(sub)
-  return parser.parse_args(["train", kind, "--target", "t", "--out", "o", *argv])
+  model = ["--teacher", "t"] if kind == "draft" else ["--target", "t"]
+  return parser.parse_args(["train", kind, *model, "--out", "o", *argv])
 
 
-def test_every_recipe_names_a_head_command_and_builds_its_kind():
-  for name, recipe in HEAD_RECIPES.items():
+def test_a_draft_recipe_gives_a_model_on_the_targets_vocabulary_and_a_distill_schedule():
+  drafts = [r for r in RECIPES.values() if r.kind == "draft"]
+  assert drafts
+  for recipe in drafts:
+    args = _args("draft", "--recipe", recipe.name)
+    assert train_cmd._apply_recipe(args, "draft") == recipe.schedule
+    assert recipe.model is not None and recipe.schedule.objective == "distill"
+  smol = RECIPES["smollm2-draft"].model
+  assert (smol.vocab_size, smol.max_len, smol.rope_theta) == (49152, 2048, 100000.0)
+
+
+def test_every_head_recipe_names_a_head_command_and_builds_its_kind():
+  for name, recipe in RECIPES.items():
+    if recipe.kind == "draft":
+      continue
     assert recipe.kind in train_cmd.HEAD_KINDS, name
     args = _args(recipe.kind, "--recipe", name)
     schedule = train_cmd._apply_recipe(args, recipe.kind)
@@ -34,7 +48,7 @@ def test_a_flag_given_wins_over_the_recipe_and_schedule_flags_apply_over_it():
   base = train_cmd._apply_recipe(args, "eagle3")
   assert args.draft_vocab == 512 and args.ttt_steps == 3
   tc = train_cmd._train_config(base, args, "lm")
-  assert tc.steps == 7 and tc.seq_len == HEAD_RECIPES["smollm2-eagle3"].schedule.seq_len
+  assert tc.steps == 7 and tc.seq_len == RECIPES["smollm2-eagle3"].schedule.seq_len
 
 
 def test_without_a_recipe_the_kind_flags_keep_their_documented_defaults():
@@ -44,10 +58,11 @@ def test_without_a_recipe_the_kind_flags_keep_their_documented_defaults():
   assert (kind.steps, kind.decay) == (3, 0.8)
 
 
-@pytest.mark.parametrize("name,kind", [("smollm2-medusa", "eagle3"), ("nope", "medusa")])
+@pytest.mark.parametrize("name,kind", [("smollm2-medusa", "eagle3"), ("nope", "medusa"),
+                                       ("smollm2-eagle3", "draft")])
 def test_a_recipe_of_another_kind_or_unknown_is_refused_naming_the_allowed(name, kind):
   with pytest.raises(ValueError, match=r"--recipe must be one of \[.*\] for `train " + kind):
-    head_recipe(name, kind)
+    get_recipe(name, kind)
 
 
 @pytest.mark.slow  # trains two steps of an EAGLE-3 head
