@@ -56,14 +56,15 @@ class ShippedError(ValueError):
   """A shipped entry that cannot be used (the caller falls back to the recipe)."""
 
 
-def read_manifest(directory: pathlib.Path) -> dict:
+def read_manifest(directory: pathlib.Path, fmt: int = SHIPPED_FORMAT) -> dict:
+  """directory/manifest.json of format `fmt` (ShippedError, one line, otherwise)."""
   try:
     manifest = json.loads((directory / MANIFEST).read_text())
   except (OSError, ValueError) as e:
     raise ShippedError(f"cannot read {directory / MANIFEST}: {e}") from None
-  if manifest.get("format") != SHIPPED_FORMAT:
+  if manifest.get("format") != fmt:
     raise ShippedError(f"{directory / MANIFEST} has format {manifest.get('format')!r}, this "
-                       f"version reads {SHIPPED_FORMAT}")
+                       f"version reads {fmt}")
   return manifest
 
 

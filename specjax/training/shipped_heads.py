@@ -37,11 +37,11 @@ from specjax.training import published
 from specjax.training.defaults import cache_dir
 from specjax.training.heads import read_head_meta
 from specjax.training.presets import RECIPES
-from specjax.training.shipped import embedded_root
+from specjax.training import shipped
+from specjax.training.shipped import MANIFEST, embedded_root
 from specjax.training.trainer import params_fingerprint
 
 FORMAT = 1
-MANIFEST = "manifest.json"
 FILES = ("config.json", "model.safetensors")
 
 
@@ -52,7 +52,9 @@ def heads_root() -> pathlib.Path:
 def names() -> list[str]:
   """The shipped heads' names (`eagle3:NAME`)."""
   root = heads_root()
-  return sorted(p.name for p in root.iterdir() if (p / MANIFEST).is_file()) if root.is_dir() else []
+  if not root.is_dir():
+    return []
+  return sorted(p.name for p in root.iterdir() if (p / MANIFEST).is_file())
 
 
 def is_shipped(where: str) -> bool:
@@ -67,15 +69,10 @@ def target_fingerprint(module) -> str:
 
 
 def read_manifest(name: str) -> dict:
-  path = heads_root() / name / MANIFEST
   try:
-    manifest = json.loads(path.read_text())
-  except (OSError, ValueError) as e:
-    raise ValueError(f"shipped head {name!r}: cannot read {path}: {e}") from None
-  if manifest.get("format") != FORMAT:
-    raise ValueError(f"shipped head {name!r}: {path} has format {manifest.get('format')!r}, "
-                     f"this version reads {FORMAT}")
-  return manifest
+    return shipped.read_manifest(heads_root() / name, FORMAT)
+  except shipped.ShippedError as e:
+    raise ValueError(f"shipped head {name!r}: {e}") from None
 
 
 def bound_dir(name: str, target, tokenizer=None) -> pathlib.Path:
