@@ -35,9 +35,9 @@ acceptance ÷ the chain's cycle steps (`adaptive.calibrated_prediction`); K = au
 tokens emitted ÷ the calibrated steps of the shapes the policy chose, cycle by cycle
 (`adaptive_prediction`); a static tree: as a chain; a dynamic tree: its measured τ ÷ the
 cycle steps of the static tree of the same widths (the same verified rows and draft passes:
-the calibration times static shapes only); `efficiency` = measured ÷ predicted. A K = auto system runs the
-adaptive policy priced by that calibration (`auto_policy`), calibrated before its first
-timed call.
+the calibration times static shapes only); `efficiency` = measured ÷ predicted. A K = auto
+system runs the adaptive policy priced by that calibration (`auto_policy`), calibrated
+before its first timed call.
 
 Checks at T = 0 (float32): every specjax system's tokens equal specjax plain's (else
 `divergences`, `only_ties`, as in Spec-Bench's study); transformers' plain tokens against

@@ -153,8 +153,8 @@ PRESETS: dict[str, Preset] = {
 # by `specjax train eagle3|medusa --recipe NAME --target FILE.gguf --corpus selfdistill:DIR
 # --out DIR` (heads) and `specjax train draft --recipe NAME --teacher FILE.gguf ...` (a draft
 # model with the target's tokenizer). A recipe gives the kind's own flags, the schedule and,
-# for a draft model, its shape; a flag given on the command line wins. Measured figures (time, tokens, held-out acceptance): BUILD_NOTES.md, "Real-target
-# heads".
+# for a draft model, its shape; a flag given on the command line wins. Measured figures
+# (time, tokens, held-out acceptance): BUILD_NOTES.md, "Drafters for SmolLM2".
 
 
 @dataclasses.dataclass(frozen=True)
