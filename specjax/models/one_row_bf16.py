@@ -6,7 +6,8 @@ layers) pads such a row and drops the duplicate, on the CPU only (`pad_one_row_b
 as $SPECJAX_PAD_ONE_ROW_BF16 forces (`padding_policy`, recorded by calibrations and run
 directories).
 
-Also here, off by default: a product of 2..limit rows computed as that many one-row products
+Also here: whether products sharing an input are fused (`fuse_products`, on XLA:CPU by
+default, $SPECJAX_FUSE_PRODUCTS), and, off by default, a product of 2..limit rows computed as that many one-row products
 (`split_rows`, $SPECJAX_ROW_PRODUCTS), the experiment of docs/xla_notes.md, trap 7b: on
 XLA:CPU one row takes Eigen's matrix-vector kernel, two or more a GEMM (YNNPACK) that reads
 the weights at about half its speed; split rows re-read a weight from cache. Each split row
@@ -84,6 +85,39 @@ def pad_one_row_bf16() -> bool:
   loop (how this was once decided per shape) hides the copy: there one row looked as fast
   or faster. On the first host a one-row bf16 product ran ~10x slower than two rows."""
   policy = padding_policy()
+  if policy != "cpu":
+    return policy == "1"
+  return jax.default_backend() == "cpu"
+
+
+FUSE_ENV = "SPECJAX_FUSE_PRODUCTS"
+
+
+def fusion_policy() -> str:
+  """"1" / "0" when $SPECJAX_FUSE_PRODUCTS forces fused products (`fuse_products`) on / off,
+  "cpu" (the default) when they are fused on XLA:CPU only."""
+  env = os.environ.get(FUSE_ENV)
+  if env is None:
+    return "cpu"
+  if env not in ("0", "1"):
+    raise ValueError(f"${FUSE_ENV} must be 0 or 1 (or unset: fused on XLA:CPU only), "
+                     f"got {env!r}")
+  return env
+
+
+@functools.lru_cache(maxsize=None)
+def fuse_products() -> bool:
+  """Whether the products that share an input (q|k|v, gate|up) are computed as one product
+  of their concatenated weights (`transformer.project`): on XLA:CPU yes, unless
+  $SPECJAX_FUSE_PRODUCTS = 0 (= 1 forces it anywhere). Read once per process.
+
+  Why on the CPU: there a one-row product of a small weight streams it at about half the
+  bandwidth the 113 MB LM head reaches; four wider products a layer instead of seven make
+  SmolLM2-135M's one-row step 10-13% faster (docs/xla_notes.md, trap 7b). The
+  concatenation is loop-invariant: inside a decoding loop XLA computes it once per call,
+  before the loop. Unmeasured on GPU (where it would also hold a fused copy of those weights
+  for the call), so off there."""
+  policy = fusion_policy()
   if policy != "cpu":
     return policy == "1"
   return jax.default_backend() == "cpu"

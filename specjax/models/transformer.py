@@ -28,10 +28,11 @@ import dataclasses
 import functools
 import math
 import os
-from typing import Literal
+from typing import Literal, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from specjax.models import attention, one_row_bf16
@@ -364,6 +365,25 @@ class Dense(nnx.Module):
     return y
 
 
+def project(x: Array, layers: Sequence[Dense]) -> list[Array]:
+  """x through Dense layers that share it as input (q, k, v; gate, up), one output each.
+
+  Where `one_row_bf16.fuse_products()` (XLA:CPU by default): one product of their kernels
+  concatenated along the output axis at trace time, then split. Inside a decoding loop XLA
+  hoists the concatenation out of the loop, so a step reads one wider weight. One-row
+  results are bit-identical to separate products; products of several rows may round
+  differently (another GEMM blocking). Elsewhere: one product each."""
+  if len(layers) == 1 or not one_row_bf16.fuse_products():
+    return [layer(x) for layer in layers]
+  w = jnp.concatenate([layer.kernel[...] for layer in layers], axis=1)
+  y = one_row_bf16.one_row_safe_matmul("...i,io->...o", x.astype(w.dtype), w)
+  if layers[0].bias is not None:
+    b = jnp.concatenate([layer.bias[...].astype(jnp.float32) for layer in layers])
+    y = y + _bcast(b, y)
+  ends = np.cumsum([layer.kernel.shape[1] for layer in layers])[:-1]
+  return jnp.split(y, [int(e) for e in ends], axis=-1)
+
+
 def _bcast(v_D: Array, like: Array) -> Array:
   """A [D] vector shaped to broadcast against [..., D] (explicit: strict rank promotion)."""
   return v_D.reshape((1,) * (like.ndim - 1) + v_D.shape)
@@ -450,9 +470,10 @@ class Attention(nnx.Module):
   def __call__(self, x_BTD, positions_BT, cache, layer, block_mask_TT):
     c = self.config
     b, t, _ = x_BTD.shape
-    q = self.q(x_BTD).reshape(b, t, c.n_heads, c.head_dim)
-    k = self.k(x_BTD).reshape(b, t, c.n_kv_heads, c.head_dim)
-    v = self.v(x_BTD).reshape(b, t, c.n_kv_heads, c.head_dim)
+    q, k, v = project(x_BTD, (self.q, self.k, self.v))
+    q = q.reshape(b, t, c.n_heads, c.head_dim)
+    k = k.reshape(b, t, c.n_kv_heads, c.head_dim)
+    v = v.reshape(b, t, c.n_kv_heads, c.head_dim)
     if self.q_norm is not None:  # per-head RMSNorm before rope (Qwen3)
       q, k = self.q_norm(q), self.k_norm(k)
     if c.positions == "rope":  # θ alone: the plain path, computed as it always was
@@ -483,7 +504,8 @@ class MLP(nnx.Module):
     if self.gate is None:
       h = jax.nn.gelu(self.up(x), approximate=True)  # GPT-2's tanh GELU
     else:
-      h = jax.nn.silu(self.gate(x)) * self.up(x)  # SwiGLU
+      gate, up = project(x, (self.gate, self.up))
+      h = jax.nn.silu(gate) * up  # SwiGLU
     return self.down(h)
 
 
