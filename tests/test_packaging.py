@@ -65,6 +65,8 @@ def test_the_wheel_puts_no_generic_top_level_package(installed):
   assert "specjax/experiments/references.py" in names
   assert "specjax/configs/quickstart.gin" in names and "specjax/configs/specbench.gin" in names
   assert any(n.startswith("specjax/embedded/") for n in names)  # the shipped weights
+  for f in ("manifest.json", "config.json", "model.safetensors"):  # eagle3:smollm2
+    assert f"specjax/embedded/heads/smollm2/{f}" in names
   assert not (site / "experiments").exists() and (site / "specjax" / "experiments").is_dir()
 
 
