@@ -62,11 +62,17 @@ def split_rows(limit: int):
 def padding_policy() -> str:
   """"1" / "0" when $SPECJAX_PAD_ONE_ROW_BF16 forces the one-row bf16 padding on / off,
   "cpu" (the default) when it pads on XLA:CPU only (`pad_one_row_bf16`)."""
-  env = os.environ.get(PAD_ENV)
+  return _cpu_default_policy(PAD_ENV, "padded")
+
+
+def _cpu_default_policy(name: str, what: str) -> str:
+  """$name as "0" / "1", or "cpu" when unset (the default: on XLA:CPU only); one-line
+  ValueError for any other value."""
+  env = os.environ.get(name)
   if env is None:
     return "cpu"
   if env not in ("0", "1"):
-    raise ValueError(f"${PAD_ENV} must be 0 or 1 (or unset: padded on XLA:CPU only), "
+    raise ValueError(f"${name} must be 0 or 1 (or unset: {what} on XLA:CPU only), "
                      f"got {env!r}")
   return env
 
@@ -96,13 +102,7 @@ FUSE_ENV = "SPECJAX_FUSE_PRODUCTS"
 def fusion_policy() -> str:
   """"1" / "0" when $SPECJAX_FUSE_PRODUCTS forces fused products (`fuse_products`) on / off,
   "cpu" (the default) when they are fused on XLA:CPU only."""
-  env = os.environ.get(FUSE_ENV)
-  if env is None:
-    return "cpu"
-  if env not in ("0", "1"):
-    raise ValueError(f"${FUSE_ENV} must be 0 or 1 (or unset: fused on XLA:CPU only), "
-                     f"got {env!r}")
-  return env
+  return _cpu_default_policy(FUSE_ENV, "fused")
 
 
 @functools.lru_cache(maxsize=None)
