@@ -71,7 +71,7 @@ from specjax.models.lm import LM
 from specjax.drafters.base import Drafter
 from specjax.drafters.model import ModelDrafter
 from specjax.calibration.timing import STATISTICS, decode_seconds
-from specjax.models.one_row_bf16 import padding_policy
+from specjax.models.one_row_bf16 import fusion_policy, padding_policy
 
 VERSION = 4  # bump when what a cached calibration holds changes (4: one-row bf16 padded
 # unless one row is clearly faster)
@@ -445,7 +445,8 @@ def fingerprint(target, drafters: Mapping[str, Drafter], prompt_ids, *, temperat
       "version": VERSION, "machine": platform.machine(), "processor": platform.processor(),
       "node": platform.node(), "cpus": os.cpu_count(), "jax": jax.__version__,
       "backend": jax.default_backend(), "devices": [d.device_kind for d in devices],
-      "pad_one_row_bf16": padding_policy(), "target": repr(lm.config),
+      "pad_one_row_bf16": padding_policy(), "fuse_products": fusion_policy(),
+      "target": repr(lm.config),
       "target_weights": _weights_digest(lm.params),
       "drafters": {k: [_describe_drafter(d), repr(d.config), _weights_digest(d)]
                    for k, d in sorted(drafters.items())},

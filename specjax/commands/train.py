@@ -405,13 +405,13 @@ def run_target(args) -> int:
 
 def run_draft(args) -> int:
   _resolve_corpus(args)
-  from specjax.training.presets import get_preset, get_recipe
+  from specjax.training.presets import get_preset
   from specjax.training.trainer import Teacher
   preset = get_preset(_preset_name(args))
   draft_cfg, base = preset.draft, preset.draft_train
   if args.recipe is not None:
-    base = _apply_recipe(args, "draft")
-    draft_cfg = get_recipe(args.recipe, "draft").model
+    recipe = _apply_recipe(args, "draft")
+    draft_cfg, base = recipe.model, recipe.schedule
   out = _out_dir(args.out)
   teacher = None
   if args.teacher is not None:
@@ -474,7 +474,7 @@ def run_head(args, kind: str) -> int:
     raise ValueError(f"--tree-budget must be an int >= 1, got {args.tree_budget}")
   base = DEFAULT_HEADS.get(kind, DEFAULT_HEADS["eagle"])[1]
   if args.recipe is not None:
-    base = _apply_recipe(args, kind)
+    base = _apply_recipe(args, kind).schedule
   head_kind = HEAD_KINDS[kind][2](args)  # validates the kind's own flags first
   out = _out_dir(args.out)
   mesh = _mesh(args)  # before the target
@@ -496,14 +496,15 @@ def run_head(args, kind: str) -> int:
 
 
 def _apply_recipe(args, kind: str):
-  """The schedule of --recipe, its kind flags set on `args` where the command line gave
-  none (a flag given wins; so do the schedule flags, applied over it by `_train_config`)."""
+  """The --recipe (`presets.Recipe`), its kind flags set on `args` where the command line
+  gave none (a flag given wins; so do the schedule flags, applied over its schedule by
+  `_train_config`)."""
   from specjax.training.presets import get_recipe
   recipe = get_recipe(args.recipe, kind)
   for dest, value in recipe.flags:
     if getattr(args, dest, None) is None:
       setattr(args, dest, value)
-  return recipe.schedule
+  return recipe
 
 
 def _load_for_measure(spec: str, role: str, args):

@@ -7,8 +7,8 @@ as $SPECJAX_PAD_ONE_ROW_BF16 forces (`padding_policy`, recorded by calibrations 
 directories).
 
 Also here: whether products sharing an input are fused (`fuse_products`, on XLA:CPU by
-default, $SPECJAX_FUSE_PRODUCTS), and, off by default, a product of 2..limit rows computed as that many one-row products
-(`split_rows`, $SPECJAX_ROW_PRODUCTS), the experiment of docs/xla_notes.md, trap 7b: on
+default, $SPECJAX_FUSE_PRODUCTS), and, off by default, a product of 2..limit rows computed
+as that many one-row products (`split_rows`, $SPECJAX_ROW_PRODUCTS), the experiment of docs/xla_notes.md, trap 7b: on
 XLA:CPU one row takes Eigen's matrix-vector kernel, two or more a GEMM (YNNPACK) that reads
 the weights at about half its speed; split rows re-read a weight from cache. Each split row
 computes exactly the one-row product plain decoding computes.
@@ -77,6 +77,11 @@ def _cpu_default_policy(name: str, what: str) -> str:
   return env
 
 
+def _on(policy: str) -> bool:
+  """A `_cpu_default_policy` value as a switch: forced on / off, or on XLA:CPU only."""
+  return policy == "1" if policy != "cpu" else jax.default_backend() == "cpu"
+
+
 @functools.lru_cache(maxsize=None)
 def pad_one_row_bf16() -> bool:
   """Whether one-row bf16 products are padded to two rows (docs/xla_notes.md, trap 3): on
@@ -90,10 +95,7 @@ def pad_one_row_bf16() -> bool:
   unpadded and 7.6 ms padded, 64 tokens 97-103 ms and 85 ms. Timing single products in a
   loop (how this was once decided per shape) hides the copy: there one row looked as fast
   or faster. On the first host a one-row bf16 product ran ~10x slower than two rows."""
-  policy = padding_policy()
-  if policy != "cpu":
-    return policy == "1"
-  return jax.default_backend() == "cpu"
+  return _on(padding_policy())
 
 
 FUSE_ENV = "SPECJAX_FUSE_PRODUCTS"
@@ -117,10 +119,7 @@ def fuse_products() -> bool:
   concatenation is loop-invariant: inside a decoding loop XLA computes it once per call,
   before the loop. Unmeasured on GPU (where it would also hold a fused copy of those weights
   for the call), so off there."""
-  policy = fusion_policy()
-  if policy != "cpu":
-    return policy == "1"
-  return jax.default_backend() == "cpu"
+  return _on(fusion_policy())
 
 
 def one_row_safe_matmul(spec: str, x: Array, w: Array) -> Array:

@@ -59,14 +59,15 @@ def environment(seed: int | None = None) -> dict:
         env[pkg] = None
     import jax
     devices = jax.local_devices()
-    from specjax.models.one_row_bf16 import padding_policy, row_split_limit
+    from specjax.models.one_row_bf16 import fusion_policy, padding_policy, row_split_limit
     from specjax.sharding import default_mesh_shape
     mesh = default_mesh_shape()
     env["mesh"] = None if mesh is None else {"data": mesh[0], "model": mesh[1]}
     env.update(backend=jax.default_backend(), device_kind=devices[0].device_kind,
                local_device_count=len(devices), device_count=jax.device_count(),
                process_index=jax.process_index(), process_count=jax.process_count(),
-               pad_one_row_bf16=padding_policy(), row_products=row_split_limit())
+               pad_one_row_bf16=padding_policy(), fuse_products=fusion_policy(),
+               row_products=row_split_limit())
   except Exception as e:  # noqa: BLE001 - the record is best effort, never fatal
     env["environment_error"] = repr(e)
   return env

@@ -181,7 +181,7 @@ RECIPES: dict[str, Recipe] = {
         schedule=_recipe_schedule(240, 3e-3),
         description="EAGLE-3 head for SmolLM2-135M-Instruct: the format's three layers, "
                     "an 8,192-token draft vocabulary (9.8 M parameters, 19.6 MB in bf16), "
-                    "three unrolled steps; about one pass over 1,024 answered prompts"),
+                    "three unrolled steps; 240 steps of 8 x 256 tokens"),
     "smollm2-medusa": Recipe(
         name="smollm2-medusa", kind="medusa", flags=(("heads", 4), ("decay", 0.8)),
         schedule=_recipe_schedule(240, 3e-3),

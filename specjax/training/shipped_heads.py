@@ -92,7 +92,7 @@ def bound_dir(name: str, target, tokenizer=None) -> pathlib.Path:
     raise ValueError(f"eagle3:{name} drafts for {manifest['target']['name']} (float32 "
                      f"parameter fingerprint {want}); this target's is {have}: load that "
                      f"model, or train a head for this one (`specjax train eagle3`)")
-  digest = file_sha256(src / "model.safetensors")[:16]
+  digest = manifest["files"]["model.safetensors"][:16]  # checked above
   out = cache_dir() / "heads" / f"{name}-{digest}"
   if not out.is_dir():
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -509,3 +509,20 @@ def test_the_cache_length_counts_each_shapes_own_drafter(random_pair, fake_engin
                         cache_dir=tmp_path, timer=fake_engine[0],
                         drafter_for=lambda _d, _t: _WideDrafter())
   assert seen and set(seen) == {wide}
+
+
+def test_the_calibration_identity_holds_the_product_policies(random_pair, monkeypatch):
+  """A calibration timed with fused products (or padded bf16 rows) is not reused without
+  them: both policies are part of what a cached calibration depends on."""
+  from specjax.models import one_row_bf16
+  target, draft = random_pair
+  kw = dict(temperature=0.0, max_new_tokens=8, cache_len=64, repeats=1, seed=0)
+  ident = {}
+  for env in (None, "0", "1"):
+    if env is None:
+      monkeypatch.delenv(one_row_bf16.FUSE_ENV, raising=False)
+    else:
+      monkeypatch.setenv(one_row_bf16.FUSE_ENV, env)
+    ident[env] = calibration.fingerprint(target, {"d": draft}, [[1, 2, 3]], **kw)
+  assert [ident[e]["fuse_products"] for e in (None, "0", "1")] == ["cpu", "0", "1"]
+  assert ident["0"] != ident["1"] != ident[None]

@@ -23,7 +23,7 @@ def test_a_draft_recipe_gives_a_model_on_the_targets_vocabulary_and_a_distill_sc
   assert drafts
   for recipe in drafts:
     args = _args("draft", "--recipe", recipe.name)
-    assert train_cmd._apply_recipe(args, "draft") == recipe.schedule
+    assert train_cmd._apply_recipe(args, "draft") == recipe
     assert recipe.model is not None and recipe.schedule.objective == "distill"
   smol = RECIPES["smollm2-draft"].model
   assert (smol.vocab_size, smol.max_len, smol.rope_theta) == (49152, 2048, 100000.0)
@@ -35,7 +35,7 @@ def test_every_head_recipe_names_a_head_command_and_builds_its_kind():
       continue
     assert recipe.kind in train_cmd.HEAD_KINDS, name
     args = _args(recipe.kind, "--recipe", name)
-    schedule = train_cmd._apply_recipe(args, recipe.kind)
+    schedule = train_cmd._apply_recipe(args, recipe.kind).schedule
     kind = train_cmd.HEAD_KINDS[recipe.kind][2](args)
     for dest, value in recipe.flags:
       assert getattr(args, dest) == value
@@ -45,7 +45,7 @@ def test_every_head_recipe_names_a_head_command_and_builds_its_kind():
 
 def test_a_flag_given_wins_over_the_recipe_and_schedule_flags_apply_over_it():
   args = _args("eagle3", "--recipe", "smollm2-eagle3", "--draft-vocab", "512", "--steps", "7")
-  base = train_cmd._apply_recipe(args, "eagle3")
+  base = train_cmd._apply_recipe(args, "eagle3").schedule
   assert args.draft_vocab == 512 and args.ttt_steps == 3
   tc = train_cmd._train_config(base, args, "lm")
   assert tc.steps == 7 and tc.seq_len == RECIPES["smollm2-eagle3"].schedule.seq_len
