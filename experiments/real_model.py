@@ -27,7 +27,9 @@ seconds, tokens/s (end to end, prefill included: Spec-Bench's measure), speedup 
 ÷ the same library's plain tokens/s (= plain ÷ speculative seconds when both emitted the
 same tokens), τ = mean accepted tokens per verification (transformers: (new tokens − 1) ÷
 (target forward passes − 1), counted by a forward hook). specjax's speculative systems also
-report α, the decode-phase speedup (each system also timed at max_new_tokens = 1 and that
+report α, acceptance by draft position (`depth_tried` / `depth_accepted`: cycles that
+tried / accepted a node at depth d, summed over rows; the report pools them over questions),
+the decode-phase speedup (each system also timed at max_new_tokens = 1 and that
 prefill subtracted) and the calibrated prediction of it (`specjax.calibration`: the compiled
 loops' own step and cycle costs, measured once per drafter and temperature on
 `calibration_questions` and cached on disk): a chain of K: τ_loop of this run's own
@@ -366,6 +368,9 @@ def _spec_fields(gen, seconds, name, plain, k, costs, temperature, serving, ids,
             "identical_to_plain": (gen.tokens == base.tokens) if temperature == 0 else None}
   if k == "auto":
     fields["choices"] = {n: int((gen.choices == i).sum()) for i, n in enumerate(gen.menu)}
+  if "depth_tried" in gen.stats:  # acceptance by draft position: the report pools these
+    fields.update(depth_tried=[int(x) for x in gen.stats["depth_tried"].sum(axis=0)],
+                  depth_accepted=[int(x) for x in gen.stats["depth_accepted"].sum(axis=0)])
   if temperature == 0 and gen.tokens != base.tokens:
     div = measure.divergences(serving, [ids], base.tokens, gen.tokens)
     fields.update(divergences=div,

@@ -29,7 +29,8 @@ def _plain_of(name: str) -> str:
 def table(records: list[dict]) -> list[dict]:
   """One row per (temperature, category or "overall", system): questions, tau, tok_s,
   speedup, speedup_decode, predicted_speedup, efficiency, identical (at T = 0: how many of
-  the questions gave the library's plain tokens; None at T > 0)."""
+  the questions gave the library's plain tokens; None at T > 0), acceptance_by_position
+  (pooled counts: accepted ÷ tried per draft depth; empty where none were counted)."""
   ok = [r["metrics"] for r in records if r.get("metrics")]
   named = [f"specjax {s}" for s in (records[0].get("params") or {}).get("systems", [])]
   found = list(dict.fromkeys(n for m in ok for n in m["systems"]))
@@ -54,7 +55,10 @@ def table(records: list[dict]) -> list[dict]:
         same = [c.get("identical_to_plain") for c in cells]
         predicted = _mean(c.get("predicted_speedup") for c in cells)
         decode = _mean(c.get("speedup_decode") for c in cells)
+        tried, accepted = _pooled(cells, "depth_tried"), _pooled(cells, "depth_accepted")
         out.append({"temperature": temp, "category": cat, "system": name,
+                    "acceptance_by_position": [a / t if t else None
+                                               for a, t in zip(accepted, tried)],
                     "questions": len(cells), "tau": _mean(c.get("tau") for c in cells),
                     "tok_s": tok_s, "speedup": tok_s / plain[0] if plain else float("nan"),
                     "speedup_decode": decode, "predicted_speedup": predicted,
@@ -62,6 +66,12 @@ def table(records: list[dict]) -> list[dict]:
                     "identical": (sum(bool(s) for s in same)
                                   if temp == 0 and None not in same else None)})
   return out
+
+
+def _pooled(cells: list[dict], key: str) -> list[int]:
+  """The per-depth counts `key` summed over cells (shorter lists padded with zeros)."""
+  lists = [c.get(key) or [] for c in cells]
+  return [sum(x[d] for x in lists if d < len(x)) for d in range(max(map(len, lists), default=0))]
 
 
 def _fmt(x, spec: str, suffix: str = "") -> str:
@@ -117,6 +127,13 @@ def report(records: list[dict], run_dir) -> str:
             f"{_fmt(cells[s]['speedup_decode'], '.2f')} / "
             f"{_fmt(cells[s]['predicted_speedup'], '.2f')}" if s in cells else "-"
             for s in spec) + " |")
+    by_pos = [r for r in at_t if r["category"] == "overall" and r["acceptance_by_position"]]
+    if by_pos:
+      lines += ["", f"Acceptance by draft position, all questions pooled (T = {temp:g}): "
+                "cycles that accepted the depth-d draft ÷ cycles that tried one", ""]
+      lines += [f"- {r['system']}: " + " / ".join(_fmt(a, ".3f")
+                                                  for a in r["acceptance_by_position"])
+                for r in by_pos]
   lines += ["", *_checks(ms, [r for r in rows if r["category"] == "overall"])]
   return "\n".join(lines)
 

@@ -36,7 +36,6 @@ from specjax.checkpoints import hf, orbax_io
 from specjax.checkpoints.hf.tensor_files import FLAX_MSGPACK, SAFETENSORS, SAFETENSORS_INDEX
 from specjax.checkpoints.hf.tokenizer import copy_tokenizer_files
 from specjax.checkpoints.trained import TRAINED_KIND, load_trained, stored_config
-from specjax.data.tokenizer import tokenizer_from_spec
 from specjax.files import assembling, prepare_output_dir
 from specjax.models.transformer import abstract_model, from_params, param_count, with_dtype
 
@@ -127,7 +126,7 @@ def _load_model(path: pathlib.Path, dtype, config, step, mesh) -> tuple[Any, Any
     if dtype is not None and dtype != model.config.dtype:
       model = with_dtype(model, dtype)  # each shard cast where it lies
     if meta.get("kind") == TRAINED_KIND:
-      return model, tokenizer_from_spec(meta["tokenizer"], path)
+      return model, hf.recorded_tokenizer(meta["tokenizer"], path)
     return model, hf.load_tokenizer_for(path, meta.get("hf_config"))
   raise ValueError(f"{str(path)!r} is neither a Hugging Face model directory (config.json + "
                    "model.safetensors / model.safetensors.index.json / flax_model.msgpack) nor a "

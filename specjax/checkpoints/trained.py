@@ -16,7 +16,8 @@ import pathlib
 from flax import nnx
 
 from specjax.checkpoints import orbax_io
-from specjax.data.tokenizer import Tokenizer, tokenizer_from_spec
+from specjax.checkpoints.hf.tokenizer import recorded_tokenizer
+from specjax.data.tokenizer import Tokenizer
 from specjax.models.transformer import (ModelConfig, Transformer, abstract_model, cast_floats,
                                         from_params)
 from specjax import sharding
@@ -72,5 +73,5 @@ def load_trained(directory: str | pathlib.Path, *, step: int | None = None,
   params = restored.params
   if stored.dtype != "float32":
     params = cast_floats(params, stored.jnp_dtype)
-  tokenizer = tokenizer_from_spec(restored.metadata["tokenizer"], directory)
+  tokenizer = recorded_tokenizer(restored.metadata["tokenizer"], directory)
   return TrainedModel(stored, params, tokenizer, restored.metadata, restored.step)

@@ -29,13 +29,14 @@ def add_parser(subparsers) -> None:
       "plain greedy decoding instead. Exit code 0: PASS, 1: FAIL.")
   p.add_argument("--target", default=None, metavar="default|DIR",
                  help="'default' (the embedded trained target; trained on first use), a "
-                 "Hugging Face model directory or a specjax checkpoint directory (default: a "
-                 "random model from --target-config)")
+                 "Hugging Face model directory, a GGUF file or a specjax checkpoint directory "
+                 "(default: a random model from --target-config)")
   p.add_argument("--draft", default=None, metavar="default|self|oracle|lookup|KIND:ARG|DIR",
                  help="'default' (the embedded distilled draft), 'self' (the target drafts "
                  "for itself), 'oracle' (the controlled-α drafter, --alpha), 'lookup' (prompt "
-                 "lookup), 'layer-skip:M', draft heads 'eagle:DIR' / 'medusa:DIR' (trained "
-                 "or imported for --target), or a checkpoint directory (default: a random "
+                 "lookup), 'layer-skip:M', draft heads 'eagle:DIR' / 'eagle3:DIR' / "
+                 "'medusa:DIR' (trained or imported for --target; eagle3:NAME a head shipped "
+                 "for a real target), or a checkpoint directory (default: a random "
                  "model from --draft-config)")
   add_config_flags(p, "as --target-config (default: %(default)s)")
   p.add_argument("--alpha", type=float, default=0.5,

@@ -175,8 +175,7 @@ def run_export(args: argparse.Namespace) -> int:
     model, meta = load_checkpoint(src)
     base = dict(meta.get("hf_config") or {})
     if meta.get("kind") == TRAINED_KIND:
-      from specjax.data.tokenizer import tokenizer_from_spec
-      tokenizer = tokenizer_from_spec(meta["tokenizer"], src)
+      tokenizer = hf.recorded_tokenizer(meta["tokenizer"], src)
     else:
       tokenizer = hf.load_tokenizer_for(src, base or None)
   for field in ("bos", "eos", "pad"):  # token ids for transformers' generate, unless recorded

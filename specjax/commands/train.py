@@ -368,12 +368,14 @@ def _run_trainer(trainer, out, report=None) -> int:
   return 0
 
 
-def _train_model(config, tc, args, tokenizer, out, **trainer_kwargs) -> int:
-  """Train `config` (on the tokenizer's vocabulary) on --corpus into `out`."""
+def _train_model(config, tc, args, tokenizer, out, vocab_size=None, **trainer_kwargs) -> int:
+  """Train `config` on --corpus into `out`, on the tokenizer's vocabulary (or `vocab_size`:
+  a teacher's, whose embedding rows may outnumber its tokenizer's ids)."""
   from specjax.training.trainer import Trainer
   mesh = _mesh(args)  # before the data
   _, data = _load_data(args, tokenizer)
-  trainer = Trainer(config.replace(vocab_size=tokenizer.vocab_size), tc, data, tokenizer,
+  vocab_size = tokenizer.vocab_size if vocab_size is None else vocab_size
+  trainer = Trainer(config.replace(vocab_size=vocab_size), tc, data, tokenizer,
                     out_dir=out, progress=not args.no_progress, mesh=mesh,
                     **trainer_kwargs)
   return _run_trainer(trainer, out)
@@ -426,7 +428,9 @@ def run_draft(args) -> int:
     from specjax.models.transformer import cast_floats
     teacher = Teacher(teacher_cfg, cast_floats(teacher_params, jnp.float32))
   tc = _train_config(base, args, "lm" if args.plain else "distill")
-  return _train_model(draft_cfg, tc, args, tokenizer, out, teacher=teacher,
+  # the student's logits line up with the teacher's, padding rows included
+  return _train_model(draft_cfg, tc, args, tokenizer, out, vocab_size=teacher_cfg.vocab_size,
+                      teacher=teacher,
                       role="draft (plain)" if args.plain else "draft (distilled)")
 
 

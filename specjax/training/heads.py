@@ -68,7 +68,7 @@ from flax import struct
 from specjax.verify import trees
 from specjax.checkpoints import orbax_io
 from specjax.data.batches import TokenData, padded_chunks
-from specjax.data.tokenizer import Tokenizer, tokenizer_from_spec
+from specjax.data.tokenizer import Tokenizer
 from specjax.models.lm import LM
 from specjax.models.transformer import ModelConfig, cast_floats
 from specjax.training.config import TrainConfig
@@ -79,7 +79,7 @@ from specjax.training.eagle3 import Eagle3Heads
 from specjax.training.medusa import MedusaHeads
 from specjax.training.trainer import (_with_learning_rate, f32_graphdef, learning_rate,
                                       make_optimizer, params_fingerprint, param_total)
-from specjax.checkpoints.hf import load_tokenizer_for
+from specjax.checkpoints.hf import recorded_tokenizer
 from specjax.files import assembling, prepare_output_dir
 
 Array = jax.Array
@@ -571,11 +571,7 @@ def load_head(directory: str | pathlib.Path, *, target=None, kind: str | None = 
 def _head_tokenizer(spec: dict | None, directory: pathlib.Path):
   """The tokenizer a head directory records (None where it records none; a Hugging Face
   tokenizer is read back from the tokenizer.json `save_head` wrote beside it)."""
-  if spec is None:
-    return None
-  if spec.get("kind") == "hf":
-    return load_tokenizer_for(directory)
-  return tokenizer_from_spec(spec, directory)
+  return None if spec is None else recorded_tokenizer(spec, directory)
 
 
 def save_head(directory: str | pathlib.Path, kind: HeadKind, params, target, tokenizer=None,

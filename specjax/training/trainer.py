@@ -359,9 +359,9 @@ class Trainer(CheckpointedRun):
                log: Callable[[str], None] = _log, check_memory_fit: bool = True,
                mesh=None) -> None:
     tc = train_config
-    if model_config.vocab_size != tokenizer.vocab_size:
-      raise ValueError(f"model vocab_size {model_config.vocab_size} != tokenizer vocab_size "
-                       f"{tokenizer.vocab_size}")
+    if model_config.vocab_size < tokenizer.vocab_size:  # more rows (a teacher's padding): fine
+      raise ValueError(f"model vocab_size {model_config.vocab_size} < tokenizer vocab_size "
+                       f"{tokenizer.vocab_size}: the tokenizer's ids must have embedding rows")
     if tc.seq_len > model_config.max_len:
       raise ValueError(f"seq_len {tc.seq_len} exceeds the model's max_len "
                        f"{model_config.max_len}")

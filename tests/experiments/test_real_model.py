@@ -123,14 +123,16 @@ def test_table_aggregates_like_spec_bench_and_report_lists_mismatches(tmp_path):
       _record(1, "rag", 0.0, {
           "specjax plain": _cell(10, 1.0, tau=1.0, identical_to_plain=None),
           "specjax lookup@4": _cell(10, 0.5, tau=3.0, identical_to_plain=True,
-                                    speedup_decode=2.2, predicted_speedup=2.0),
+                                    speedup_decode=2.2, predicted_speedup=2.0,
+                                    depth_tried=[4, 2], depth_accepted=[2, 1]),
           "transformers plain": _cell(10, 2.0, tau=1.0, identical_to_plain=True),
           "transformers lookup(10)": _cell(10, 1.0, tau=2.0, identical_to_plain=True)}),
       _record(2, "rag", 0.0, {
           "specjax plain": _cell(10, 1.0, tau=1.0, identical_to_plain=None),
           "specjax lookup@4": _cell(10, 1.0, tau=1.0, identical_to_plain=False,
                                     speedup_decode=1.0, predicted_speedup=1.0,
-                                    divergences=[{"position": 3, "ulps": 40.0}]),
+                                    divergences=[{"position": 3, "ulps": 40.0}],
+                                    depth_tried=[6, 3, 1], depth_accepted=[3, 0, 0]),
           "transformers plain": _cell(10, 2.0, tau=1.0, identical_to_plain=True),
           "transformers lookup(10)": _cell(10, 2.0, tau=1.0, identical_to_plain=True)},
           agree=False),
@@ -149,11 +151,15 @@ def test_table_aggregates_like_spec_bench_and_report_lists_mismatches(tmp_path):
   assert hf["speedup"] == pytest.approx((20 / 3) / 5)  # over transformers' own plain
   assert rows[("overall", "specjax lookup@4")]["questions"] == 3
   assert rows[("qa", "specjax lookup@4")]["speedup"] == pytest.approx(0.5)
+  # acceptance by position: counts pooled over questions (a shorter list padded), not means
+  assert lookup["acceptance_by_position"] == pytest.approx([0.5, 0.2, 0.0])
+  assert rows[("qa", "specjax lookup@4")]["acceptance_by_position"] == []
   text = real_model_report.report(recs, tmp_path)
   assert "| rag | 2 | 1.00 · 1.00× · 10.0 | 2.00 · 1.33× · 13.3 |" in text
   assert "specjax lookup@4: identical to specjax plain on 2/3 questions" in text
   assert "question 2: specjax lookup@4 left plain at token 3 (40.0 ulps)" in text
   assert "identical tokens on 2/3 questions" in text
+  assert "- specjax lookup@4: 0.500 / 0.200 / 0.000" in text
   assert "question 2 (rag): first difference at token 7 (1.5 ulps" in text
   assert json.loads((tmp_path / "table.json").read_text())[0]["temperature"] == 0.0
   assert not any(math.isnan(r["tok_s"]) for r in rows.values())
@@ -201,6 +207,8 @@ def test_real_model_run_beside_transformers_resumes(tmp_path, monkeypatch):
     assert s["transformers lookup(10)"]["identical_to_plain"] is True
     assert r["agree_with_transformers"]["identical"] is True  # same weights, same ids
     assert s["specjax lookup@2"]["predicted_speedup"] > 0
+    tried, accepted = s["specjax lookup@2"]["depth_tried"], s["specjax lookup@2"]["depth_accepted"]
+    assert len(tried) == 2 and all(0 <= a <= t for a, t in zip(accepted, tried))
   report = (out / "report.md").read_text()
   assert "### T = 0" in report and "| rag | 1 |" in report
   assert front.main(argv) == 0  # resumed: nothing left to do

@@ -107,3 +107,43 @@ def test_a_tokenizer_larger_than_the_targets_vocabulary_is_refused():
                                        "vocab_size 200"):
     HeadTrainer(MedusaHeads(heads=1), small, nnx.state(model(small, seed=0), nnx.Param), TC,
                 data, ByteTokenizer(), progress=False)
+
+
+@pytest.mark.slow  # distils two steps of a draft model from a Hugging Face teacher
+def test_a_draft_distilled_from_a_hugging_face_teacher_exports_and_reloads_bit_identically(
+    tmp_path):
+  """A trained checkpoint records a Hugging Face tokenizer as kind "hf": loading it, and so
+  `export-hf` (the directory transformers' assisted generation takes), refused that kind
+  until the checkpoint layer read the saved tokenizer files back (`recorded_tokenizer`). A
+  teacher whose embedding has more rows than its tokenizer has ids gives the student its
+  row count (distillation was refused: "teacher vocab_size 448 != student vocab_size")."""
+  pytest.importorskip("transformers")
+  import jax
+  import numpy as np
+  from flax import nnx
+  from hf_testing import llama_dir
+  from specjax.checkpoints import load_model
+  from specjax.checkpoints.hf.tokenizer import HFTokenizer, recorded_tokenizer
+  from specjax.cli import main
+  teacher = llama_dir(tmp_path / "llama", layers=2, seed=0)
+  corpus = tmp_path / "text"
+  corpus.mkdir()
+  (corpus / "a.txt").write_text("def add(a, b):\n    return a + b\n" * 300)
+  out, hf_out = tmp_path / "draft", tmp_path / "draft-hf"
+  # the recipe's Llama shape, on the teacher's vocabulary (448 rows for a 374-id tokenizer)
+  assert main(["train", "draft", "--recipe", "smollm2-draft", "--teacher", str(teacher),
+               "--corpus", str(corpus), "--out", str(out), "--steps", "2", "--batch-size", "2",
+               "--seq-len", "32", "--no-progress"]) == 0
+  assert main(["export-hf", str(out), "--out", str(hf_out)]) == 0
+  (ours, tok), (theirs, hf_tok) = load_model(out), load_model(hf_out)
+  assert ours.config.vocab_size == 448 and tok.vocab_size < 448
+  assert isinstance(tok, HFTokenizer) and tok.to_spec() == hf_tok.to_spec()
+
+  def params(m):
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(nnx.state(m, nnx.Param))]
+  assert all(a.dtype == b.dtype and np.array_equal(a, b)
+             for a, b in zip(params(ours), params(theirs), strict=True))
+  # tokenizer files that no longer match the recorded digest are refused, not trusted
+  spec = dict(tok.to_spec(), sha256="0" * 64)
+  with pytest.raises(ValueError, match="do not match the recorded tokenizer"):
+    recorded_tokenizer(spec, out)

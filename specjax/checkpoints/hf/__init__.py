@@ -32,7 +32,7 @@ from specjax.checkpoints.hf.tensor_files import (FLAX_MSGPACK, SAFETENSORS, SAFE
                                                  read_tensors, safetensors_specs, tensor_headers,
                                                  write_flax_msgpack, write_safetensors)
 from specjax.checkpoints.hf.tokenizer import (TOKENIZER_FILES, HFTokenizer, copy_tokenizer_files,
-                                              load_tokenizer_for)
+                                              load_tokenizer_for, recorded_tokenizer)
 
 __all__ = [
     "ARCHITECTURES", "DEFAULT_SHARD_BYTES", "FAMILIES", "FLAX_MSGPACK", "HFImport", "HFTokenizer",
@@ -41,6 +41,7 @@ __all__ = [
     "copy_tokenizer_files", "detect_family", "export_hf", "family_for", "hf_config_for",
     "import_hf", "itemsize", "load_tokenizer_for", "model_params", "nest", "param_shapes",
     "OUTPUT_MARKER", "prepare_output_dir", "publish_dir", "read_flax_msgpack", "read_hf_config",
+    "recorded_tokenizer",
     "read_safetensors", "read_tensors", "rope_fields_of", "rope_theta_of", "rules_for",
     "safetensors_specs",
     "tensor_headers", "write_flax_msgpack", "write_safetensors",

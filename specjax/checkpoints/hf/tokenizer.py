@@ -14,7 +14,7 @@ import shutil
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
-from specjax.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
+from specjax.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, tokenizer_from_spec
 from specjax.data.chat import merge_eos_ids
 from specjax.data.chat import load_chat_template
 from specjax.data.json_files import read_object
@@ -79,6 +79,19 @@ def _backend(d: pathlib.Path, tokenizers):
   present = [n for n in _SLOW_FILES if (d / n).is_file()]
   raise ValueError(f"{str(d)!r} holds {present} but no tokenizer.json: a byte-level BPE "
                    f"needs both vocab.json and merges.txt")
+
+
+def recorded_tokenizer(spec: Mapping, directory: str | os.PathLike) -> Any:
+  """The tokenizer a specjax checkpoint's metadata records (`to_spec()`), read back from its
+  directory: a Hugging Face one (kind "hf", the files `HFTokenizer.save` wrote beside the
+  weights; refused when they no longer match the recorded digest) or a specjax one."""
+  if spec.get("kind") != "hf":
+    return tokenizer_from_spec(dict(spec), directory)
+  tok = load_tokenizer_for(directory)
+  if not isinstance(tok, HFTokenizer) or tok.to_spec() != dict(spec):
+    raise ValueError(f"the tokenizer files in {str(directory)!r} do not match the recorded "
+                     f"tokenizer {dict(spec)}")
+  return tok
 
 
 def load_tokenizer_for(directory: str | os.PathLike, hf_config: dict | None = None) -> Any:
