@@ -47,6 +47,7 @@ from specjax.models.lm import LM
 from specjax.drafters.base import Context
 from specjax.models import cache as kv
 from specjax.models.precision import DEFAULT_PRECISION, matmul_precision
+from specjax.models.transformer import prefused
 
 Array = jax.Array
 
@@ -210,9 +211,13 @@ def _write_rows(tokens_BS, start_B, values_BT, count_B):
 def under_precision(loop_fn):
   """The loop with a `precision` keyword (static; `specjax.models.precision`, "highest" by
   default): every product of the loop is traced under that policy, whoever calls it, so a
-  direct call and the host API's compile the same program."""
+  direct call and the host API's compile the same program. The fused products' weights of
+  every model among the arguments (`transformer.prefused`: the target, a drafter's models)
+  are concatenated once, before the loop."""
   def run(*args, precision: str = DEFAULT_PRECISION, **kwargs):
-    with matmul_precision(precision):
+    models = [x.module() for x in jax.tree_util.tree_leaves(
+        (args, kwargs), is_leaf=lambda x: isinstance(x, LM)) if isinstance(x, LM)]
+    with matmul_precision(precision), prefused(models):
       return loop_fn(*args, **kwargs)
   run.__name__, run.__qualname__, run.__doc__ = (loop_fn.__name__, loop_fn.__qualname__,
                                                  loop_fn.__doc__)

@@ -24,11 +24,13 @@ float32 accumulation (`preferred_element_type`), the fast path on XLA:CPU and ac
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
 import os
-from typing import Literal, Sequence
+from typing import Iterable, Iterator, Literal, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -369,19 +371,74 @@ def project(x: Array, layers: Sequence[Dense]) -> list[Array]:
   """x through Dense layers that share it as input (q, k, v; gate, up), one output each.
 
   Where `one_row_bf16.fuse_products()` (XLA:CPU by default): one product of their kernels
-  concatenated along the output axis at trace time, then split. Inside a decoding loop XLA
-  hoists the concatenation out of the loop, so a step reads one wider weight. One-row
-  results are bit-identical to separate products; products of several rows may round
-  differently (another GEMM blocking). Elsewhere: one product each."""
+  concatenated along the output axis, then split; the concatenation is the one `prefused`
+  computed before a decoding loop where there is one, else made here (inside a loop, XLA
+  hoists it out of a simple loop body, but not out of a loop nested in another: docs/
+  xla_notes.md, trap 12). One-row results are bit-identical to separate products; products
+  of several rows may round differently (another GEMM blocking). Elsewhere: one product
+  each."""
   if len(layers) == 1 or not one_row_bf16.fuse_products():
     return [layer(x) for layer in layers]
-  w = jnp.concatenate([layer.kernel[...] for layer in layers], axis=1)
+  w = _fused_kernel(layers)
   y = one_row_bf16.one_row_safe_matmul("...i,io->...o", x.astype(w.dtype), w)
   if layers[0].bias is not None:
     b = jnp.concatenate([layer.bias[...].astype(jnp.float32) for layer in layers])
     y = y + _bcast(b, y)
   ends = np.cumsum([layer.kernel.shape[1] for layer in layers])[:-1]
   return jnp.split(y, [int(e) for e in ends], axis=-1)
+
+
+# prefused kernels of the current trace: {ids of the kernels: (kernels, concatenation)}
+_PREFUSED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("prefused",
+                                                                       default=None)
+
+
+def _fused_kernel(layers: Sequence[Dense]) -> Array:
+  """The layers' kernels concatenated along the output axis: `prefused`'s array for these
+  very kernel arrays where it made one, else a new concatenation."""
+  kernels = tuple(layer.kernel[...] for layer in layers)
+  found = (_PREFUSED.get() or {}).get(tuple(map(id, kernels)))
+  if found is not None and all(a is b for a, b in zip(found[0], kernels)):
+    return found[1]
+  return jnp.concatenate(kernels, axis=1)
+
+
+def product_groups(module) -> Iterator[tuple[Dense, ...]]:
+  """The layer groups `project` fuses in a module graph: each Attention's (q, k, v) and each
+  SwiGLU MLP's (gate, up), as their `__call__`s pass them."""
+  for _, node in nnx.iter_graph(module):
+    if isinstance(node, Attention):
+      yield node.projections()
+    elif isinstance(node, MLP) and node.gate is not None:
+      yield node.projections()
+
+
+@contextlib.contextmanager
+def prefused(modules: Iterable):
+  """Within the block, `project` takes the concatenated kernels of every group of `modules`
+  (`product_groups`) from arrays computed here, once, instead of concatenating at each call.
+
+  A decoding loop traces its body with the models' weights closed over; called at the top
+  of the loop function, before `lax.while_loop`, this puts each concatenation outside the
+  loop as a loop-invariant value. XLA does that itself for a loop whose body calls the model
+  directly, but not where the call sits in a loop nested inside another (the adaptive loop's
+  zero-or-one-trip entries): there every outer iteration concatenated every fused weight
+  again, 0.7 of a plain step of SmolLM2-135M on XLA:CPU. No-op unless `fuse_products()`."""
+  if not one_row_bf16.fuse_products():
+    yield
+    return
+  table = dict(_PREFUSED.get() or {})
+  for module in modules:
+    for layers in product_groups(module):
+      kernels = tuple(layer.kernel[...] for layer in layers)
+      key = tuple(map(id, kernels))
+      if key not in table:
+        table[key] = (kernels, jnp.concatenate(kernels, axis=1))
+  token = _PREFUSED.set(table)
+  try:
+    yield
+  finally:
+    _PREFUSED.reset(token)
 
 
 def _bcast(v_D: Array, like: Array) -> Array:
@@ -467,10 +524,14 @@ class Attention(nnx.Module):
     self.q_norm = Norm(c.head_dim, **qk) if c.qk_norm else None
     self.k_norm = Norm(c.head_dim, **qk) if c.qk_norm else None
 
+  def projections(self) -> tuple[Dense, Dense, Dense]:
+    """The layers that read the block's input, in output order (`project`)."""
+    return self.q, self.k, self.v
+
   def __call__(self, x_BTD, positions_BT, cache, layer, block_mask_TT):
     c = self.config
     b, t, _ = x_BTD.shape
-    q, k, v = project(x_BTD, (self.q, self.k, self.v))
+    q, k, v = project(x_BTD, self.projections())
     q = q.reshape(b, t, c.n_heads, c.head_dim)
     k = k.reshape(b, t, c.n_kv_heads, c.head_dim)
     v = v.reshape(b, t, c.n_kv_heads, c.head_dim)
@@ -500,11 +561,15 @@ class MLP(nnx.Module):
                  if c.mlp == "swiglu" else None)
     self.down = Dense(c.d_ff, c.d_model, bias=c.use_bias, dtype=dt, rngs=rngs, stddev=resid_std)
 
+  def projections(self) -> tuple[Dense, Dense]:
+    """SwiGLU's layers that read the input, in output order (`project`)."""
+    return self.gate, self.up
+
   def __call__(self, x):
     if self.gate is None:
       h = jax.nn.gelu(self.up(x), approximate=True)  # GPT-2's tanh GELU
     else:
-      gate, up = project(x, (self.gate, self.up))
+      gate, up = project(x, self.projections())
       h = jax.nn.silu(gate) * up  # SwiGLU
     return self.down(h)
 
