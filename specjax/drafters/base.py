@@ -61,7 +61,7 @@ steps: it stays as the last `commit` (or `catch_up`) left it, synced at a contex
 L - behind[b] per row, and before it drafts again (or when `behind` would exceed the loop's
 static bound P) the loop calls
 
-    state, guess = drafter.catch_up(state, ctx, behind_B, P, sampler)
+    state, guess = drafter.catch_up(state, ctx, behind_B, P, sampler[, features=F_BPCD])
 
 with the current context and 0 <= behind_B <= P. It must return the state `commit` would
 have left at the current L (after the skipped steps), and its guesses for the skipped
@@ -69,8 +69,9 @@ tokens, for the adaptive policy's acceptance estimate: `guess` is a `Proposal` w
 [B, P] and q [B, P, V] (or None: point masses at the tokens), row j being the draft's
 prediction of token L - behind + 1 + j (the j-th token emitted since it was last synced)
 from the context before it; rows j >= behind are padding. `guess = None`: no estimate.
-Drafters that read target features keep the eager default (the loop does not keep the
-features of skipped steps).
+A drafter that reads target features also receives `features`: row j holds the features
+of position L - behind + j (the pending token the j-th skipped step fed); rows j >= behind
+are padding.
 
 `ctx` is the committed context the engine sees: the token buffer `tokens_BS` and per row
 `length_B` = L, the index of the pending token. Tokens `[0, L)` are in the target's cache;
@@ -199,7 +200,7 @@ class Drafter:
     return self
 
   def catch_up(self, state: Any, ctx: Context, behind_B: Array, width: int,
-               sampler: Any) -> tuple[Any, Proposal | None]:
+               sampler: Any, features: Array | None = None) -> tuple[Any, Proposal | None]:
     """Brings a drafter that is behind_B[b] <= width (static) emitted tokens behind up to the
     context `ctx` (module doc, "Lazy catch-up"). Only called when `lazy_catch_up` is True."""
     raise NotImplementedError(f"{type(self).__name__} declares lazy_catch_up but has no "

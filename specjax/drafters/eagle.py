@@ -60,7 +60,7 @@ from flax import nnx, struct
 
 from specjax.drafters import eagle3
 from specjax.models.lm import LM
-from specjax.drafters.base import Context
+from specjax.drafters.base import Context, Proposal, finite_rows
 from specjax.drafters.eagle3 import Eagle3Head
 from specjax.drafters.levels import LevelDrafter, _plan
 from specjax.models import attention
@@ -447,6 +447,62 @@ class EagleDrafter(LevelDrafter):
       return head_logits(head, self.target.module(), h, self.vocab)
     sub = jnp.einsum("btw,wv->btv", head.norm(h), self.lm, preferred_element_type=jnp.float32)
     return _scatter_vocab(sub, self.vocab, self.target.config.vocab_size)
+
+  lazy_catch_up = True  # the loop keeps the skipped plain steps' features for `catch_up`
+
+  def catch_up(self, state: EagleState, ctx: Context, behind_B, width: int, sampler,
+               features=None):
+    """Lazy catch-up (`base` module doc): the state `commit` would have left after the
+    skipped plain steps, and the head's guesses for the tokens they emitted.
+
+    Synced at L0 = L - behind, the state holds the features of positions [start, L0) in
+    `pending`; `features` row j is position L0 + j's. The head's cache is filled from start
+    to L - 2 in blocks of `pending`'s D + 1 rows (`_root`'s shape, so a block never writes
+    past the slots a cycle may use; a row already synced while others are not rewrites
+    slots past its committed length only), each position t reading (feature t, token
+    t + 1). Position L0 - 1 + j
+    predicts token L0 + 1 + j: row j of `guess`. After it: start = L - 1, `pending` holds
+    position L - 1's features, as after a commit of one token."""
+    head, tgt = self.head.module(), self.target.module()
+    rows = state.pending.shape[1]
+    length = ctx.length
+    synced = length - behind_B  # L0
+    source = jnp.concatenate([state.pending, features.astype(jnp.float32)], axis=1)
+    size = ctx.tokens.shape[1]
+
+    def feature_at(pos_BJ):
+      i = jnp.where(pos_BJ < synced[:, None], pos_BJ - state.start[:, None],
+                    rows + pos_BJ - synced[:, None])
+      i = jnp.clip(i, 0, source.shape[1] - 1)
+      return jnp.take_along_axis(source, i[:, :, None, None], axis=1)
+
+    j = jnp.arange(rows, dtype=jnp.int32)[None]
+    guess0 = jnp.zeros((length.shape[0], width, self.head.config.d_model), jnp.float32)
+
+    def block(c):
+      start, cache, guess_h = c
+      pos = start[:, None] + j
+      toks = jnp.take_along_axis(ctx.tokens, jnp.minimum(pos + 1, size - 1), axis=1)
+      h, cache = head(head.fused(feature_at(pos)), embed(tgt, toks), pos,
+                      kv.set_lengths(cache, start))
+      # rows at positions L0 - 1 + i, i < behind, are the guesses' states
+      i = pos - (synced[:, None] - 1)
+      hit = (i >= 0) & (i < behind_B[:, None])
+      slot = jnp.where(hit, i, width)  # out of range: dropped
+      guess_h = guess_h.at[jnp.arange(i.shape[0])[:, None], slot].set(h, mode="drop")
+      return jnp.minimum(start + rows, length - 1), cache, guess_h
+
+    _, cache, guess_h = jax.lax.while_loop(lambda c: jnp.any(c[0] < length - 1), block,
+                                           (state.start, state.cache, guess0))
+    logits = self._logits(head, guess_h)
+    valid = jnp.arange(width)[None, :, None] < behind_B[:, None, None]
+    guess = Proposal(tokens=jnp.argmax(logits, axis=-1).astype(jnp.int32),
+                     q=None if self.deterministic else self.draft_law(logits, sampler),
+                     finite=finite_rows(jnp.where(valid, logits, 0.0)))
+    last = feature_at((length - 1)[:, None])  # [B, 1, C, D]
+    pending = jnp.zeros_like(state.pending).at[:, :1].set(last)
+    return state.replace(cache=kv.set_lengths(cache, length - 1), pending=pending,
+                         start=(length - 1).astype(jnp.int32), length=length), guess
 
   def commit(self, state: EagleState, ctx: Context, tree, path_BP, n_accepted_B,
              features=None) -> EagleState:

@@ -163,6 +163,27 @@ class MedusaDrafter(Drafter):
     tokens_BN = top_BKW[:, head_idx, rank].astype(jnp.int32)
     return Proposal(tokens=tokens_BN, q=None, finite=finite_rows(logits_BKV)), state
 
+  lazy_catch_up = True  # the loop keeps the skipped plain steps' features for `catch_up`
+
+  def catch_up(self, state: MedusaState, ctx: Context, behind_B, width: int, sampler,
+               features=None):
+    """Lazy catch-up (`base` module doc): `features` row j is position L0 + j's final-norm
+    output (L0 = L - behind); the kept state becomes position L - 1's (row behind - 1; rows
+    not behind keep theirs). Guess j, for token L0 + 1 + j, is head 0's top token from
+    position L0 - 1 + j's state (the kept one for j = 0): what a plain step's one-token
+    draft would have proposed, from one product of head 0 over the P rows."""
+    del sampler
+    f = features[:, :, 0].astype(jnp.float32)  # [B, P, D]
+    before = jnp.concatenate([state.hidden[:, None], f[:, :-1]], axis=1)
+    logits = head_logits({k: v[:1] for k, v in self.params.items()}, self.target,
+                         before)[:, :, 0]
+    valid = jnp.arange(width)[None, :, None] < behind_B[:, None, None]
+    guess = Proposal(tokens=jnp.argmax(logits, axis=-1).astype(jnp.int32), q=None,
+                     finite=finite_rows(jnp.where(valid, logits, 0.0)))
+    last = jnp.take_along_axis(f, jnp.maximum(behind_B - 1, 0)[:, None, None], axis=1)[:, 0]
+    return MedusaState(hidden=jnp.where((behind_B > 0)[:, None], last, state.hidden),
+                       length=ctx.length), guess
+
   def commit(self, state: MedusaState, ctx: Context, tree, path_BP, n_accepted_B,
              features=None) -> MedusaState:
     del tree, n_accepted_B

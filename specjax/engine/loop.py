@@ -237,15 +237,16 @@ def generate_loop(target: LM, prompt_BP, prompt_len_B, budget_B, eos, sampler, k
   return jax.lax.while_loop(not_finished, body, init)
 
 
-def plain_step(target: LM, s: LoopState, sampler, prompt_len_B, budget_B, eos):
+def plain_step(target: LM, s: LoopState, sampler, prompt_len_B, budget_B, eos, capture=()):
   """One plain decoding step of every active row (the body of `generate_loop`; the adaptive
   loop's lazy k = 0 steps are the same step): the pending token through the target, the next
   token sampled from its warped law p (the second half of a split of the state's key).
-  Returns (state, p_BV, next token per row, active rows)."""
+  Returns (state, p_BV, next token per row, active rows, the pending token's captured
+  features [B, C, D] with `capture`, else None)."""
   rows = jnp.arange(s.tokens.shape[0])
   key, step_key = jax.random.split(s.key)
   cur = s.tokens[rows, s.length]
-  logits, _, cache = target(cur[:, None], s.length[:, None], s.cache)
+  logits, _, cache, *features = target(cur[:, None], s.length[:, None], s.cache, None, capture)
   p_BV = sampling.warp(logits[:, 0], sampler)
   nxt = sampling.sample(step_key, p_BV)
   active = ~s.done
@@ -256,7 +257,7 @@ def plain_step(target: LM, s: LoopState, sampler, prompt_len_B, budget_B, eos):
   new = s.replace(tokens=tokens, length=length, done=done, key=key,
                   cache=kv.set_lengths(cache, length),
                   nonfinite=s.nonfinite + count_nonfinite(active, logits))
-  return new, p_BV, nxt, active
+  return new, p_BV, nxt, active, (features[0][:, 0] if capture else None)
 
 
 def emit(s: LoopState, emitted_BT, n_B, prompt_len_B, budget_B, eos, stop_B=None):

@@ -110,6 +110,44 @@ def test_greedy_identity_with_plain_decoding_on_a_ragged_batch(byte_target, draf
 
 
 @pytest.mark.slow
+def test_lazy_catch_up_in_the_adaptive_loop_keeps_greedy_identity_and_acceptance(byte_target,
+                                                                                 drafter):
+  """The adaptive loop forced through runs of k = 0 (lazy bound P = 3: each run skips the
+  head for 3 tokens, a catch-up from the kept features before the next draft) between k = 1,
+  2 and tree cycles: plain greedy tokens, catch-ups run, and the caught-up head's drafts are
+  accepted exactly where they are with eager catch-up (P = 0: a chain(1) proposal and
+  commit every plain step), the schedules arranged so both run their speculative cycles
+  after the same plain steps. The states' agreement, draft by draft, is
+  `tests/engine/test_adaptive_lazy.py`'s."""
+  import jax.numpy as jnp
+  from specjax.engine.adaptive import loop as adaptive_loop, policy as adaptive
+  target = byte_target[0]
+  menu = (0, 1, 2, trees.branching((2, 1)))
+  slots = max(max(e.n_nodes, drafter.slots_needed(e)) for e in adaptive.menu(menu)[1:])
+  batch = decoding.prepare_batch(RAGGED, vocab_size=TCFG.vocab_size, max_len=128,
+                                 max_new_tokens=24, slots=slots)
+
+  def run(lazy_slots, forced):
+    policy = adaptive.AdaptivePolicy.create(menu, [1.0, 1.1, 1.2, 1.4], forced=forced)
+    return adaptive_loop.adaptive_jit(LM.of(target), drafter, policy, batch.prompt_BP,
+                                      batch.prompt_len_B, batch.budget_B, jnp.asarray(-1),
+                                      sampling.make_sampler(0.0), jax.random.key(0),
+                                      cache_len=batch.cache_len, lazy_slots=lazy_slots)
+  lazy = run(3, [0, 2, 1, 3, 2])  # a lazy k = 0 iteration is a run of 3 plain steps
+  eager = run(0, [0, 0, 0, 2, 1, 3, 2])
+  plain = decoding.generate(target, RAGGED, max_new_tokens=24).tokens
+  lens = np.asarray(batch.prompt_len_B)
+  for state in (lazy, eager):
+    toks = np.asarray(state.tokens)
+    assert [toks[b, lens[b]:lens[b] + 24].tolist() for b in range(len(RAGGED))] == plain
+  assert int(lazy.adapt.catch_ups) > 0 and int(eager.adapt.catch_ups) == 0
+  assert int(lazy.stats.accepted.sum()) > 0  # 7 of 73 drafts
+  np.testing.assert_array_equal(lazy.stats.drafted, eager.stats.drafted)
+  np.testing.assert_array_equal(lazy.stats.depth_accepted, eager.stats.depth_accepted)
+  np.testing.assert_array_equal(lazy.stats.rank_accepted, eager.stats.rank_accepted)
+
+
+@pytest.mark.slow
 def test_reduced_vocabulary_greedy_identity_and_drafts_inside_it(byte_target, drafter):
   """FR-Spec: only the most frequent tokens are drafted; the output stays plain greedy's."""
   from specjax.drafters.eagle import frequent_vocab

@@ -24,7 +24,8 @@ from specjax.drafters.model import ModelDrafter
 from specjax.engine import decoding
 from specjax.engine.adaptive import policy as adaptive
 from specjax.verify import sampling, trees
-from specjax_testing import TINY, model
+from specjax.models.lm import LM
+from specjax_testing import TINY, FeatureProbe, model
 
 CFG = TINY["gpt2"]
 PROMPTS = [[1, 2, 3], [4, 5]]
@@ -106,8 +107,11 @@ def test_a_nan_draft_is_refused_at_every_temperature_and_a_finite_one_runs(targe
 @pytest.mark.slow
 def test_dynamic_trees_and_the_adaptive_loop_count_nan_drafts(target):
   """EAGLE-2 dynamic trees (top-k candidates, q = None), the adaptive loop's speculative
-  cycles (forced: a tiny target's policy would decode plainly, never drafting), its eager plain steps (Medusa drafts a chain(1) each step) and its lazy catch-up
-  pass (a plain-only policy over 40 tokens: P = 32 plain steps, then one catch-up)."""
+  cycles (forced: a tiny target's policy would decode plainly, never drafting), its eager
+  plain steps (a feature-reading model drafter without a catch-up drafts a chain(1) each
+  step) and its lazy catch-up passes (a plain-only policy over 40 tokens: P = 32 plain
+  steps, then one catch-up) of a draft model, Medusa heads and an EAGLE head (whose
+  catch-ups read the features the plain steps kept)."""
   plain_only = adaptive.AdaptivePolicy.create((0, 1), [1.0, 1.2], forced=[0])
   spec_only = adaptive.AdaptivePolicy.create((0, 2), [1.0, 1.2], forced=[1])
   dynamic = trees.DynamicTree(width=2, depth=2, budget=4)
@@ -116,10 +120,13 @@ def test_dynamic_trees_and_the_adaptive_loop_count_nan_drafts(target):
       "dynamic-model": lambda nan: _run(target, top_k(target, nan), tree=dynamic),
       "dynamic-eagle": lambda nan: _run(target, _eagle(target, nan), tree=dynamic),
       "auto-spec": lambda nan: _run(target, top_k(target, nan), policy=spec_only),
-      "auto-plain-eager": lambda nan: _run(target, _medusa(target, nan), policy=plain_only),
-      "auto-plain-lazy": lambda nan: decoding.speculative_generate(
-          target, top_k(target, nan), PROMPTS, max_new_tokens=40, policy=plain_only),
+      "auto-plain-eager": lambda nan: _run(
+          target, FeatureProbe(lm=LM.of(_draft_model(nan)), deterministic=True),
+          policy=plain_only),
   }
+  for name, drafter in (("model", top_k), ("medusa", _medusa), ("eagle", _eagle)):
+    calls[f"auto-plain-lazy-{name}"] = lambda nan, d=drafter: decoding.speculative_generate(
+        target, d(target, nan), PROMPTS, max_new_tokens=40, policy=plain_only)
   for name, call in calls.items():
     assert len(call(False).tokens) == len(PROMPTS), name
     _assert_refused_naming_the_draft(lambda: call(True))

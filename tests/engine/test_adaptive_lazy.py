@@ -21,8 +21,11 @@ from specjax.engine.adaptive import policy as adaptive, loop as adaptive_loop
 from specjax.engine import decoding, loop
 from specjax.verify import sampling, trees
 from specjax.models.lm import LM
+from specjax.drafters.eagle import EagleDrafter
 from specjax.drafters.lookup import LookupDrafter
+from specjax.drafters.medusa import MedusaDrafter, MedusaState
 from specjax.drafters.model import ModelDrafter
+from specjax.drafters.base import Context
 from specjax_testing import RAGGED, TINY, FeatureProbe, model, perturbed
 
 TREE = trees.branching((2, 1))
@@ -37,6 +40,13 @@ SCHEDULE = [0, 0, 0, 0, 0, 1, 0, 2, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 2, 0]
 def pair():
   target = model(TINY["llama"], seed=0, logit_scale=4.0)
   return target, perturbed(target, seed=1, noise=0.25)
+
+
+def _medusa_params(cfg, heads: int = 2, seed: int = 1) -> dict:
+  kw, kb = jax.random.split(jax.random.key(seed))
+  d = cfg.d_model
+  return {"w": 0.5 * jax.random.normal(kw, (heads, d, d)) / np.sqrt(d),
+          "b": 0.5 * jax.random.normal(kb, (heads, d))}
 
 
 def _run(target, drafter, forced, temperature=0.0, seed=0):
@@ -61,10 +71,14 @@ def _plain(target, temperature=0.0, seed=0):
                            sampler=sampling.make_sampler(temperature), seed=seed).tokens
 
 
-def test_model_drafter_declares_lazy_catch_up_and_feature_drafters_do_not(pair):
+def test_which_drafters_declare_lazy_catch_up(pair):
+  """A separate model, lookup, EAGLE and Medusa heads catch up lazily (the heads from the
+  features the loop keeps); a feature reader without `catch_up` (the probe) stays eager."""
   target, draft = pair
   assert ModelDrafter.of(draft).lazy_catch_up
   assert LookupDrafter().lazy_catch_up
+  assert EagleDrafter.of(target, seed=3).lazy_catch_up
+  assert MedusaDrafter.of(target, _medusa_params(target.config)).lazy_catch_up
   assert not FeatureProbe(lm=LM.of(draft), deterministic=True).lazy_catch_up
 
 
@@ -160,3 +174,86 @@ def test_policy_prices_a_lazy_plain_step_and_refuses_bad_lazy_slots(pair):
   for bad in (-1, 2.5, True):
     with pytest.raises(ValueError, match="lazy_slots"):
       adaptive.AdaptivePolicy.from_model((0, 1), c=0.4, lazy_slots=bad)
+
+
+def test_eagle_catch_up_leaves_the_state_eager_plain_steps_leave(pair):
+  """From the same synced state, a catch-up over the features of m skipped positions (m = 4
+  and 0 on ragged rows: two blocks of the head's D + 1 = 3 rows, and none) leaves the head
+  drafting what it drafts after m eager k = 0 cycles (each a chain(1) proposal and a commit
+  of the one-token pass's features, as the loop's eager branch does), and its guesses are
+  the eager cycles' one-token drafts."""
+  target, _ = pair
+  cfg = target.config
+  drafter = EagleDrafter.of(target, seed=3)
+  lm = LM.of(target)
+  tree, width, cache_len = trees.chain(2), 5, 64
+  rng = np.random.default_rng(0)
+  plen = np.array([6, 9], np.int32)
+  behind = np.array([4, 0], np.int32)
+  tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, cache_len)), jnp.int32)
+  prompt = tokens[:, :int(plen.max())]
+  pos = jnp.broadcast_to(jnp.arange(cache_len, dtype=jnp.int32), (2, cache_len))
+  feats = lm(tokens, pos, capture=drafter.feature_layers)[3]  # [B, S, C, D]: every position
+  state0 = drafter.init(prompt, jnp.asarray(plen), cache_len, tree,
+                        features=feats[:, :prompt.shape[1]])
+  sampler = sampling.make_sampler(1.0)
+  key = jax.random.key(7)
+  rows = jnp.arange(2)
+
+  eager, drafts = state0, []
+  for i in range(int(behind.max())):
+    length = jnp.asarray(plen + np.minimum(i, behind), jnp.int32)
+    proposal, eager = drafter.propose(eager, Context(tokens, length), trees.chain(1), sampler,
+                                      key)
+    drafts.append(np.asarray(jnp.argmax(proposal.q[:, 0], axis=-1)))
+    after = Context(tokens, length + jnp.asarray(i < behind, jnp.int32))
+    f = feats[rows, length][:, None]
+    eager = drafter.commit(eager, after, trees.chain(1), jnp.zeros((2, 2), jnp.int32),
+                           jnp.zeros((2,), jnp.int32), features=jnp.concatenate([f, f], 1))
+  ctx = Context(tokens, jnp.asarray(plen + behind, jnp.int32))
+  j = np.minimum(plen[:, None] + np.arange(width)[None], cache_len - 1)
+  skipped = feats[rows[:, None], jnp.asarray(j)]  # positions L - behind + j
+  lazy, guess = drafter.catch_up(state0, ctx, jnp.asarray(behind), width, sampler,
+                                 features=skipped)
+  np.testing.assert_array_equal(lazy.start, ctx.length - 1)
+  p_eager, _ = drafter.propose(eager, ctx, tree, sampler, key)
+  p_lazy, _ = drafter.propose(lazy, ctx, tree, sampler, key)
+  np.testing.assert_allclose(p_lazy.q, p_eager.q, atol=1e-5)
+  np.testing.assert_array_equal(p_lazy.tokens, p_eager.tokens)
+  g = np.asarray(jnp.argmax(guess.q, axis=-1))
+  assert g[0, :4].tolist() == [int(d[0]) for d in drafts]
+  assert bool(np.all(np.asarray(guess.finite)))
+
+
+def test_medusa_catch_up_keeps_the_last_features_and_guesses_with_head_0(pair):
+  """Medusa's catch-up over m skipped positions (m = 3 and 0, ragged) keeps position
+  L - 1's features, as m one-token commits do, and guesses each skipped token with head 0
+  from the state before it: the one-token drafts of m eager k = 0 steps."""
+  target, _ = pair
+  cfg = target.config
+  drafter = MedusaDrafter.of(target, _medusa_params(cfg))
+  lm = LM.of(target)
+  rng = np.random.default_rng(2)
+  plen, behind, width, size = np.array([5, 8], np.int32), np.array([3, 0], np.int32), 4, 32
+  tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, size)), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (2, size))
+  hidden = lm(tokens, pos, capture=drafter.feature_layers)[3]  # [B, S, 1, D]
+  rows = jnp.arange(2)
+  state = MedusaState(hidden=hidden[rows, plen - 1, 0], length=jnp.asarray(plen))
+  eager, drafts = state, []
+  for i in range(int(behind.max())):
+    length = jnp.asarray(plen + np.minimum(i, behind), jnp.int32)
+    proposal, eager = drafter.propose(eager, Context(tokens, length), trees.chain(1), None,
+                                      None)
+    drafts.append(np.asarray(proposal.tokens[:, 0]))
+    after = Context(tokens, length + jnp.asarray(i < behind, jnp.int32))
+    f = hidden[rows, length][:, None]
+    eager = drafter.commit(eager, after, trees.chain(1), jnp.zeros((2, 2), jnp.int32),
+                           jnp.zeros((2,), jnp.int32), features=jnp.concatenate([f, f], 1))
+  j = np.minimum(plen[:, None] + np.arange(width)[None], size - 1)
+  lazy, guess = drafter.catch_up(state, Context(tokens, jnp.asarray(plen + behind)),
+                                 jnp.asarray(behind), width, None,
+                                 features=hidden[rows[:, None], jnp.asarray(j)])
+  np.testing.assert_allclose(lazy.hidden, eager.hidden, rtol=0, atol=0)
+  np.testing.assert_array_equal(lazy.length, eager.length)
+  assert np.asarray(guess.tokens)[0, :3].tolist() == [int(d[0]) for d in drafts]

@@ -38,9 +38,10 @@ class AdaptState:
   token each), the draft-stopping counters per row: cycles whose drafting stopped early
   (stopped) and the draft nodes those cycles did not draft (skipped), and the lazy catch-up
   bookkeeping (`adaptive_loop`): per
-  row the tokens emitted by plain steps the drafter has not seen (behind, <= P) and the
-  target's probability of each (behind_p, for the acceptance estimate), and the number of
-  catch-up passes run (catch_ups)."""
+  row the tokens emitted by plain steps the drafter has not seen (behind, <= P), the
+  target's probability of each (behind_p, for the acceptance estimate) and, for a drafter
+  that reads target features, the features of each of those steps' pending token
+  (behind_f), and the number of catch-up passes run (catch_ups)."""
 
   acc: Array  # float32 [B, R + D]
   tried: Array  # float32 [B, R + D]
@@ -51,6 +52,7 @@ class AdaptState:
   skipped: Array  # int32 [B]
   behind: Array  # int32 [B] lazy catch-up: tokens emitted since the drafter was last synced
   behind_p: Array  # float32 [B, P] the target's probability of each of them (its warped law)
+  behind_f: Array | None  # float32 [B, P, C, D] features of positions L - behind + j; None: no
   catch_ups: Array  # int32 [] lazy catch-up passes run
 
 
@@ -149,7 +151,8 @@ class _Call:
 def _catch_up(call: _Call, s: LoopState):
   """Syncs the drafter with the context: (state, acc_obs, tried_obs)."""
   a = s.adapt
-  draft, guess = call.drafter.catch_up(s.draft, s.context(), a.behind, call.slots, call.sampler)
+  draft, guess = call.drafter.catch_up(s.draft, s.context(), a.behind, call.slots, call.sampler,
+                                       **call.extra(a.behind_f))
   acc_obs, tried_obs = _catch_up_observation(guess, s.tokens, s.length, a.behind, a.behind_p,
                                              call.policy)
   adapt = a.replace(behind=jnp.zeros_like(a.behind), catch_ups=a.catch_ups + 1)
@@ -173,15 +176,21 @@ def _catch_up_and_choose(call: _Call, s: LoopState, active0, left):
 
 def _lazy_plain_step(call: _Call, c):
   """One plain step, `generate_loop`'s body (`loop.plain_step`), that leaves the drafter one
-  more token behind (and keeps the target's probability of that token)."""
+  more token behind (and keeps the target's probability of that token and, for a drafter
+  that reads them, the features of the pending token the step fed)."""
   i, s = c
-  s, p_BV, nxt, active = plain_step(call.target, s, call.sampler, call.prompt_len_B,
-                                    call.budget_B, call.eos)
+  s, p_BV, nxt, active, feats = plain_step(call.target, s, call.sampler, call.prompt_len_B,
+                                           call.budget_B, call.eos, call.capture)
   a, rows = s.adapt, call.rows
   p_x = jnp.take_along_axis(p_BV, nxt[:, None], axis=1)[:, 0]
   slot = jnp.minimum(a.behind, call.slots - 1)
   behind_p = a.behind_p.at[rows, slot].set(jnp.where(active, p_x, a.behind_p[rows, slot]))
-  adapt = a.replace(behind=a.behind + active.astype(jnp.int32), behind_p=behind_p)
+  behind_f = a.behind_f
+  if call.capture:
+    behind_f = behind_f.at[rows, slot].set(
+        jnp.where(active[:, None, None], feats.astype(jnp.float32), behind_f[rows, slot]))
+  adapt = a.replace(behind=a.behind + active.astype(jnp.int32), behind_p=behind_p,
+                    behind_f=behind_f)
   return i + 1, s.replace(adapt=adapt)
 
 
@@ -309,7 +318,9 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
 
   Lazy catch-up (drafters with `lazy_catch_up`, when lazy_slots = P > 0, static): a k = 0
   cycle is a run of plain steps, each exactly `generate_loop`'s (same key use), that leave
-  the drafter behind; `adapt.behind` counts per row the tokens it has not seen. Before a
+  the drafter behind; `adapt.behind` counts per row the tokens it has not seen (and, for a
+  drafter that reads target features, `adapt.behind_f` keeps the features each plain step
+  captured, handed to its catch-up). Before a
   speculative entry drafts, and at the start of a k = 0 cycle where some row is already P
   behind, one `drafter.catch_up` pass (under `lax.cond`: skipped when not needed) brings
   every row up to date; its guesses for the skipped tokens are the policy's observations
@@ -335,10 +346,6 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
   # the drafter's state is sized for every entry: their nodes, the deepest one's depth
   largest = trees.cover([e for e in policy.menu if e is not None] or [trees.chain(1)])
   lazy = bool(drafter.lazy_catch_up) and lazy_slots > 0
-  if lazy and capture:
-    raise ValueError("a drafter that reads target features cannot catch up lazily (the loop "
-                     "does not keep the features of skipped plain steps); its lazy_catch_up "
-                     "must be False")
   slots = max(int(lazy_slots), 0)
   zb = jnp.zeros((b,), jnp.int32)
   call = _Call(target=target, drafter=drafter, policy=policy, sampler=sampler,
@@ -354,6 +361,9 @@ def adaptive_loop(target: LM, drafter, policy, prompt_BP, prompt_len_B, budget_B
                                        choices=jnp.full((cache_len,), -1, jnp.int32),
                                        plain_steps=zb, stopped=zb, skipped=zb, behind=zb,
                                        behind_p=jnp.ones((b, slots), jnp.float32),
+                                       behind_f=(jnp.zeros((b, slots) + prompt_features.shape[2:],
+                                                           jnp.float32)
+                                                 if lazy and capture else None),
                                        catch_ups=jnp.zeros((), jnp.int32)))
   return jax.lax.while_loop(not_finished, functools.partial(_body, call, _branches(call)),
                             init)
