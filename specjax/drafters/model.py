@@ -127,8 +127,8 @@ class ModelDrafter(LevelDrafter):
 
   @property
   def lazy_catch_up(self) -> bool:
-    """True unless a subclass reads target features (the loop does not keep the features of
-    the plain steps it skips, so such a drafter catches up eagerly)."""
+    """True unless a subclass reads target features: this catch-up replays tokens only, so
+    such a subclass catches up eagerly."""
     return not self.feature_layers
 
   def catch_up(self, state: ModelDraftState, ctx: Context, behind_B, width: int, sampler):
