@@ -47,7 +47,7 @@ from specjax.models.lm import LM
 from specjax.drafters.base import Context
 from specjax.models import cache as kv
 from specjax.models.precision import DEFAULT_PRECISION, matmul_precision
-from specjax.models.transformer import prefused
+from specjax.models.fused import prefused
 
 Array = jax.Array
 
@@ -212,7 +212,7 @@ def under_precision(loop_fn):
   """The loop with a `precision` keyword (static; `specjax.models.precision`, "highest" by
   default): every product of the loop is traced under that policy, whoever calls it, so a
   direct call and the host API's compile the same program. The fused products' weights of
-  every model among the arguments (`transformer.prefused`: the target, a drafter's models)
+  every model among the arguments (`fused.prefused`: the target, a drafter's models)
   are concatenated once, before the loop."""
   def run(*args, precision: str = DEFAULT_PRECISION, **kwargs):
     models = [x.module() for x in jax.tree_util.tree_leaves(

@@ -110,7 +110,7 @@ def fusion_policy() -> str:
 @functools.lru_cache(maxsize=None)
 def fuse_products() -> bool:
   """Whether the products that share an input (q|k|v, gate|up) are computed as one product
-  of their concatenated weights (`transformer.project`): on XLA:CPU yes, unless
+  of their concatenated weights (`fused.project`): on XLA:CPU yes, unless
   $SPECJAX_FUSE_PRODUCTS = 0 (= 1 forces it anywhere). Read once per process.
 
   Why on the CPU: there a one-row product of a small weight streams it at about half the

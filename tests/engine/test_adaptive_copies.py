@@ -82,8 +82,8 @@ def _fused_weight_concats(hlo: str, shapes: list[str]) -> list[str]:
 
 
 def test_fused_weights_are_concatenated_once_before_the_adaptive_loop(monkeypatch):
-  """With fused products (q|k|v, gate|up: `transformer.project`), the concatenated weights
-  are computed before the loop (`transformer.prefused`), not inside it. XLA lifts them out
+  """With fused products (q|k|v, gate|up: `fused.project`), the concatenated weights
+  are computed before the loop (`fused.prefused`), not inside it. XLA lifts them out
   of a simple loop body but not out of the adaptive loop's zero-or-one-trip entries, where
   every cycle concatenated every fused weight again: 0.7 of a plain step of SmolLM2-135M
   (docs/xla_notes.md, trap 12). Control: without `prefused` the concatenations are found."""

@@ -1,4 +1,4 @@
-"""Fused products (`transformer.project`, issue 43): q|k|v and gate|up as one product of
+"""Fused products (`fused.project`, issue 43): q|k|v and gate|up as one product of
 their concatenated weights on XLA:CPU. The same numbers as separate products (bit for bit at
 one row), biases included; the policy's environment variable is checked."""
 
@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from specjax.models import one_row_bf16
-from specjax.models.transformer import Dense, project
+from specjax.models.fused import project
+from specjax.models.transformer import Dense
 
 
 def _denses(bias: bool):

@@ -1,0 +1,98 @@
+"""Fused products: layers that read the same input (q, k, v; gate, up) computed as one
+product of their concatenated kernels on XLA:CPU (`one_row_bf16.fuse_products`), and the
+concatenations made once before a decoding loop (`prefused`; docs/xla_notes.md, traps 7b
+and 12). The models' own layers are `specjax.models.transformer`'s."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.models import one_row_bf16
+
+Array = jax.Array
+
+
+def bcast(v_D: Array, like: Array) -> Array:
+  """A [D] vector shaped to broadcast against [..., D] (explicit: strict rank promotion)."""
+  return v_D.reshape((1,) * (like.ndim - 1) + v_D.shape)
+
+
+def project(x: Array, layers: Sequence) -> list[Array]:
+  """x through Dense layers that share it as input (q, k, v; gate, up), one output each.
+
+  Where `one_row_bf16.fuse_products()` (XLA:CPU by default): one product of their kernels
+  concatenated along the output axis, then split; the concatenation is the one `prefused`
+  computed before a decoding loop where there is one, else made here (inside a loop, XLA
+  hoists it out of a simple loop body, but not out of a loop nested in another: docs/
+  xla_notes.md, trap 12). One-row results are bit-identical to separate products; products
+  of several rows may round differently (another GEMM blocking). Elsewhere: one product
+  each."""
+  if len(layers) == 1 or not one_row_bf16.fuse_products():
+    return [layer(x) for layer in layers]
+  w = _fused_kernel(layers)
+  y = one_row_bf16.one_row_safe_matmul("...i,io->...o", x.astype(w.dtype), w)
+  if layers[0].bias is not None:
+    b = jnp.concatenate([layer.bias[...].astype(jnp.float32) for layer in layers])
+    y = y + bcast(b, y)
+  ends = np.cumsum([layer.kernel.shape[1] for layer in layers])[:-1]
+  return jnp.split(y, [int(e) for e in ends], axis=-1)
+
+
+# prefused kernels of the current trace: {ids of the kernels: (kernels, concatenation)}
+_PREFUSED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("prefused",
+                                                                       default=None)
+
+
+def _fused_kernel(layers: Sequence) -> Array:
+  """The layers' kernels concatenated along the output axis: `prefused`'s array for these
+  very kernel arrays where it made one, else a new concatenation."""
+  kernels = tuple(layer.kernel[...] for layer in layers)
+  found = (_PREFUSED.get() or {}).get(tuple(map(id, kernels)))
+  if found is not None and all(a is b for a, b in zip(found[0], kernels)):
+    return found[1]
+  return jnp.concatenate(kernels, axis=1)
+
+
+def product_groups(module) -> Iterator[tuple]:
+  """The layer groups `project` fuses in a module graph: every node's `projections()` of two
+  or more layers (`transformer.Attention`'s q, k, v; a SwiGLU MLP's gate, up), as their
+  `__call__`s pass them."""
+  for _, node in nnx.iter_graph(module):
+    group = node.projections() if hasattr(node, "projections") else ()
+    if len(group) > 1:
+      yield tuple(group)
+
+
+@contextlib.contextmanager
+def prefused(modules: Iterable):
+  """Within the block, `project` takes the concatenated kernels of every group of `modules`
+  (`product_groups`) from arrays computed here, once, instead of concatenating at each call.
+
+  A decoding loop traces its body with the models' weights closed over; called at the top
+  of the loop function, before `lax.while_loop`, this puts each concatenation outside the
+  loop as a loop-invariant value. XLA does that itself for a loop whose body calls the model
+  directly, but not where the call sits in a loop nested inside another (the adaptive loop's
+  zero-or-one-trip entries): there every outer iteration concatenated every fused weight
+  again, 0.7 of a plain step of SmolLM2-135M on XLA:CPU. No-op unless `fuse_products()`."""
+  if not one_row_bf16.fuse_products():
+    yield
+    return
+  table = dict(_PREFUSED.get() or {})
+  for module in modules:
+    for layers in product_groups(module):
+      kernels = tuple(layer.kernel[...] for layer in layers)
+      key = tuple(map(id, kernels))
+      if key not in table:
+        table[key] = (kernels, jnp.concatenate(kernels, axis=1))
+  token = _PREFUSED.set(table)
+  try:
+    yield
+  finally:
+    _PREFUSED.reset(token)
