@@ -7,7 +7,8 @@ import time
 
 def point(x: int, y: str = "a", scale: float = 1.0) -> dict:
   """Fails at x == 13; hard-kills the process at x == KILL_AT until the marker file exists;
-  sleeps SWEEP_SLEEP seconds per point; x == 2 gives non-finite metrics."""
+  sleeps SWEEP_SLEEP seconds per point; waits while the file SWEEP_HOLD exists (at most 300
+  s); x == 2 gives non-finite metrics."""
   if x == 13:
     raise ValueError("x = 13 is unlucky")
   kill_at = os.environ.get("SWEEP_KILL_AT")
@@ -18,6 +19,10 @@ def point(x: int, y: str = "a", scale: float = 1.0) -> dict:
   sleep = os.environ.get("SWEEP_SLEEP")
   if sleep:
     time.sleep(float(sleep))
+  hold = os.environ.get("SWEEP_HOLD")
+  deadline = time.time() + 300
+  while hold and pathlib.Path(hold).exists() and time.time() < deadline:
+    time.sleep(0.05)
   return {"value": x * scale, "label": f"{y}{x}",
           # not JSON numbers: the record must still be standard JSON
           "ratio": float("inf") if x == 2 else 1.0, "spread": float("nan") if x == 2 else 0.0}

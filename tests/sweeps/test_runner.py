@@ -304,17 +304,28 @@ def test_sweep_seed_becomes_the_points_seed(tmp_path):
 
 @pytest.mark.slow
 def test_two_concurrent_runs_into_one_directory_one_writer(config, tmp_path):
+  """The second run starts while the first holds the lock: the first run's points wait
+  while a hold file exists (removed once the second has answered), so a slow machine cannot
+  let the first finish before the second asks."""
   out = tmp_path / "run"
-  env = {**os.environ, "SWEEP_SLEEP": "0.4",
+  hold = tmp_path / "hold"
+  hold.write_text("the first run waits while this file exists")
+  env = {**os.environ, "SWEEP_HOLD": str(hold),
          "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
   first = subprocess.Popen([sys.executable, "-m", "specjax.cli", "run", str(config), "--out",
                             str(out), "--no-progress"], env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
   import time
   deadline = time.time() + 240
-  while not (out / runner.RESULTS).exists() and first.poll() is None and time.time() < deadline:
-    time.sleep(0.1)  # the first run holds the lock and is computing
+  lock = out / run_directory.LOCK
+
+  def first_holds_the_lock():  # its pid is written once its flock is taken
+    return lock.exists() and lock.read_text().strip() == str(first.pid)
+  while not first_holds_the_lock() and first.poll() is None and time.time() < deadline:
+    time.sleep(0.1)  # the first run starts; its points then wait on the hold file
+  assert first_holds_the_lock(), "the first run never took the lock"
   second = _run(["run", str(config), "--out", str(out), "--no-progress"])
+  hold.unlink()
   _, err = first.communicate(timeout=300)
   assert first.returncode == 0, err[-2000:]
   assert second.returncode == 2, second.stderr[-2000:]
