@@ -321,11 +321,13 @@ def test_two_concurrent_runs_into_one_directory_one_writer(config, tmp_path):
 
   def first_holds_the_lock():  # its pid is written once its flock is taken
     return lock.exists() and lock.read_text().strip() == str(first.pid)
-  while not first_holds_the_lock() and first.poll() is None and time.time() < deadline:
-    time.sleep(0.1)  # the first run starts; its points then wait on the hold file
-  assert first_holds_the_lock(), "the first run never took the lock"
-  second = _run(["run", str(config), "--out", str(out), "--no-progress"])
-  hold.unlink()
+  try:
+    while not first_holds_the_lock() and first.poll() is None and time.time() < deadline:
+      time.sleep(0.1)  # the first run starts; its points then wait on the hold file
+    assert first_holds_the_lock(), "the first run never took the lock"
+    second = _run(["run", str(config), "--out", str(out), "--no-progress"])
+  finally:  # never leave the first run waiting on the file, whatever failed above
+    hold.unlink()
   _, err = first.communicate(timeout=300)
   assert first.returncode == 0, err[-2000:]
   assert second.returncode == 2, second.stderr[-2000:]
