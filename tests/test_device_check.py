@@ -42,9 +42,10 @@ def test_the_scale_phases_run_on_a_tiny_shape_when_forced(tmp_path):
   phase ends with rc 0 and leaves its rows in the summary."""
   env = dict(_env(), DEVICE_CHECK_FORCE="1", DEVICE_CHECK_TARGET="tiny-llama",
              DEVICE_CHECK_DRAFT="tiny-llama", DEVICE_CHECK_CONTEXT="64", DEVICE_CHECK_VOCAB="512",
-             DEVICE_CHECK_CACHE_LEN="256", DEVICE_CHECK_PHASES=" ".join(SCALE_PHASES))
+             DEVICE_CHECK_CACHE_LEN="256", DEVICE_CHECK_PHASES=" ".join(SCALE_PHASES),
+             DEVICE_CHECK_LIMIT_SCALE="6")  # the GPU limits, not a loaded 2-core CPU's
   proc = subprocess.run(["bash", "benchmarks/device_check.sh", str(tmp_path / "out")],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
   assert proc.returncode == 0, proc.stderr[-2000:]
   summary = json.loads((tmp_path / "out" / "device_check.json").read_text())
   assert [(p["phase"], p["rc"]) for p in summary["phases"]] == [(p, 0) for p in SCALE_PHASES]
@@ -63,6 +64,14 @@ def test_the_scale_phases_run_on_a_tiny_shape_when_forced(tmp_path):
     assert row["params"]["target"] == "random:tiny-llama:vocab_size=512"
     assert row["status"] == "ok" and row["metrics"]["predicted_from"] == "calibrated"
     assert row["metrics"]["speedup"] > 0 and row["metrics"]["speedup_formula"] > 0
+
+
+def test_a_bad_limit_scale_is_refused_by_name(tmp_path):
+  env = dict(_env(), DEVICE_CHECK_LIMIT_SCALE="0.5")
+  proc = subprocess.run(["bash", "benchmarks/device_check.sh", str(tmp_path / "out")],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2
+  assert "DEVICE_CHECK_LIMIT_SCALE=0.5" in proc.stderr
 
 
 @pytest.mark.slow
