@@ -22,8 +22,9 @@ lists more, this machine. Everything is timed in one process, variants alternate
 4. the same weights through a bare chain of one-row matrix products (`matmul_chain_seconds`):
    plain decoding's tokens/s × that chain's seconds = the fraction of what the backend's own
    kernels allow (`fraction_of_matmul_chain`).
-Standalone forwards donate the cache and feed it back (as the loop does), so no timing
-includes a cache copy.
+Forwards are timed inside a compiled loop (a loop of 5 minus a loop of 1), the cache donated
+and fed back and the fused weights concatenated once, as the decoding loop does: no timing
+includes a cache copy or a per-call weight copy.
 Also checks the compiled decode step for cache-sized copies (XLA copying the whole KV cache
 every step instead of updating it in place; docs/xla_notes.md, trap 1).
 With `--out`, the results so far are rewritten after every stage, so a run stopped at its
@@ -70,28 +71,58 @@ def _forward(lm, tokens, positions, cache):
   return logits[:, -1], cache
 
 
-def forward_times(lm: LM, context: int, cache_len: int, ts, repeats: int) -> dict[int, float]:
-  caches = {}
-  fns = {}
-  for t in ts:
-    toks = jnp.zeros((1, t), jnp.int32)
-    pos = context + jnp.arange(t, dtype=jnp.int32)[None]
-    caches[t] = kv.set_lengths(kv.init(lm.config, 1, cache_len),
-                               jnp.array([context], jnp.int32))
+def looped_forward(lm: LM, t: int, context: int, cache_len: int):
+  """fn(n): n forwards of T = t rows in one compiled loop (`lax.fori_loop`, n a runtime
+  value: one compile) against a cache holding `context` tokens, the cache donated and fed
+  back, and the fused products' weights concatenated once before the loop
+  (`fused.prefused`), as the decoding loops do. A forward called on its own would
+  concatenate them in every call: on XLA:CPU that copy cost SmolLM2-135M ~225 ms against a
+  ~40 ms forward (docs/xla_notes.md, trap 12). Traced under the caller's settings at the
+  first call (`one_row_bf16.split_rows`, precision)."""
+  from specjax.models.fused import prefused
+  toks = jnp.zeros((1, t), jnp.int32)
+  pos = context + jnp.arange(t, dtype=jnp.int32)[None]
+  state = {"cache": kv.set_lengths(kv.init(lm.config, 1, cache_len),
+                                   jnp.array([context], jnp.int32))}
 
-    def fn(t=t, toks=toks, pos=pos):
-      out, caches[t] = _forward(lm, toks, pos, caches[t])  # donated and fed back
-      return out
-    fns[t] = fn
+  @functools.partial(jax.jit, donate_argnums=(3,))
+  def run(lm, toks, pos, cache, n):
+    with prefused([lm.module()]):
+      def body(_, carry):
+        cache, acc = carry
+        logits, cache = _forward(lm, toks, pos, cache)
+        return cache, acc + logits[0, 0]  # a use of each forward's logits: none is skipped
+      cache, acc = jax.lax.fori_loop(0, n, body, (cache, jnp.zeros((), jnp.float32)))
+    return acc, cache
+
+  def fn(n: int):
+    out, state["cache"] = run(lm, toks, pos, state["cache"], jnp.int32(n))
+    return out
+  return fn
+
+
+def time_looped(fns: dict, repeats: int, lo: int = 1, hi: int = 5) -> dict:
+  """Seconds of one forward of each `looped_forward` fn: per repeat, a loop of `hi`
+  forwards minus a loop of `lo`, ÷ (hi − lo) (the call, the dispatch and the weights'
+  concatenation cancel), every fn alternated in each repeat; medians over `repeats`."""
   for fn in fns.values():
-    jax.block_until_ready(fn())
-  samples = {t: [] for t in ts}
+    jax.block_until_ready(fn(lo))  # compiled (n is a runtime value: one program)
+  samples = {key: [] for key in fns}
   for _ in range(repeats):  # alternate the variants: drift hits all of them alike
-    for t, fn in fns.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
-      samples[t].append(time.perf_counter() - start)
-  return {t: statistics.median(v) for t, v in samples.items()}
+    for key, fn in fns.items():
+      took = []
+      for n in (lo, hi):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(n))
+        took.append(time.perf_counter() - start)
+      samples[key].append((took[1] - took[0]) / (hi - lo))
+  return {key: statistics.median(v) for key, v in samples.items()}
+
+
+def forward_times(lm: LM, context: int, cache_len: int, ts, repeats: int) -> dict[int, float]:
+  """Seconds of a forward of T rows (T in ts) over a cache holding `context` tokens, timed
+  inside a compiled loop (`looped_forward`, `time_looped`)."""
+  return time_looped({t: looped_forward(lm, t, context, cache_len) for t in ts}, repeats)
 
 
 def matmul_chain_seconds(target, repeats: int) -> float:

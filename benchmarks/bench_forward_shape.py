@@ -10,7 +10,9 @@ float32 checkpoint is cast with `transformer.with_dtype`):
 
 1. forward of T = `--ts` rows (default 1 2 4 5 8 16 32) against a KV cache holding
    `--contexts` tokens (default 64 512 2048), the T variants of one context alternated in
-   one loop, medians (`forward_curves`: the cache donated and fed back, as the loop does);
+   one loop, medians (`forward_curves`: timed inside a compiled loop, a loop of 5 forwards
+   minus a loop of 1, the cache donated and fed back and the fused weights concatenated
+   once, as the decoding loop does);
    `verify_cost[T]` = forward(T) / forward(1); with `--split-rows N` also T = 2..N computed
    as T one-row products (`one_row_bf16.split_rows`), in the same loop;
 2. plain decoding inside the compiled loop (`decoding.generate`: a call of n tokens minus a
@@ -50,7 +52,8 @@ from specjax.models import cache as kv
 from specjax.models.presets import PRESETS
 from specjax.models.transformer import with_dtype
 
-from bench_core import _forward, matmul_chain_seconds, plain_generation, random_model
+from bench_core import (_forward, looped_forward, matmul_chain_seconds, plain_generation,
+                        random_model, time_looped)
 from _timing import write_results
 
 _START = time.perf_counter()
@@ -72,37 +75,22 @@ def _cache_len(context: int, extra: int) -> int:
 
 def forward_curves(lm: LM, context: int, cache_len: int, ts, split: int,
                    repeats: int) -> dict[str, dict[int, float]]:
-  """Seconds of a forward of T rows (T in ts) over a cache holding `context` tokens, medians
-  of `repeats` with every variant alternated in one loop: "default", and with `split` > 1
-  also "split" (T in 2..split as T one-row products, `one_row_bf16.split_rows`). Each
-  variant has its own jit (the setting is read at trace time); the cache is donated and fed
-  back, as the loop does."""
+  """Seconds of a forward of T rows (T in ts) over a cache holding `context` tokens, timed
+  inside a compiled loop as the decoding loop runs it (`bench_core.looped_forward`: the
+  cache donated and fed back, the fused weights concatenated once), medians of `repeats`
+  with every variant alternated: "default", and with `split` > 1 also "split" (T in
+  2..split as T one-row products, `one_row_bf16.split_rows`, read at trace time)."""
   variants = [("default", t, 0) for t in ts] + [("split", t, split) for t in ts
                                                  if 1 < t <= split]
   fns = {}
   for name, t, limit in variants:
-    step = jax.jit(lambda lm, tokens, positions, cache: (
-        lambda r: (r[0][:, -1], r[2]))(lm(tokens, positions, cache)), donate_argnums=(3,))
-    state = {"cache": kv.set_lengths(kv.init(lm.config, 1, cache_len),
-                                     jnp.array([context], jnp.int32))}
-    tokens = jnp.zeros((1, t), jnp.int32)
-    positions = context + jnp.arange(t, dtype=jnp.int32)[None]
-
-    def fn(step=step, state=state, tokens=tokens, positions=positions):
-      out, state["cache"] = step(lm, tokens, positions, state["cache"])
-      return out
+    fn = looped_forward(lm, t, context, cache_len)
     with one_row_bf16.split_rows(limit):
-      jax.block_until_ready(fn())  # traced and compiled under its setting
+      jax.block_until_ready(fn(1))  # traced and compiled under its setting
     fns[(name, t)] = fn
-  samples = {key: [] for key in fns}
-  for _ in range(repeats):
-    for key, fn in fns.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
-      samples[key].append(time.perf_counter() - start)
   curves: dict[str, dict[int, float]] = {}
-  for (name, t), v in samples.items():
-    curves.setdefault(name, {})[t] = statistics.median(v)
+  for (name, t), seconds in time_looped(fns, repeats).items():
+    curves.setdefault(name, {})[t] = seconds
   return curves
 
 

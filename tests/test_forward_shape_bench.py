@@ -1,0 +1,71 @@
+"""The forward-timing harness of benchmarks/bench_core.py and bench_forward_shape.py: a
+forward is timed inside a compiled loop (the fused weights concatenated once, as the
+decoding loop does), and the loop really runs n forwards on the model's own logits. Figures
+are never asserted (benchmarks measure, tests check the plumbing)."""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_core  # noqa: E402
+from specjax.models import cache as kv  # noqa: E402
+from specjax.models.lm import LM  # noqa: E402
+from specjax.models.presets import PRESETS  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def lm():
+  return LM.of(bench_core.random_model(PRESETS["tiny-llama"], seed=3))
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_the_looped_forward_runs_n_forwards_of_the_model(lm, t):
+  """acc(n) = n × the standalone forward's first logit: the loop runs n forwards (a loop
+  that ran one, or skipped its body, fails), each on the same rows and cache slots."""
+  context, cache_len = 20, 64
+  cache = kv.set_lengths(kv.init(lm.config, 1, cache_len), jnp.array([context], jnp.int32))
+  toks = jnp.zeros((1, t), jnp.int32)
+  pos = context + jnp.arange(t, dtype=jnp.int32)[None]
+  logits, _ = bench_core._forward(lm, toks, pos, cache)
+  one = float(logits[0, 0])
+  assert one != 0.0
+  fn = bench_core.looped_forward(lm, t, context, cache_len)
+  for n in (1, 2, 5):
+    np.testing.assert_allclose(float(fn(n)), n * one, rtol=1e-5)
+
+
+def test_time_looped_alternates_and_differences(lm):
+  fns = {t: bench_core.looped_forward(lm, t, 16, 64) for t in (1, 2)}
+  seconds = bench_core.time_looped(fns, repeats=2)
+  assert set(seconds) == {1, 2} and all(math.isfinite(s) for s in seconds.values())
+
+
+@pytest.mark.slow
+def test_the_forward_shape_benchmark_runs_on_a_tiny_shape(tmp_path):
+  out = tmp_path / "shape.json"
+  env = dict(os.environ)
+  proc = subprocess.run(
+      [sys.executable, "benchmarks/bench_forward_shape.py", "--shape", "tiny-llama",
+       "--contexts", "64", "--ts", "1", "2", "3", "--split-rows", "3", "--dtypes", "float32",
+       "--repeats", "2", "--new-tokens", "4", "--out", str(out)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  run, = json.loads(out.read_text())["runs"]
+  assert set(run["forward_ms"]["64"]) == {"1", "2", "3"}
+  assert run["verify_cost"]["64"]["1"] == 1.0
+  assert set(run["split_rows"]["forward_ms"]["64"]) == {"2", "3"}
+  plain = run["plain"]
+  for key in ("plain_tok_s", "decode_step_ms", "memory_floor_ms", "fraction_of_floor",
+              "matmul_chain_ms", "fraction_of_matmul_chain"):
+    assert plain[key] > 0, key
+  assert run["kernels"]["total"] > 0
