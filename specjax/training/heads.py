@@ -482,6 +482,7 @@ class HeadTrainer(CheckpointedRun):
           self.params, self.opt_state, metrics = self.train_step(
               self.params, self.opt_state, jnp.asarray(self._batch()), self.target, lr,
               *(() if mask is None else (jnp.asarray(mask),)))
+          self._bound_run_ahead(metrics)
           self.step += 1
           if self.step % 10 == 0 or self.step == last:
             window = (window + [float(metrics["loss"])])[-5:]

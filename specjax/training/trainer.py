@@ -455,6 +455,7 @@ class Trainer(CheckpointedRun):
                 f"batch_size={tc.batch_size} (micro-batch {tc.micro_batch}) x seq_len="
                 f"{tc.seq_len} does not fit in the device's memory: lower batch_size or "
                 f"seq_len, or raise grad_accum ({str(e).splitlines()[0]})") from e
+          self._bound_run_ahead(metrics)
           self.step += 1
           if self.step == first + 1:  # tokens/s from here on: the first step compiles
             float(metrics["loss"])

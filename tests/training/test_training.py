@@ -353,3 +353,17 @@ def test_cli_reports_bad_input(tmp_path, capsys):
                                           str(tmp_path / "o"))
   assert "--teacher is required" in run("train", "draft", "--corpus", str(empty), "--out",
                                         str(tmp_path / "o"))
+
+
+def test_a_run_never_queues_more_than_run_ahead_unfinished_steps(monkeypatch):
+  """Each dispatched step waits for the step RUN_AHEAD before it: an interrupt acts within
+  RUN_AHEAD + 1 steps (an unbounded queue let Ctrl-C take 10 steps of a minute each)."""
+  from specjax.training import checkpointed
+  waited = []
+  monkeypatch.setattr(checkpointed.jax, "block_until_ready", waited.append)
+  run = checkpointed.CheckpointedRun.__new__(checkpointed.CheckpointedRun)
+  steps = [{"loss": np.float32(i)} for i in range(6)]
+  for i, metrics in enumerate(steps):
+    run._bound_run_ahead(metrics)
+    assert waited == steps[:max(0, i + 1 - run.RUN_AHEAD)]
+  assert run.RUN_AHEAD <= 2
