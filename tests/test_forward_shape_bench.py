@@ -4,8 +4,6 @@ decoding loop does), and the loop really runs n forwards on the model's own logi
 are never asserted (benchmarks measure, tests check the plumbing)."""
 
 import json
-import math
-import os
 import pathlib
 import subprocess
 import sys
@@ -44,21 +42,32 @@ def test_the_looped_forward_runs_n_forwards_of_the_model(lm, t):
     np.testing.assert_allclose(float(fn(n)), n * one, rtol=1e-5)
 
 
-def test_time_looped_alternates_and_differences(lm):
-  fns = {t: bench_core.looped_forward(lm, t, 16, 64) for t in (1, 2)}
-  seconds = bench_core.time_looped(fns, repeats=2)
-  assert set(seconds) == {1, 2} and all(math.isfinite(s) for s in seconds.values())
+def test_time_looped_alternates_and_differences(monkeypatch):
+  """On a fake clock where a loop of n forwards of variant `key` takes 0.5 + n × cost[key]
+  seconds: each repeat runs every variant's short then long loop in turn, and the result is
+  exactly cost[key] (the fixed 0.5 s of a call cancels in the difference)."""
+  clock, calls, cost = [0.0], [], {"a": 0.03, "b": 0.07}
+  monkeypatch.setattr(bench_core.time, "perf_counter", lambda: clock[0])
+
+  def fake(key):
+    def fn(n):
+      calls.append((key, n))
+      clock[0] += 0.5 + n * cost[key]
+      return np.float32(0)
+    return fn
+  seconds = bench_core.time_looped({k: fake(k) for k in cost}, repeats=3, lo=1, hi=5)
+  assert seconds == pytest.approx(cost, abs=1e-12)
+  assert calls == [("a", 1), ("b", 1)] + [("a", 1), ("a", 5), ("b", 1), ("b", 5)] * 3
 
 
 @pytest.mark.slow
 def test_the_forward_shape_benchmark_runs_on_a_tiny_shape(tmp_path):
   out = tmp_path / "shape.json"
-  env = dict(os.environ)
   proc = subprocess.run(
       [sys.executable, "benchmarks/bench_forward_shape.py", "--shape", "tiny-llama",
        "--contexts", "64", "--ts", "1", "2", "3", "--split-rows", "3", "--dtypes", "float32",
        "--repeats", "2", "--new-tokens", "4", "--out", str(out)],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-2000:]
   run, = json.loads(out.read_text())["runs"]
   assert set(run["forward_ms"]["64"]) == {"1", "2", "3"}
