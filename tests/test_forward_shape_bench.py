@@ -4,6 +4,7 @@ decoding loop does), and the loop really runs n forwards on the model's own logi
 are never asserted (benchmarks measure, tests check the plumbing)."""
 
 import json
+import math
 import pathlib
 import subprocess
 import sys
@@ -74,7 +75,10 @@ def test_the_forward_shape_benchmark_runs_on_a_tiny_shape(tmp_path):
   assert run["verify_cost"]["64"]["1"] == 1.0
   assert set(run["split_rows"]["forward_ms"]["64"]) == {"2", "3"}
   plain = run["plain"]
-  for key in ("plain_tok_s", "decode_step_ms", "memory_floor_ms", "fraction_of_floor",
-              "matmul_chain_ms", "fraction_of_matmul_chain"):
+  for key in ("memory_floor_ms", "matmul_chain_ms"):  # a byte count, a direct timing
     assert plain[key] > 0, key
+  # differences of two calls: on a tiny model noise can make them negative (figures are
+  # never asserted), so only present and finite
+  for key in ("plain_tok_s", "decode_step_ms", "fraction_of_floor", "fraction_of_matmul_chain"):
+    assert math.isfinite(plain[key]), key
   assert run["kernels"]["total"] > 0
