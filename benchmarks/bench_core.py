@@ -66,37 +66,43 @@ def _log(stage: str) -> None:
 
 
 @functools.partial(jax.jit, donate_argnums=(3,))
-def _forward(lm, tokens, positions, cache):
-  logits, _, cache = lm(tokens, positions, cache)
+def _forward(lm, tokens, positions, cache, mask=None):
+  """Logits of the last row and the cache after a forward of `tokens` (mask: None causal,
+  else the block mask of `lm`'s forward, e.g. a tree level's [T, R])."""
+  logits, _, cache = lm(tokens, positions, cache, mask)
   return logits[:, -1], cache
 
 
-def looped_forward(lm: LM, t: int, context: int, cache_len: int):
-  """fn(n): n forwards of T = t rows in one compiled loop (`lax.fori_loop`, n a runtime
-  value: one compile) against a cache holding `context` tokens, the cache donated and fed
+def looped_forward(lm: LM, t: int, context: int, cache_len: int, batch: int = 1,
+                   window: int = 0):
+  """fn(n): n forwards of T = t rows of each of `batch` sequences in one compiled loop
+  (`lax.fori_loop`, n a runtime value: one compile) against a cache holding `context`
+  tokens (causal; with `window` > 0 an all-true block mask of t + window columns, as a
+  tree level of the drafters attends its window of earlier levels), the cache donated and fed
   back, and the fused products' weights concatenated once before the loop
   (`fused.prefused`), as the decoding loops do. A forward called on its own would
   concatenate them in every call: on XLA:CPU that copy cost SmolLM2-135M ~225 ms against a
   ~40 ms forward (docs/xla_notes.md, trap 12). Traced under the caller's settings at the
   first call (`one_row_bf16.split_rows`, precision)."""
   from specjax.models.fused import prefused
-  toks = jnp.zeros((1, t), jnp.int32)
-  pos = context + jnp.arange(t, dtype=jnp.int32)[None]
-  state = {"cache": kv.set_lengths(kv.init(lm.config, 1, cache_len),
-                                   jnp.array([context], jnp.int32))}
+  toks = jnp.zeros((batch, t), jnp.int32)
+  pos = jnp.broadcast_to(context + jnp.arange(t, dtype=jnp.int32), (batch, t))
+  mask = None if window == 0 else jnp.ones((t, t + window), bool)
+  state = {"cache": kv.set_lengths(kv.init(lm.config, batch, cache_len),
+                                   jnp.full((batch,), context, jnp.int32))}
 
   @functools.partial(jax.jit, donate_argnums=(3,))
-  def run(lm, toks, pos, cache, n):
+  def run(lm, toks, pos, cache, mask, n):
     with prefused([lm.module()]):
       def body(_, carry):
         cache, acc = carry
-        logits, cache = _forward(lm, toks, pos, cache)
+        logits, cache = _forward(lm, toks, pos, cache, mask)
         return cache, acc + logits[0, 0]  # a use of each forward's logits: none is skipped
       cache, acc = jax.lax.fori_loop(0, n, body, (cache, jnp.zeros((), jnp.float32)))
     return acc, cache
 
   def fn(n: int):
-    out, state["cache"] = run(lm, toks, pos, state["cache"], jnp.int32(n))
+    out, state["cache"] = run(lm, toks, pos, state["cache"], mask, jnp.int32(n))
     return out
   return fn
 

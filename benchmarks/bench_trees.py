@@ -18,8 +18,8 @@ Model pairs:
 - default: the trained tiny pair of `specjax.training.defaults.load_default_pair` (trains it
   on first use, minutes on a CPU), prompts from its corpus.
 
-Predicted tokens/s of a configuration = τ / (draft time + verify time), from standalone
-forward timings at the same context length: the draft's root step (2 tokens), one step per
+Predicted tokens/s of a configuration = τ / (draft time + verify time), from forwards
+timed in a compiled loop at the same context length (`bench_core.looped_forward`): the draft's root step (2 tokens), one step per
 further level (at the level's width), and the target's pass over N + 1 tokens. Efficiency =
 measured speedup ÷ that prediction's speedup (decode time of one token ÷ cycle time × τ);
 what is lost is loop overhead (acceptance, bookkeeping, compaction).
@@ -42,12 +42,12 @@ from specjax.verify import sampling, trees
 from specjax.models.lm import LM
 from specjax.drafters.levels import _plan
 from specjax.drafters.model import ModelDrafter
-from specjax.models import cache as kv
 from specjax.models.presets import PRESETS
 from specjax.models.transformer import Transformer
 from specjax.verify.trees import DynamicTree
 
-from _timing import median_seconds, write_results  # benchmarks/_timing.py
+from _timing import write_results  # benchmarks/_timing.py
+from bench_core import looped_forward, time_looped
 
 
 # ----------------------------------------------------------------------------- model pairs
@@ -118,22 +118,14 @@ def make_pair(args):
 # ----------------------------------------------------------------------------- timings
 
 
-@jax.jit
-def _forward(lm, tokens, positions, cache, mask):
-  logits, _, cache = lm(tokens, positions, cache, mask)
-  return logits[:, -1], cache
-
-
 def forward_time(lm: LM, batch: int, context: int, cache_len: int, t: int, repeats: int,
                  window: int = 0) -> float:
   """Median seconds of one forward of t tokens after `context` committed tokens (a window
-  mask of t + window columns when window > 0, as tree levels use)."""
-  cache = kv.set_lengths(kv.init(lm.config, batch, cache_len), jnp.full((batch,), context,
-                                                                       jnp.int32))
-  toks = jnp.zeros((batch, t), jnp.int32)
-  pos = jnp.broadcast_to(context + jnp.arange(t, dtype=jnp.int32), (batch, t))
-  mask = None if window == 0 else jnp.ones((t, t + window), bool)
-  return median_seconds(lambda: _forward(lm, toks, pos, cache, mask), repeats)
+  mask of t + window columns when window > 0, as tree levels use), timed inside a compiled
+  loop as the decoding loop runs it (`bench_core.looped_forward`: the fused weights
+  concatenated once, the cache donated and fed back)."""
+  fn = looped_forward(lm, t, context, cache_len, batch=batch, window=window)
+  return time_looped({"fwd": fn}, repeats)["fwd"]
 
 
 def draft_steps(tree) -> list[tuple[int, int]]:
@@ -176,7 +168,7 @@ def run_temperature(target, draft, prompts, temperature: float, args, cache_len:
   def ftime(lm, t, window=0):
     key = (id(lm.config), lm.config, t, window)
     if key not in timing_cache:
-      timing_cache[key] = forward_time(lm, batch, context, cache_len, t, args.repeats * 3,
+      timing_cache[key] = forward_time(lm, batch, context, cache_len, t, args.repeats,
                                        window)
     return timing_cache[key]
 

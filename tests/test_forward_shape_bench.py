@@ -27,18 +27,25 @@ def lm():
   return LM.of(bench_core.random_model(PRESETS["tiny-llama"], seed=3))
 
 
-@pytest.mark.parametrize("t", [1, 3])
-def test_the_looped_forward_runs_n_forwards_of_the_model(lm, t):
+@pytest.mark.parametrize("t,batch,window", [(1, 1, 0), (3, 1, 0), (3, 2, 4)])
+def test_the_looped_forward_runs_n_forwards_of_the_model(lm, t, batch, window):
   """acc(n) = n × the standalone forward's first logit: the loop runs n forwards (a loop
-  that ran one, or skipped its body, fails), each on the same rows and cache slots."""
+  that ran one, or skipped its body, fails), each on the same rows and cache slots; with a
+  batch and a tree level's window mask (bench_trees), the same rows under the same mask."""
   context, cache_len = 20, 64
-  cache = kv.set_lengths(kv.init(lm.config, 1, cache_len), jnp.array([context], jnp.int32))
-  toks = jnp.zeros((1, t), jnp.int32)
-  pos = context + jnp.arange(t, dtype=jnp.int32)[None]
-  logits, _ = bench_core._forward(lm, toks, pos, cache)
+  cache = kv.set_lengths(kv.init(lm.config, batch, cache_len),
+                         jnp.full((batch,), context, jnp.int32))
+  toks = jnp.zeros((batch, t), jnp.int32)
+  pos = jnp.broadcast_to(context + jnp.arange(t, dtype=jnp.int32), (batch, t))
+  mask = None if window == 0 else jnp.ones((t, t + window), bool)
+  logits, _ = bench_core._forward(lm, toks, pos, cache, mask)
   one = float(logits[0, 0])
   assert one != 0.0
-  fn = bench_core.looped_forward(lm, t, context, cache_len)
+  if window:  # the mask reaches the model: the causal forward differs
+    causal, _ = bench_core._forward(lm, toks, pos, kv.set_lengths(
+        kv.init(lm.config, batch, cache_len), jnp.full((batch,), context, jnp.int32)))
+    assert float(causal[0, 0]) != pytest.approx(one, rel=1e-6)
+  fn = bench_core.looped_forward(lm, t, context, cache_len, batch=batch, window=window)
   for n in (1, 2, 5):
     np.testing.assert_allclose(float(fn(n)), n * one, rtol=1e-5)
 
