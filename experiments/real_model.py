@@ -203,14 +203,20 @@ def _questions(prompts: str, ref: str, dtype: str | None) -> dict:
   return {p.question_id: p for p in found}
 
 
+def auto_chains(drafter) -> tuple[int, ...]:
+  """The chains of the default menu (`AUTO_CHAINS`) this drafter can draft (4 Medusa heads
+  draft no chain of 6: `decoding.drafter_menu`)."""
+  return tuple(k for k in decoding.drafter_menu(drafter, adaptive.DEFAULT_CHAINS) if k)
+
+
 def auto_policy(costs: calibration.LoopCosts, drafter) -> adaptive.AdaptivePolicy:
-  """The policy a K = auto system runs: the default menu (k = 0 and chains of
-  `AUTO_CHAINS`) priced by the drafter's calibration at batch 1, its priors from what the
+  """The policy a K = auto system runs: the default menu (k = 0 and the chains of
+  `auto_chains`) priced by the drafter's calibration at batch 1, its priors from what the
   calibration measured (`AdaptivePolicy.from_costs`), k = 0 with the drafter's catch-up
   share. Without it `k="auto"` runs the uncalibrated `decoding.default_policy`, which prices
   a drafter with no model of its own (prompt lookup) at a full target step per draft pass and
   never speculates."""
-  return adaptive.AdaptivePolicy.from_costs(adaptive.DEFAULT_CHAINS, {1: costs},
+  return adaptive.AdaptivePolicy.from_costs((0,) + auto_chains(drafter), {1: costs},
                                             lazy_slots=decoding.lazy_slots_of(drafter))
 
 
@@ -253,9 +259,10 @@ def point(question, temperature: float = 0.0, target: str = "", hf_model: str | 
   calib_ids = tuple(tuple(encode(q)) for q in (calibration_questions or [question]))
 
   def costs_of(draft):  # one calibration per drafter: every chain its systems run
+    auto = any(d == draft and kk == "auto" for d, kk in parsed.values())
     ks = tuple(sorted({kk for d, kk in parsed.values() if d == draft and kk != "auto"}
-                      | (set(AUTO_CHAINS) if any(d == draft and kk == "auto"
-                                                 for d, kk in parsed.values()) else set()),
+                      | (set(auto_chains(_drafter(target, target_dtype, draft))) if auto
+                         else set()),
                       key=lambda kk: (isinstance(kk, tuple), str(kk))))
     return _costs(target, target_dtype, draft, ks, float(temperature), max_new_tokens,
                   calibration_repeats, seed, calib_ids)

@@ -44,8 +44,9 @@ from specjax.engine.batching import (MIN_BUCKET, Batch, cache_len_for,  # noqa: 
 from specjax.models.lm import LM
 from specjax.models import cache as kv
 from specjax.models.precision import DEFAULT_PRECISION, check_precision
-from specjax.engine.plan import (Prepared, SpeculationPlan, as_drafter, default_policy, fit_vocab,
-                                 lazy_slots_of, prepare, resolve_tree)  # noqa: F401
+from specjax.engine.plan import (Prepared, SpeculationPlan, as_drafter, default_policy,
+                                 drafter_menu, fit_vocab, lazy_slots_of, prepare,
+                                 resolve_tree)  # noqa: F401
 from specjax.engine.plan import draft_cache_bytes as _draft_cache_bytes  # noqa: F401
 from specjax.engine.plan import of as plan_of
 from specjax.verify.trees import DynamicTree, TreeSpec

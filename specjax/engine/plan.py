@@ -165,7 +165,7 @@ def default_policy(target, drafter, entries=adaptive.DEFAULT_CHAINS,
 
   drafter = as_drafter(drafter)
   if entries is adaptive.DEFAULT_CHAINS:  # a menu the caller chose is taken as given
-    entries = _entries_drafter_takes(drafter, entries)
+    entries = drafter_menu(drafter, entries)
   cfg = drafter.config
   c = 1.0
   if cfg is not None and cfg != target.config:
@@ -174,9 +174,11 @@ def default_policy(target, drafter, entries=adaptive.DEFAULT_CHAINS,
                                             lazy_slots=lazy_slots_of(drafter), **kwargs)
 
 
-def _entries_drafter_takes(drafter, entries) -> tuple:
-  """The default menu's entries this drafter can draft (e.g. chains no deeper than its
-  Medusa heads): k = 0 is always kept; none left but k = 0 is refused."""
+def drafter_menu(drafter, entries=adaptive.DEFAULT_CHAINS) -> tuple:
+  """The menu's entries (k, a chain's length, or a TreeSpec) this drafter can draft (e.g.
+  chains no deeper than its Medusa heads), in order: k = 0 is always kept; none left but
+  k = 0 is refused (ValueError)."""
+  drafter = as_drafter(drafter)
   kept = []
   for e in entries:
     tree = None if e == 0 else (e if isinstance(e, TreeSpec) else trees.chain(int(e)))

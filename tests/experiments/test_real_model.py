@@ -260,3 +260,26 @@ def test_an_auto_system_runs_the_policy_its_calibration_prices():
   assert np.asarray(pol.seconds)[0, 1:].tolist() == pytest.approx(
       [1.0 + 0.05 * k for k in real_model.AUTO_CHAINS])  # the calibration's own cycles
   assert np.asarray(pol.seconds)[0, 0] == pytest.approx(1.0)  # lookup: no catch-up cost
+
+
+def test_an_auto_system_of_medusa_heads_menus_only_the_chains_they_draft():
+  """Medusa draws one head per level: 3 heads draft no chain of 4 or 6, so K = auto's menu
+  and the chains its calibration times are 1 and 2 of 1, 2, 4, 6 (the study asked for a chain of 6 and
+  failed every question with 'tree depth 6 exceeds the 4 Medusa heads'); a drafter with no
+  depth limit keeps the whole menu."""
+  import jax
+  from specjax.calibration import loop_costs as calibration
+  from specjax.drafters.lookup import LookupDrafter
+  from specjax.drafters.medusa import MedusaDrafter
+  from specjax.experiments import real_model
+  from specjax.verify import trees
+  from specjax_testing import TINY, model
+  target = model(TINY["llama"], seed=0)
+  d = target.config.d_model
+  heads = {"w": jax.numpy.zeros((3, d, d)), "b": jax.numpy.zeros((3, d))}
+  medusa = MedusaDrafter.of(target, heads)
+  assert real_model.auto_chains(medusa) == (1, 2)
+  assert real_model.auto_chains(LookupDrafter(max_ngram=3)) == real_model.AUTO_CHAINS
+  chains = {trees.chain(k): 1.0 + 0.05 * k for k in real_model.auto_chains(medusa)}
+  costs = calibration.LoopCosts.from_timings(1.0, chains, meta={"batch": 1, "alpha": 0.5})
+  assert real_model.auto_policy(costs, medusa).names == ["k=0", "k=1", "k=2"]
