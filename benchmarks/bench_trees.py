@@ -19,8 +19,9 @@ Model pairs:
   on first use, minutes on a CPU), prompts from its corpus.
 
 Predicted tokens/s of a configuration = τ / (draft time + verify time), from forwards
-timed in a compiled loop at the same context length (`bench_core.looped_forward`): the draft's root step (2 tokens), one step per
-further level (at the level's width), and the target's pass over N + 1 tokens. Efficiency =
+timed in a compiled loop at the same context length (`bench_core.looped_forward`): the
+draft's root step (2 tokens), one step per further level (at the level's width), and the
+target's pass over N + 1 tokens. Efficiency =
 measured speedup ÷ that prediction's speedup (decode time of one token ÷ cycle time × τ);
 what is lost is loop overhead (acceptance, bookkeeping, compaction).
 """

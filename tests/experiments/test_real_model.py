@@ -264,9 +264,9 @@ def test_an_auto_system_runs_the_policy_its_calibration_prices():
 
 def test_an_auto_system_of_medusa_heads_menus_only_the_chains_they_draft():
   """Medusa draws one head per level: 3 heads draft no chain of 4 or 6, so K = auto's menu
-  and the chains its calibration times are 1 and 2 of 1, 2, 4, 6 (the study asked for a chain of 6 and
-  failed every question with 'tree depth 6 exceeds the 4 Medusa heads'); a drafter with no
-  depth limit keeps the whole menu."""
+  and the chains its calibration times are 1 and 2 of 1, 2, 4, 6 (the study asked 4 heads
+  for a chain of 6 and failed every question: 'tree depth 6 exceeds the 4 Medusa heads'); a
+  drafter with no depth limit keeps the whole menu."""
   import jax
   from specjax.calibration import loop_costs as calibration
   from specjax.drafters.lookup import LookupDrafter
