@@ -13,6 +13,6 @@ setup(
     packages=find_packages(include=["specjax", "specjax.*"])
     + ["specjax.experiments", "specjax.configs"],
     package_dir={"specjax.experiments": "experiments", "specjax.configs": "configs"},
-    package_data={"specjax": ["embedded/*/*", "embedded/heads/*/*"],
+    package_data={"specjax": ["embedded/*/*", "embedded/heads/*/*", "models/*.cc"],
                   "specjax.configs": ["*.gin"]},
 )

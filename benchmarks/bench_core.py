@@ -65,12 +65,14 @@ def _log(stage: str) -> None:
         flush=True)
 
 
-@functools.partial(jax.jit, donate_argnums=(3,))
-def _forward(lm, tokens, positions, cache, mask=None):
+def _forward_rows(lm, tokens, positions, cache, mask=None):
   """Logits of the last row and the cache after a forward of `tokens` (mask: None causal,
   else the block mask of `lm`'s forward, e.g. a tree level's [T, R])."""
   logits, _, cache = lm(tokens, positions, cache, mask)
   return logits[:, -1], cache
+
+
+_forward = jax.jit(_forward_rows, donate_argnums=(3,))
 
 
 def looped_forward(lm: LM, t: int, context: int, cache_len: int, batch: int = 1,
@@ -96,7 +98,9 @@ def looped_forward(lm: LM, t: int, context: int, cache_len: int, batch: int = 1,
     with prefused([lm.module()]):
       def body(_, carry):
         cache, acc = carry
-        logits, cache = _forward(lm, toks, pos, cache, mask)
+        # not the jitted `_forward`: a nested jit would hide the weights `prefused` made
+        # (its arguments are new tracers), as it would in a decoding loop
+        logits, cache = _forward_rows(lm, toks, pos, cache, mask)
         return cache, acc + logits[0, 0]  # a use of each forward's logits: none is skipped
       cache, acc = jax.lax.fori_loop(0, n, body, (cache, jnp.zeros((), jnp.float32)))
     return acc, cache

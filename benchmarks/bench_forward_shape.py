@@ -14,7 +14,9 @@ float32 checkpoint is cast with `transformer.with_dtype`):
    minus a loop of 1, the cache donated and fed back and the fused weights concatenated
    once, as the decoding loop does);
    `verify_cost[T]` = forward(T) / forward(1); with `--split-rows N` also T = 2..N computed
-   as T one-row products (`one_row_bf16.split_rows`), in the same loop;
+   as T one-row products (`one_row_bf16.split_rows`), in the same loop; with
+   `--xla-products` also every T with XLA's products instead of specjax's row kernel
+   (`row_kernel.suspended`; `xla_products` in the JSON), in the same loop;
 2. plain decoding inside the compiled loop (`decoding.generate`: a call of n tokens minus a
    call of 1, alternated, medians) at `--decode-context` (within the model's max_len),
    against the memory floor (weight bytes + the live KV prefix attention reads, over the
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import re
 import statistics
@@ -47,7 +50,7 @@ from flax import nnx
 
 from specjax.analysis import roofline
 from specjax.models.lm import LM
-from specjax.models import attention, one_row_bf16
+from specjax.models import attention, one_row_bf16, row_kernel
 from specjax.models import cache as kv
 from specjax.models.presets import PRESETS
 from specjax.models.transformer import with_dtype
@@ -74,22 +77,26 @@ def _cache_len(context: int, extra: int) -> int:
 
 
 def forward_curves(lm: LM, context: int, cache_len: int, ts, split: int,
-                   repeats: int) -> dict[str, dict[int, float]]:
+                   repeats: int, xla: bool = False, hi: int = 5) -> dict[str, dict[int, float]]:
   """Seconds of a forward of T rows (T in ts) over a cache holding `context` tokens, timed
   inside a compiled loop as the decoding loop runs it (`bench_core.looped_forward`: the
-  cache donated and fed back, the fused weights concatenated once), medians of `repeats`
-  with every variant alternated: "default", and with `split` > 1 also "split" (T in
-  2..split as T one-row products, `one_row_bf16.split_rows`, read at trace time)."""
-  variants = [("default", t, 0) for t in ts] + [("split", t, split) for t in ts
-                                                 if 1 < t <= split]
+  cache donated and fed back, the fused weights concatenated and packed once), medians of
+  `repeats` with every variant alternated: "default", with `split` > 1 also "split" (T in
+  2..split as T one-row products, `one_row_bf16.split_rows`, read at trace time), with
+  `xla` also "xla" (XLA's products where the row kernel would run, `row_kernel.suspended`).
+  Each timing is a loop of `hi` forwards minus a loop of 1."""
+  variants = ([("default", t, 0) for t in ts]
+              + [("split", t, split) for t in ts if 1 < t <= split]
+              + ([("xla", t, 0) for t in ts] if xla and row_kernel.enabled() else []))
   fns = {}
   for name, t, limit in variants:
     fn = looped_forward(lm, t, context, cache_len)
-    with one_row_bf16.split_rows(limit):
+    with one_row_bf16.split_rows(limit), (row_kernel.suspended() if name == "xla"
+                                          else contextlib.nullcontext()):
       jax.block_until_ready(fn(1))  # traced and compiled under its setting
     fns[(name, t)] = fn
   curves: dict[str, dict[int, float]] = {}
-  for (name, t), seconds in time_looped(fns, repeats).items():
+  for (name, t), seconds in time_looped(fns, repeats, hi=hi).items():
     curves.setdefault(name, {})[t] = seconds
   return curves
 
@@ -135,10 +142,14 @@ def run(target, dtype: str, args, results: dict, save) -> None:
   for context in args.contexts:
     _log(f"{dtype}: forwards T = {args.ts} at context {context}")
     curves = forward_curves(lm, context, _cache_len(context, max(args.ts)), args.ts,
-                            args.split_rows, args.repeats)
+                            args.split_rows, args.repeats, args.xla_products, args.loop)
     fwd = curves["default"]
     out["forward_ms"][context] = {t: 1e3 * s for t, s in fwd.items()}
     out["verify_cost"][context] = {t: s / fwd[1] for t, s in fwd.items()}
+    if "xla" in curves:  # XLA's own products, each T against its own one-row forward
+      xla = out.setdefault("xla_products", {"forward_ms": {}, "verify_cost": {}})
+      xla["forward_ms"][context] = {t: 1e3 * s for t, s in curves["xla"].items()}
+      xla["verify_cost"][context] = {t: s / curves["xla"][1] for t, s in curves["xla"].items()}
     if "split" in curves:  # against the same one-row forward
       out["split_rows"]["forward_ms"][context] = {t: 1e3 * s for t, s in curves["split"].items()}
       out["split_rows"]["verify_cost"][context] = {t: s / fwd[1]
@@ -181,6 +192,11 @@ def main():
   p.add_argument("--split-rows", type=int, default=0,
                  help="also time T = 2..N as N one-row products (one_row_bf16.split_rows), "
                  "alternated with the default forwards (default 0: not timed)")
+  p.add_argument("--xla-products", action="store_true",
+                 help="also time every T with XLA's products where the row kernel runs "
+                 "(row_kernel.suspended), alternated with the default forwards")
+  p.add_argument("--loop", type=int, default=5,
+                 help="forwards per timed loop (minus a loop of 1; default 5)")
   p.add_argument("--decode-context", type=int, default=512)
   p.add_argument("--new-tokens", type=int, default=32)
   p.add_argument("--repeats", type=int, default=7)
@@ -199,6 +215,8 @@ def main():
     p.error(f"--bandwidth-gbps must be a positive number, got {args.bandwidth_gbps}")
   if args.split_rows < 0:
     p.error(f"--split-rows must be a non-negative int, got {args.split_rows}")
+  if args.loop < 2:
+    p.error(f"--loop must be at least 2 (a loop of n forwards minus a loop of 1), got {args.loop}")
   for name in ("decode_context", "new_tokens", "repeats"):
     if getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be a positive int, got {getattr(args, name)}")

@@ -56,6 +56,13 @@ def _temp_name(parent: pathlib.Path, name: str, kind: str) -> pathlib.Path:
   return parent / f".{name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
+def cache_dir() -> pathlib.Path:
+  """specjax's cache root: $SPECJAX_CACHE_DIR, or ~/.cache/specjax (models, imported
+  checkpoints, compiled programs, calibrations, built kernels)."""
+  env = os.environ.get("SPECJAX_CACHE_DIR")
+  return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "specjax"
+
+
 def make_temp_dir(parent: str | os.PathLike, name: str, kind: str = "tmp") -> pathlib.Path:
   """Creates and returns a new empty directory `.NAME.KIND-...` in `parent` (which must
   exist), with the umask's mode (0755 under umask 022; `tempfile.mkdtemp` gives 0700)."""

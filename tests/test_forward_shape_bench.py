@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_core  # noqa: E402
-from specjax.models import cache as kv  # noqa: E402
+from specjax.models import cache as kv, row_kernel  # noqa: E402
 from specjax.models.lm import LM  # noqa: E402
 from specjax.models.presets import PRESETS  # noqa: E402
 
@@ -74,13 +74,15 @@ def test_the_forward_shape_benchmark_runs_on_a_tiny_shape(tmp_path):
   proc = subprocess.run(
       [sys.executable, "benchmarks/bench_forward_shape.py", "--shape", "tiny-llama",
        "--contexts", "64", "--ts", "1", "2", "3", "--split-rows", "3", "--dtypes", "float32",
-       "--repeats", "2", "--new-tokens", "4", "--out", str(out)],
+       "--repeats", "2", "--new-tokens", "4", "--xla-products", "--out", str(out)],
       cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-2000:]
   run, = json.loads(out.read_text())["runs"]
   assert set(run["forward_ms"]["64"]) == {"1", "2", "3"}
   assert run["verify_cost"]["64"]["1"] == 1.0
   assert set(run["split_rows"]["forward_ms"]["64"]) == {"2", "3"}
+  if row_kernel.enabled():  # XLA's products beside the row kernel's
+    assert set(run["xla_products"]["forward_ms"]["64"]) == {"1", "2", "3"}
   plain = run["plain"]
   for key in ("memory_floor_ms", "matmul_chain_ms"):  # a byte count, a direct timing
     assert plain[key] > 0, key

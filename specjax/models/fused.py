@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.models import one_row_bf16
+from specjax.models import one_row_bf16, row_kernel
 
 Array = jax.Array
 
@@ -70,29 +70,54 @@ def product_groups(module) -> Iterator[tuple]:
       yield tuple(group)
 
 
+def row_kernel_weights(module) -> Iterator[tuple[Array, bool]]:
+  """(weight, stored [n, d]) of every float32 product in a module graph the row kernel can
+  compute: each Dense-like node's 2-D `kernel`, and a tied LM head's embedding (a node with
+  an `embed` and no `lm_head`)."""
+  for _, node in nnx.iter_graph(module):
+    kernel = getattr(node, "kernel", None)
+    if isinstance(kernel, nnx.Param) and kernel[...].ndim == 2:
+      yield kernel[...], False
+    if getattr(node, "lm_head", False) is None and isinstance(getattr(node, "embed", None),
+                                                               nnx.Param):
+      yield node.embed[...], True
+
+
 @contextlib.contextmanager
 def prefused(modules: Iterable):
   """Within the block, `project` takes the concatenated kernels of every group of `modules`
-  (`product_groups`) from arrays computed here, once, instead of concatenating at each call.
+  (`product_groups`) from arrays computed here, once, instead of concatenating at each call;
+  and, where `row_kernel.enabled()`, every float32 product of `modules` with few rows takes
+  the row kernel with a packed copy of its weight made here, once (`row_kernel_weights`,
+  the concatenations included; `row_kernel.active()`).
 
   A decoding loop traces its body with the models' weights closed over; called at the top
-  of the loop function, before `lax.while_loop`, this puts each concatenation outside the
-  loop as a loop-invariant value. XLA does that itself for a loop whose body calls the model
-  directly, but not where the call sits in a loop nested inside another (the adaptive loop's
-  zero-or-one-trip entries): there every outer iteration concatenated every fused weight
-  again, 0.7 of a plain step of SmolLM2-135M on XLA:CPU. No-op unless `fuse_products()`."""
-  if not one_row_bf16.fuse_products():
-    yield
-    return
+  of the loop function, before `lax.while_loop`, this puts each concatenation (and packing)
+  outside the loop as a loop-invariant value. XLA does that itself for a loop whose body
+  calls the model directly, but not where the call sits in a loop nested inside another (the
+  adaptive loop's zero-or-one-trip entries): there every outer iteration concatenated every
+  fused weight again, 0.7 of a plain step of SmolLM2-135M on XLA:CPU. No-op unless
+  `fuse_products()` or `row_kernel.active()`; a packed copy nothing uses is dropped by XLA.
+  A product inside a nested `jax.jit` sees new tracers, not these weights: it keeps XLA's
+  kernels and the concatenation."""
+  fuse, pack = one_row_bf16.fuse_products(), row_kernel.active()
+  modules = list(modules)
   table = dict(_PREFUSED.get() or {})
+  weights = []
   for module in modules:
-    for layers in product_groups(module):
-      kernels = tuple(layer.kernel[...] for layer in layers)
-      key = tuple(map(id, kernels))
-      if key not in table:
-        table[key] = (kernels, jnp.concatenate(kernels, axis=1))
+    if fuse:
+      for layers in product_groups(module):
+        kernels = tuple(layer.kernel[...] for layer in layers)
+        key = tuple(map(id, kernels))
+        if key not in table:
+          table[key] = (kernels, jnp.concatenate(kernels, axis=1))
+        weights.append((table[key][1], False))
+    if pack:
+      weights.extend(row_kernel_weights(module))
+  weights = [(w, t) for w, t in weights if w.dtype == jnp.float32] if pack else []
   token = _PREFUSED.set(table)
   try:
-    yield
+    with row_kernel.packed(weights):
+      yield
   finally:
     _PREFUSED.reset(token)

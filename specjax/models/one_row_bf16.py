@@ -25,6 +25,8 @@ import os
 import jax
 import jax.numpy as jnp
 
+from specjax.models import row_kernel
+
 Array = jax.Array
 
 
@@ -122,13 +124,24 @@ def fuse_products() -> bool:
   return _on(fusion_policy())
 
 
+# the products the row kernel computes: einsum spec -> whether the weight is stored [n, d]
+_ROW_KERNEL_SPECS = {"...i,io->...o": False, "btd,vd->btv": True}
+
+
 def one_row_safe_matmul(spec: str, x: Array, w: Array) -> Array:
-  """einsum with f32 accumulation; a single bf16 row is padded to two on XLA:CPU
+  """einsum with f32 accumulation. A float32 product of at most `row_kernel.MAX_ROWS` rows
+  whose weight `row_kernel.packed` packed (in a decoding loop on XLA:CPU) is the row
+  kernel's. A single bf16 row is padded to two on XLA:CPU
   (`pad_one_row_bf16`: there a one-row bf16 product takes a costly path, docs/xla_notes.md,
   trap 3); the duplicate row is dropped. x's rows are its axis -2 (the output's too); with
   `row_split_limit()` >= n > 1 rows (and every other leading axis 1) each row is its own
   one-row product."""
   n = x.shape[-2] if x.ndim >= 2 else 1
+  if w.dtype == jnp.float32 and spec in _ROW_KERNEL_SPECS and (
+      math.prod(x.shape[:-1]) <= row_kernel.MAX_ROWS):
+    packed = row_kernel.packed_for(w, _ROW_KERNEL_SPECS[spec])
+    if packed is not None:  # inside a decoding loop (`fused.prefused` packed it)
+      return row_kernel.matmul(x, packed, w.shape[0 if _ROW_KERNEL_SPECS[spec] else 1])
   if 1 < n <= row_split_limit() and math.prod(x.shape[:-2]) == 1:
     return jnp.concatenate([one_row_safe_matmul(spec, x[..., i:i + 1, :], w)
                             for i in range(n)], axis=-2)

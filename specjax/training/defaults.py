@@ -72,16 +72,11 @@ from specjax.training import shipped
 from specjax.training.trainer import Teacher, params_fingerprint, train
 from specjax.drafters.eagle import head_config
 from specjax.training.heads import load_head
+from specjax.files import cache_dir  # noqa: F401 (re-exported: the cache root)
 from specjax.training.heads import HeadTrainer, TargetBinding, kind_from_spec
 
 CACHE_FORMAT = 2  # 2: the target and the draft are separate entries
 MANIFEST = "manifest.json"
-
-
-def cache_dir() -> pathlib.Path:
-  """$SPECJAX_CACHE_DIR, or ~/.cache/specjax."""
-  env = os.environ.get("SPECJAX_CACHE_DIR")
-  return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "specjax"
 
 
 class DefaultTarget(NamedTuple):
