@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.models import one_row_bf16, row_kernel
+from specjax.models import one_row_bf16, row_kernel, switches
 
 Array = jax.Array
 
@@ -115,9 +115,5 @@ def prefused(modules: Iterable):
     if pack:
       weights.extend(row_kernel_weights(module))
   weights = [(w, t) for w, t in weights if w.dtype == jnp.float32] if pack else []
-  token = _PREFUSED.set(table)
-  try:
-    with row_kernel.packed(weights):
-      yield
-  finally:
-    _PREFUSED.reset(token)
+  with switches.setting(_PREFUSED, table), row_kernel.packed(weights):
+    yield

@@ -25,7 +25,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from specjax.models import row_kernel
+from specjax.models import row_kernel, switches
 
 Array = jax.Array
 
@@ -54,34 +54,14 @@ def split_rows(limit: int):
   products (0: never). A trace-time setting: give each setting its own `jax.jit`."""
   if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
     raise ValueError(f"split_rows limit must be a non-negative int, got {limit!r}")
-  token = _ROW_LIMIT.set(limit)
-  try:
+  with switches.setting(_ROW_LIMIT, limit):
     yield
-  finally:
-    _ROW_LIMIT.reset(token)
 
 
 def padding_policy() -> str:
   """"1" / "0" when $SPECJAX_PAD_ONE_ROW_BF16 forces the one-row bf16 padding on / off,
   "cpu" (the default) when it pads on XLA:CPU only (`pad_one_row_bf16`)."""
-  return _cpu_default_policy(PAD_ENV, "padded")
-
-
-def _cpu_default_policy(name: str, what: str) -> str:
-  """$name as "0" / "1", or "cpu" when unset (the default: on XLA:CPU only); one-line
-  ValueError for any other value."""
-  env = os.environ.get(name)
-  if env is None:
-    return "cpu"
-  if env not in ("0", "1"):
-    raise ValueError(f"${name} must be 0 or 1 (or unset: {what} on XLA:CPU only), "
-                     f"got {env!r}")
-  return env
-
-
-def _on(policy: str) -> bool:
-  """A `_cpu_default_policy` value as a switch: forced on / off, or on XLA:CPU only."""
-  return policy == "1" if policy != "cpu" else jax.default_backend() == "cpu"
+  return switches.cpu_default_policy(PAD_ENV, "padded")
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,7 +77,7 @@ def pad_one_row_bf16() -> bool:
   unpadded and 7.6 ms padded, 64 tokens 97-103 ms and 85 ms. Timing single products in a
   loop (how this was once decided per shape) hides the copy: there one row looked as fast
   or faster. On the first host a one-row bf16 product ran ~10x slower than two rows."""
-  return _on(padding_policy())
+  return switches.on(padding_policy())
 
 
 FUSE_ENV = "SPECJAX_FUSE_PRODUCTS"
@@ -106,7 +86,7 @@ FUSE_ENV = "SPECJAX_FUSE_PRODUCTS"
 def fusion_policy() -> str:
   """"1" / "0" when $SPECJAX_FUSE_PRODUCTS forces fused products (`fuse_products`) on / off,
   "cpu" (the default) when they are fused on XLA:CPU only."""
-  return _cpu_default_policy(FUSE_ENV, "fused")
+  return switches.cpu_default_policy(FUSE_ENV, "fused")
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,7 +101,7 @@ def fuse_products() -> bool:
   concatenation is loop-invariant: inside a decoding loop XLA computes it once per call,
   before the loop. Unmeasured on GPU (where it would also hold a fused copy of those weights
   for the call), so off there."""
-  return _on(fusion_policy())
+  return switches.on(fusion_policy())
 
 
 # the products the row kernel computes: einsum spec -> whether the weight is stored [n, d]

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import jaxlib
 
 from specjax.files import cache_dir
+from specjax.models import switches
 
 Array = jax.Array
 
@@ -63,13 +64,7 @@ _SOURCE = pathlib.Path(__file__).with_name("row_kernel.cc")
 def policy() -> str:
   """"0" (off), "1" (on XLA:CPU) or "cpu" (unset, the default: on XLA:CPU) from
   $SPECJAX_ROW_KERNEL; a one-line ValueError for any other value."""
-  env = os.environ.get(ENV)
-  if env is None:
-    return "cpu"
-  if env not in ("0", "1"):
-    raise ValueError(f"${ENV} must be 0 or 1 (or unset: the row kernel on XLA:CPU), "
-                     f"got {env!r}")
-  return env
+  return switches.cpu_default_policy(ENV, "the row kernel")
 
 
 def _cpu_flags() -> str:
@@ -185,11 +180,8 @@ _SUSPENDED: contextvars.ContextVar[bool] = contextvars.ContextVar("row_kernel_of
 def suspended():
   """Traces the enclosed decoding loops with XLA's products, as if `enabled()` were False
   (benchmarks time both in one process). A trace-time setting: give it its own `jax.jit`."""
-  token = _SUSPENDED.set(True)
-  try:
+  with switches.setting(_SUSPENDED, True):
     yield
-  finally:
-    _SUSPENDED.reset(token)
 
 
 def active() -> bool:
@@ -206,11 +198,8 @@ def packed(weights):
     key = (id(w), transposed)
     if key not in table:
       table[key] = (w, pack(w, transposed))
-  token = _PACKED.set(table)
-  try:
+  with switches.setting(_PACKED, table):
     yield
-  finally:
-    _PACKED.reset(token)
 
 
 def packed_for(w: Array, transposed: bool) -> Array | None:
