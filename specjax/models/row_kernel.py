@@ -8,16 +8,16 @@ matrix-vector kernel, two or more a GEMM (YNNPACK) that on a 2-core host ran fiv
 OpenBLAS reads the same). The kernel here streams each weight once in a packed layout
 (`pack`: column panels of 16, row by row) with every row's sums held in registers, so R
 rows cost one weight read plus R rows of arithmetic: SmolLM2-135M's chain of products at
-T = 1 / 2 / 5 / 8 rows ran 28 / 31 / 33 / 44 ms against XLA's 33 / 59 / 86 / 100 on the
-host that measured it (docs/xla_notes.md, trap 13).
+T = 1 / 2 / 5 / 8 rows ran 34 / 38 / 43 / 58 ms against XLA's 43 / 77 / 111 / 127 in one
+compiled loop on the host that measured it (docs/xla_notes.md, trap 13).
 
 Where. `one_row_bf16.one_row_safe_matmul` (every model product) calls `matmul` for float32
 products of at most `MAX_ROWS` rows whose weight has a packed copy in the current trace: the
 packed copies are made once per call, before a decoding loop, by `fused.prefused` (as the
 fused weights' concatenations are); products outside a decoding loop (training, scoring,
 long prefills) keep XLA's kernels. Only on XLA:CPU, and only where the kernel builds:
-`enabled()` (policy `$SPECJAX_ROW_KERNEL`: unset = on the CPU, 0 = off, 1 = on the CPU even
-when `$SPECJAX_FUSE_PRODUCTS` differs; on GPU/TPU it is never used).
+`enabled()` (policy `$SPECJAX_ROW_KERNEL`: unset or 1 = on XLA:CPU, 0 = off; a CPU kernel,
+never used on GPU/TPU).
 
 Exactness. A row's sum runs in the same order whatever the number of rows, so plain
 decoding's one-row products and verification's many-row products give the same numbers
