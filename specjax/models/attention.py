@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.models import cache as kv
+from specjax.models import row_kernel
 
 Array = jax.Array
 
@@ -108,6 +109,10 @@ def attend(cache: kv.KVCache, layer: int, q_BTHD: Array, block_mask_TT: Array | 
   q = view.group(q_BTHD)
   q = (q * (1.0 / math.sqrt(d))).astype(view.dtype)
   rows = q.shape[1]
+  if (rows <= row_kernel.MAX_ATTENTION_ROWS and view.dtype == jnp.float32
+      and row_kernel.in_loop()):  # few rows in a decoding loop on XLA:CPU: the kernel
+    mask = attention_mask(view.lengths, t, view.slots, block_mask_TT, window)
+    return view.ungroup(view.kernel_attention(q, view.group_mask(mask, h)), h)
   if rows == 1:  # XLA:CPU runs a one-row product on a ~10x slower path: pad to 2 rows
     # (docs/xla_notes.md, trap 3).
     q = jnp.concatenate([q, q], axis=1)

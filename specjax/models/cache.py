@@ -37,6 +37,8 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec
 
+from specjax.models import row_kernel
+
 Array = jax.Array
 
 
@@ -328,6 +330,12 @@ class LayerView:
     dtype, accumulated in float32)."""
     return jnp.einsum("nrs,nsd->nrd", probs_NRS.astype(self.v.dtype), self.v[:, :s],
                       preferred_element_type=jnp.float32)
+
+
+  def kernel_attention(self, q_NRD: Array, mask_NRS: Array) -> Array:
+    """float32 [N, R, D]: softmax attention of query rows over slots [0, S) under the mask,
+    by `row_kernel.attention` (a float32 cache; it reads only up to the last visible slot)."""
+    return row_kernel.attention(q_NRD, self.k, self.v, mask_NRS)
 
 
 def layer_view(cache: KVCache, layer: int) -> LayerView:

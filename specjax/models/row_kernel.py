@@ -1,4 +1,5 @@
-"""Few-row float32 products on XLA:CPU by a kernel of specjax's own (`row_kernel.cc`).
+"""Few-row float32 products and cache attention on XLA:CPU by kernels of specjax's own
+(`row_kernel.cc`).
 
 Why. Decoding computes products of one row (plain decoding) or a few (verifying k + 1 drafted
 tokens) against every weight: memory-bound work, where reading the weights once should serve
@@ -9,19 +10,22 @@ OpenBLAS reads the same). The kernel here streams each weight once in a packed l
 (`pack`: column panels of 16, row by row) with every row's sums held in registers, so R
 rows cost one weight read plus R rows of arithmetic: SmolLM2-135M's chain of products at
 T = 1 / 2 / 5 / 8 rows ran 34 / 38 / 43 / 58 ms against XLA's 43 / 77 / 111 / 127 in one
-compiled loop on the host that measured it (docs/xla_notes.md, trap 13).
+compiled loop on the host that measured it (docs/xla_notes.md, trap 13). Attention over the
+cache had the same shape: YNNPACK's small products on one thread, over the whole bucket;
+`attention` reads only up to the last visible slot, on the pool, by the same passes.
 
 Where. `one_row_bf16.one_row_safe_matmul` (every model product) calls `matmul` for float32
 products of at most `MAX_ROWS` rows whose weight has a packed copy in the current trace: the
 packed copies are made once per call, before a decoding loop, by `fused.prefused` (as the
 fused weights' concatenations are); products outside a decoding loop (training, scoring,
-long prefills) keep XLA's kernels. Only on XLA:CPU, and only where the kernel builds:
-`enabled()` (policy `$SPECJAX_ROW_KERNEL`: unset or 1 = on XLA:CPU, 0 = off; a CPU kernel,
-never used on GPU/TPU).
+long prefills) keep XLA's kernels. `attention.attend` calls `attention` for a float32 cache
+and at most `MAX_ATTENTION_ROWS` query rows a KV head in the same traces (`in_loop`). Only
+on XLA:CPU, and only where the kernels build: `enabled()` (policy `$SPECJAX_ROW_KERNEL`:
+unset or 1 = on XLA:CPU, 0 = off; CPU kernels, never used on GPU/TPU).
 
-Exactness. A row's sum runs in the same order whatever the number of rows, so plain
-decoding's one-row products and verification's many-row products give the same numbers
-bit for bit (XLA's GEMM and matrix-vector kernel do not promise that). It rounds differently
+Exactness. A row's sums run in the same order whatever the number of rows, so plain
+decoding's one-row products and attention and verification's many-row ones give the same
+numbers bit for bit (XLA's GEMM and matrix-vector kernel do not promise that). It rounds differently
 from XLA's kernels (another summation order: ~1e-6 relative), as any kernel change does.
 
 Build. The first use compiles `row_kernel.cc` with the system's C++ compiler (`$CXX`, else
@@ -58,6 +62,8 @@ ENV = "SPECJAX_ROW_KERNEL"
 PANEL = 16
 MAX_ROWS = 16  # above, a product is compute-bound enough for XLA's GEMM
 TARGET = "specjax_row_matmul"
+ATTENTION_TARGET = "specjax_row_attention"
+MAX_ATTENTION_ROWS = 64  # query rows per KV head (G·T) the attention kernel takes
 _SOURCE = pathlib.Path(__file__).with_name("row_kernel.cc")
 
 
@@ -124,6 +130,8 @@ def _registered() -> bool:
     lib = ctypes.cdll.LoadLibrary(str(build()))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SpecjaxRowMatmul),
                                 platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION_TARGET,
+                                jax.ffi.pycapsule(lib.SpecjaxRowAttention), platform="cpu")
     return True
   except (RuntimeError, OSError, AttributeError) as e:
     warnings.warn(f"specjax: the few-row product kernel is unavailable, XLA's products "
@@ -165,6 +173,23 @@ def matmul(x: Array, packed: Array, n: int) -> Array:
                           vmap_method="sequential")
   y = call(x.reshape(rows, d).astype(jnp.float32), packed)
   return y[:, :n].reshape(*lead, n)
+
+
+def attention(q_NRD: Array, k_NDS: Array, v_NSD: Array, mask_NRS: Array) -> Array:
+  """Softmax attention of few query rows per buffer row n over a float32 cache: queries
+  [N, R, D] (already scaled), keys [N, D, S], values [N, S, D], mask [N, R, S] (True:
+  visible) -> float32 [N, R, D]. Reads only the slots below the last visible one; a row that
+  sees no slot gets zeros. A row's result depends on its own query and visible slots only,
+  bit for bit, whatever R is."""
+  call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q_NRD.shape, jnp.float32),
+                          vmap_method="sequential")
+  return call(q_NRD.astype(jnp.float32), k_NDS, v_NSD, mask_NRS.astype(bool))
+
+
+def in_loop() -> bool:
+  """Whether this trace is inside `packed` (a decoding loop's `fused.prefused`) with the
+  kernel `active()`: where few-row attention takes the kernel."""
+  return _PACKED.get() is not None and active()
 
 
 # packed weights of the current trace: {(id of the weight, transposed): (weight, packed)}
