@@ -331,7 +331,6 @@ class LayerView:
     return jnp.einsum("nrs,nsd->nrd", probs_NRS.astype(self.v.dtype), self.v[:, :s],
                       preferred_element_type=jnp.float32)
 
-
   def kernel_attention(self, q_NRD: Array, mask_NRS: Array) -> Array:
     """float32 [N, R, D]: softmax attention of query rows over slots [0, S) under the mask,
     by `row_kernel.attention` (a float32 cache; it reads only up to the last visible slot)."""

@@ -52,10 +52,10 @@ inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }
 // One pass: rows x[R][d] times the 16 columns at wp (column k's 16 values at wp + stride k).
 template <int R>
 inline void Pass(int64_t d, int64_t ny, const float* x, const float* wp, float* y,
-                 int64_t stride = kPanel, int64_t ahead = 0) {
+                 int64_t stride, int64_t ahead) {
   v8 a0[R], a1[R];
   for (int r = 0; r < R; ++r) {
-    a0[r] = v8{} ;
+    a0[r] = v8{};
     a1[r] = v8{};
   }
   for (int64_t k = 0; k < d; ++k) {
@@ -104,7 +104,7 @@ void Panels(int64_t rows, int64_t d, int64_t panels, const float* x, const float
 }
 
 // Runs fn(part) for part in [0, parts) on the calling thread and up to threads - 1 of the
-// pool's: parts are claimed in turn; the caller waits only for parts another thread has
+// pool's (`threads` at most `Threads(pool)`): parts are claimed in turn; the caller waits only for parts another thread has
 // begun, so a busy pool never blocks it.
 struct Job {
   std::function<void(int64_t)> fn;
@@ -128,15 +128,15 @@ int64_t Threads(ffi::ThreadPool& pool) {
   return std::min<int64_t>(cap, std::max<int64_t>(pool.num_threads(), 1));
 }
 
-void ParallelFor(ffi::ThreadPool& pool, int64_t parts, std::function<void(int64_t)> fn) {
-  if (parts <= 1) {
-    if (parts == 1) fn(0);
+void ParallelFor(ffi::ThreadPool& pool, int64_t parts, int64_t threads,
+                 std::function<void(int64_t)> fn) {
+  if (parts <= 1 || threads <= 1) {
+    for (int64_t part = 0; part < parts; ++part) fn(part);
     return;
   }
   auto job = std::make_shared<Job>();
   job->fn = std::move(fn);
   job->parts = parts;
-  const int64_t threads = Threads(pool);
   for (int64_t i = 1; i < threads && i < parts; ++i) {
     pool.Schedule([job] { job->Work(); });  // a late task finds no part; shared_ptr
   }
@@ -159,16 +159,17 @@ ffi::Error RowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const float* w = wp.typed_data();
   float* yp = y->typed_data();
   // a weight under 256 KB stays on the calling thread; else ~4 parts per thread
+  const int64_t threads = Threads(pool);
   const int64_t parts = panels * d * kPanel < (1 << 16)
-                            ? 1 : std::min<int64_t>(panels, 4 * Threads(pool));
-  ParallelFor(pool, parts, [=](int64_t part) {
+                            ? 1 : std::min<int64_t>(panels, 4 * threads);
+  ParallelFor(pool, parts, threads, [=](int64_t part) {
     Panels(rows, d, panels, xp, w, yp, panels * part / parts, panels * (part + 1) / parts);
   });
   return ffi::Error::Success();
 }
 
 // e^x for x <= 0 in 8 lanes (range reduction by ln 2, a degree-6 polynomial, the exponent
-// built from bits; within ~2 ulp of expf); below -87 it gives 0. Positive x counts as 0.
+// built from bits; within 1 ulp of expf over [-87, 0]); below -87 it gives 0. Positive x counts as 0.
 inline v8 Exp8(v8 x) {
   typedef int32_t v8i __attribute__((vector_size(32)));
   const v8 zero = v8{}, low = zero - 87.0f;
@@ -302,11 +303,12 @@ ffi::Error RowAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
   const float* vp = v.typed_data();
   const bool* mp = mask.typed_data();
   float* op = out->typed_data();
-  // parts: row blocks of each buffer row, about 4 per thread (one part for a tiny cache)
+  // parts: row blocks of each buffer row, about 4 per thread (a tiny cache stays on the
+  // calling thread)
   const int64_t threads = n * d * s < (1 << 15) ? 1 : Threads(pool);
   const int64_t per = std::max<int64_t>(1, (n * rows + 4 * threads - 1) / (4 * threads));
   const int64_t blocks = (rows + per - 1) / per;
-  ParallelFor(pool, n * blocks, [&](int64_t part) {
+  ParallelFor(pool, n * blocks, threads, [&](int64_t part) {
     const int64_t i = part / blocks, r0 = part % blocks * per;
     const int64_t r1 = std::min(rows, r0 + per);
     AttendRows(r1 - r0, d, s, qp + (i * rows + r0) * d, kp + i * d * s, vp + i * s * d,
