@@ -104,8 +104,8 @@ void Panels(int64_t rows, int64_t d, int64_t panels, const float* x, const float
 }
 
 // Runs fn(part) for part in [0, parts) on the calling thread and up to threads - 1 of the
-// pool's (`threads` at most `Threads(pool)`): parts are claimed in turn; the caller waits only for parts another thread has
-// begun, so a busy pool never blocks it.
+// pool's (`threads`: at most `Threads(pool)`): parts are claimed in turn; the caller waits
+// only for parts another thread has begun, so a busy pool never blocks it.
 struct Job {
   std::function<void(int64_t)> fn;
   int64_t parts = 0;
@@ -169,7 +169,8 @@ ffi::Error RowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }
 
 // e^x for x <= 0 in 8 lanes (range reduction by ln 2, a degree-6 polynomial, the exponent
-// built from bits; within 1 ulp of expf over [-87, 0]); below -87 it gives 0. Positive x counts as 0.
+// built from bits; within 1 ulp of expf over [-87, 0]); below -87 it gives 0, and a positive
+// x counts as 0.
 inline v8 Exp8(v8 x) {
   typedef int32_t v8i __attribute__((vector_size(32)));
   const v8 zero = v8{}, low = zero - 87.0f;

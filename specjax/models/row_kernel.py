@@ -25,8 +25,9 @@ unset or 1 = on XLA:CPU, 0 = off; CPU kernels, never used on GPU/TPU).
 
 Exactness. A row's sums run in the same order whatever the number of rows, so plain
 decoding's one-row products and attention and verification's many-row ones give the same
-numbers bit for bit (XLA's GEMM and matrix-vector kernel do not promise that). It rounds differently
-from XLA's kernels (another summation order: ~1e-6 relative), as any kernel change does.
+numbers bit for bit (XLA's GEMM and matrix-vector kernel do not promise that). They round
+differently from XLA's kernels (another summation order: ~1e-6 relative), as any kernel
+change does.
 
 Build. The first use compiles `row_kernel.cc` with the system's C++ compiler (`$CXX`, else
 c++ / g++ / clang++; -O3 -march=native, against the XLA FFI headers jaxlib ships) into
