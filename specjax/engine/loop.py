@@ -215,9 +215,11 @@ def under_precision(loop_fn):
   every model among the arguments (`fused.prefused`: the target, a drafter's models)
   are concatenated once, before the loop."""
   def run(*args, precision: str = DEFAULT_PRECISION, **kwargs):
-    models = [x.module() for x in jax.tree_util.tree_leaves(
-        (args, kwargs), is_leaf=lambda x: isinstance(x, LM)) if isinstance(x, LM)]
-    with matmul_precision(precision), prefused(models):
+    lms = [x for x in jax.tree_util.tree_leaves((args, kwargs),
+                                                is_leaf=lambda x: isinstance(x, LM))
+           if isinstance(x, LM)]
+    with matmul_precision(precision), prefused([x.module() for x in lms],
+                                               [x.packs for x in lms]):
       return loop_fn(*args, **kwargs)
   run.__name__, run.__qualname__, run.__doc__ = (loop_fn.__name__, loop_fn.__qualname__,
                                                  loop_fn.__doc__)

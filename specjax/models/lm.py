@@ -26,6 +26,9 @@ class LM:
   graphdef: Any = struct.field(pytree_node=False)
   config: ModelConfig = struct.field(pytree_node=False)
   params: Any
+  # the row kernel's packed copies of the float32 products (`fused.packed_lm`, made once per
+  # model for the host API's loops), or None: the loops pack in the trace (`fused.prefused`)
+  packs: Any = None
 
   @classmethod
   def of(cls, model) -> "LM":

@@ -16,8 +16,8 @@ cache had the same shape: YNNPACK's small products on one thread, over the whole
 
 Where. `one_row_bf16.one_row_safe_matmul` (every model product) calls `matmul` for float32
 products of at most `MAX_ROWS` rows whose weight has a packed copy in the current trace: the
-packed copies are made once per call, before a decoding loop, by `fused.prefused` (as the
-fused weights' concatenations are); products outside a decoding loop (training, scoring,
+packed copies are made once per model by `fused.packed_lm` (the host API's loops take them
+as arguments), else once per call, before a decoding loop, by `fused.prefused`; products outside a decoding loop (training, scoring,
 long prefills) keep XLA's kernels. `attention.attend` calls `attention` for a float32 cache
 and at most `MAX_ATTENTION_ROWS` query rows a KV head in the same traces (`in_loop`). Only
 on XLA:CPU, and only where the kernels build: `enabled()` (policy `$SPECJAX_ROW_KERNEL`:
@@ -162,6 +162,12 @@ def pack(w: Array, transposed: bool = False) -> Array:
   return wt.reshape(d, (n + pad) // PANEL, PANEL).transpose(1, 0, 2)
 
 
+def packed_shape(w: Array, transposed: bool = False) -> tuple[int, int, int]:
+  """The shape `pack` gives the weight: [panels, d, PANEL]."""
+  d, n = w.shape[::-1] if transposed else w.shape
+  return (-(-n // PANEL), d, PANEL)
+
+
 def matmul(x: Array, packed: Array, n: int) -> Array:
   """x [..., d] (float32, at most MAX_ROWS rows in all) @ the weight `packed` holds ->
   [..., n] float32."""
@@ -216,10 +222,13 @@ def active() -> bool:
 
 
 @contextlib.contextmanager
-def packed(weights):
+def packed(weights, made=()):
   """Within the block, `packed_for` finds a packed copy of each (weight, transposed) pair
-  of `weights`, made here once (before a decoding loop: loop-invariant, outside it)."""
+  of `weights`, made here once (before a decoding loop: loop-invariant, outside it), and of
+  each (weight, transposed, copy) triple of `made` (copies made before the call)."""
   table = dict(_PACKED.get() or {})
+  for w, transposed, copy in made:
+    table[(id(w), transposed)] = (w, copy)
   for w, transposed in weights:
     key = (id(w), transposed)
     if key not in table:

@@ -106,5 +106,5 @@ def test_fused_weights_are_concatenated_once_before_the_adaptive_loop(monkeypatc
     return lowered.compile().as_text()
   assert _loop_computations(hlo(batch.cache_len))  # the loop is there
   assert _fused_weight_concats(hlo(batch.cache_len), shapes) == []
-  monkeypatch.setattr(loop, "prefused", lambda models: contextlib.nullcontext())
+  monkeypatch.setattr(loop, "prefused", lambda *models: contextlib.nullcontext())
   assert len(_fused_weight_concats(hlo(2 * batch.cache_len), shapes)) >= 4  # 20 found

@@ -199,6 +199,54 @@ def test_greedy_decoding_matches_xla_products(monkeypatch):
     np.testing.assert_array_equal(got, want)
 
 
+def test_host_api_packs_once_per_model(monkeypatch):
+  """The host API's loops take the packed weights made once per model (`fused.packed_lm`):
+  a new trace of the same model packs nothing, a model with other weights gets its own
+  copies, and a model's copies go with its weights. Control: a loop called directly with a
+  bare LM packs every weight in its own program. Tokens equal the in-program packing's."""
+  import gc
+
+  from specjax.engine import loop
+  from specjax.models import fused
+
+  lm = LM.of(_model())
+  prompts = [[5, 9, 5, 9, 5, 9, 17], [3, 4, 5, 3, 4]]
+  packs = []
+  pack = row_kernel.pack
+  monkeypatch.setattr(row_kernel, "pack", lambda *a: packs.append(1) or pack(*a))
+  jax.clear_caches()
+  fused._PACKS.clear()
+  first = decoding.generate(lm, prompts, max_new_tokens=6)
+  assert len(packs) == 9  # 2 layers x (q|k|v, o, gate|up, down) + the head, once
+  again = decoding.generate(lm, prompts, max_new_tokens=6, cache_len=64)  # a new trace
+  spec = decoding.speculative_generate(lm, LookupDrafter(), prompts, k=3, max_new_tokens=6)
+  assert len(packs) == 9 and len(fused._PACKS) == 1
+  assert fused.packed_lm(lm).packs is fused.packed_lm(LM.of(lm.module())).packs
+  np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(first.tokens))
+  np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(first.tokens))
+  # control: the loop called with the bare LM packs in its program, to the same tokens
+  batch = decoding.prepare_batch(prompts, vocab_size=lm.config.vocab_size,
+                                 max_len=lm.config.max_len, max_new_tokens=6)
+  state = loop.generate_jit(lm, batch.prompt_BP, batch.prompt_len_B, batch.budget_B,
+                            jnp.asarray(-1), decoding.sampling.make_sampler(0.0),
+                            jax.random.key(0), cache_len=batch.cache_len)
+  assert len(packs) == 18
+  direct = [np.asarray(state.tokens)[b, len(row):len(row) + 6] for b, row in enumerate(prompts)]
+  np.testing.assert_array_equal(np.stack(direct), np.asarray(first.tokens)[:, :6])
+  # other weights, other copies; a model's copies are dropped with its weights
+  other = lm.replace(params=jax.tree.map(lambda x: x * 1.01, lm.params))
+  assert fused.packed_lm(other).packs is not fused.packed_lm(lm).packs
+  assert len(fused._PACKS) == 2
+  del other
+  gc.collect()
+  assert len(fused._PACKS) == 1
+  with pytest.raises(ValueError, match="packs: 9 packed copies do not match"):
+    small = LM.of(Transformer(lm.config.replace(n_layers=1), rngs=nnx.Rngs(1)))
+    with fused.prefused([small.module()], [fused.packed_lm(lm).packs]):
+      pass
+  jax.clear_caches()
+
+
 def _python(code: str, **env) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                         env={**os.environ, **env}, timeout=600)
