@@ -526,3 +526,19 @@ def test_the_calibration_identity_holds_the_product_policies(random_pair, monkey
     ident[env] = calibration.fingerprint(target, {"d": draft}, [[1, 2, 3]], **kw)
   assert [ident[e]["fuse_products"] for e in (None, "0", "1")] == ["cpu", "0", "1"]
   assert ident["0"] != ident["1"] != ident[None]
+
+
+def test_the_calibration_identity_holds_the_row_kernel(random_pair):
+  """A calibration timed with the few-row kernels is not reused without them (or with
+  another build of them): their build is part of what a cached calibration depends on."""
+  import jax
+
+  from specjax.models import row_kernel
+  target, draft = random_pair
+  kw = dict(temperature=0.0, max_new_tokens=8, cache_len=64, repeats=1, seed=0)
+  on = calibration.fingerprint(target, {"d": draft}, [[1, 2, 3]], **kw)
+  with row_kernel.suspended():
+    off = calibration.fingerprint(target, {"d": draft}, [[1, 2, 3]], **kw)
+  assert off["row_kernel"] is None
+  if jax.default_backend() == "cpu" and row_kernel.enabled():
+    assert on["row_kernel"] == row_kernel.library_path().name and on != off
