@@ -47,10 +47,11 @@ position, so that law has the wrong shape (BUILD_NOTES.md has the figures).
 
 `target_dtype` serves the target's weights in float32 (as trained) or bfloat16 (products
 with float32 accumulation, `transformer.with_dtype`); plain and speculative decoding always
-run the same weights. The main job serves bf16, as deployments do. On XLA:CPU float32 is
-the faster way to serve this target (the few-row kernels, docs/xla_notes.md trap 13: plain
-decoding 1.7-1.8x bf16's, speculative 1.6x), with a smaller speedup over its faster plain
-step (BUILD_NOTES.md, "Quickstart", has both).
+run the same weights. The main job serves float32, as `specjax.load` does by default: on
+XLA:CPU the faster dtype for this target (the few-row kernels, docs/xla_notes.md trap 13:
+plain decoding 1.7-1.8x bf16's, speculative 1.6x), so one meaning of speed whatever the
+entry; bf16's slower plain step gives a larger speedup over it (BUILD_NOTES.md,
+"Quickstart", has both).
 
 Temperature is a runtime value: T = 0 and T = 1 share every compiled loop. Each point
 prints a verdict line; the report adds measured vs predicted speedup, acceptance by draft
