@@ -170,9 +170,12 @@ def packed_lm(lm):
   key = tuple(map(id, leaves))
   found = _PACKS.get(key)
   if found is None or any(r() is not x for r, x in zip(found[0], leaves)):
-    packs = _pack_jit(lm)
     drop = lambda _ref, key=key: _PACKS.pop(key, None)
-    _PACKS[key] = found = ([weakref.ref(x, drop) for x in leaves], packs)
+    try:
+      refs = [weakref.ref(x, drop) for x in leaves]
+    except TypeError:  # a leaf that cannot be watched (a Python scalar): packed in the loop
+      return lm
+    _PACKS[key] = found = (refs, _pack_jit(lm))
   return lm.replace(packs=found[1]) if found[1] else lm
 
 
