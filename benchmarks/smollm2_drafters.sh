@@ -6,7 +6,9 @@
 #
 #   data    `specjax train selfdistill-data`: 2,048 prompts of the stdlib-instruct-v1 recipe
 #           (Spec-Bench's questions excluded), answered by the target at batch 32, T = 0 and 1
-#           mixed, into $WORK/selfdistill (hours on a 2-core CPU; minutes on a GPU)
+#           mixed, into $SD (default benchmarks/smollm2_selfdistill, committed: tokens only,
+#           ~60 KB a shard, so the hours it takes on a 2-core CPU add up across machines;
+#           minutes on a GPU)
 #   eagle3  `specjax train eagle3 --recipe smollm2-eagle3` into $WORK/eagle3
 #   medusa  `specjax train medusa --recipe smollm2-medusa` into $WORK/medusa
 #   draft   `specjax train draft --recipe smollm2-draft --teacher GGUF` (2 layers of width 256
@@ -24,7 +26,7 @@ PYTHON="${PYTHON:-python}"
 WORK="${WORK:-runs/smollm2_drafters}"
 STEP="${1:-all}"
 GGUF="$(FETCH_ONLY=1 bash "$HERE/real_model.sh" | head -1)"
-SD="$WORK/selfdistill"
+SD="${SD:-$HERE/smollm2_selfdistill}"
 mkdir -p "$WORK"
 run() { echo "smollm2_drafters.sh: $*" >&2; "$@"; }
 

@@ -119,9 +119,9 @@ def prefused(modules: Iterable, packs: Sequence | None = None):
   """Within the block, `project` takes the concatenated kernels of every group of `modules`
   (`product_groups`) from arrays computed here, once, instead of concatenating at each call;
   and, where `row_kernel.active()`, every float32 product of `modules` with few rows takes
-  the row kernel with a packed copy of its weight (`_packing`: the concatenations included;
-  `row_kernel.active()`): `packs[i]`, module i's copies made before the call by `packs_of`
-  (`packed_lm`) where given and not None, else made here.
+  the row kernel with a packed copy of its weight (`_packing`, the concatenations included):
+  from `packs[i]`, module i's copies made before the call by `packs_of` (`packed_lm`), where
+  given and not None, else made here.
 
   A decoding loop traces its body with the models' weights closed over; called at the top
   of the loop function, before `lax.while_loop`, this puts each concatenation (and packing)

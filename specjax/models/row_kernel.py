@@ -17,11 +17,12 @@ cache had the same shape: YNNPACK's small products on one thread, over the whole
 Where. `one_row_bf16.one_row_safe_matmul` (every model product) calls `matmul` for float32
 products of at most `MAX_ROWS` rows whose weight has a packed copy in the current trace: the
 packed copies are made once per model by `fused.packed_lm` (the host API's loops take them
-as arguments), else once per call, before a decoding loop, by `fused.prefused`; products outside a decoding loop (training, scoring,
-long prefills) keep XLA's kernels. `attention.attend` calls `attention` for a float32 cache
-and at most `MAX_ATTENTION_ROWS` query rows a KV head in the same traces (`in_loop`). Only
-on XLA:CPU, and only where the kernels build: `enabled()` (policy `$SPECJAX_ROW_KERNEL`:
-unset or 1 = on XLA:CPU, 0 = off; CPU kernels, never used on GPU/TPU).
+as arguments), else once per call, before a decoding loop, by `fused.prefused`; products
+outside a decoding loop (training, scoring, long prefills) keep XLA's kernels.
+`attention.attend` calls `attention` for a float32 cache and at most `MAX_ATTENTION_ROWS`
+query rows a KV head in the same traces (`in_loop`). Only on XLA:CPU, and only where the
+kernels build: `enabled()` (policy `$SPECJAX_ROW_KERNEL`: unset or 1 = on XLA:CPU, 0 = off;
+CPU kernels, never used on GPU/TPU).
 
 Exactness. A row's sums run in the same order whatever the number of rows, so plain
 decoding's one-row products and attention and verification's many-row ones give the same

@@ -133,8 +133,10 @@ def make_data(target_ref: str, out: str | pathlib.Path, *, prompts: int, max_new
       (t for p in exclude for t in instructions.evaluation_texts(p)), NGRAM)
   kept, skipped = select_prompts(recipe, prompts, reference)
   manifest = stored or {"format": selfdistill.FORMAT, "run": run, "shards": []}
-  manifest["target_ref"] = str(target_ref)
-  manifest["exclude_files"] = [str(p) for p in exclude]
+  # names, not paths: a data directory can be committed or moved (identity: `run`'s
+  # fingerprint and the excluded files' sha256)
+  manifest["target_ref"] = pathlib.PurePath(str(target_ref)).name or str(target_ref)
+  manifest["exclude_files"] = [p.name for p in exclude]
   manifest["prompts_requested"] = max(prompts, manifest.get("prompts_requested", 0))
   done = {s["index"] for s in manifest["shards"]}
   made = 0

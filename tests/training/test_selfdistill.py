@@ -94,6 +94,11 @@ def test_interrupted_run_resumes_to_the_same_shards(tmp_path, target):
   for key in ("answer_tokens", "rows", "prompt_tokens"):
     assert resumed["totals"][key] == whole["totals"][key]
   assert whole["totals"]["seconds"] > 0 and whole["run"]["recipe"] == SMALL.spec()
+  # names, no paths of the machine (the directory can be committed)
+  excluded = _make(target, tmp_path / "excl", stop_after=1, exclude=[SPECBENCH])
+  assert excluded["exclude_files"] == [SPECBENCH.name]
+  assert "/" not in json.dumps(excluded["target_ref"]) and str(tmp_path) not in json.dumps(
+      selfdistill.read_manifest(tmp_path / "excl"))
   # the rows: the chat (here plain) prompt, then the answer, masked to the answer
   rows = selfdistill.read_rows(tmp_path / "whole")
   tok = target[1]
