@@ -187,7 +187,8 @@ def loop_iterations(run: Generation, batch: int) -> int:
 
 def _precision_kw(precision: str) -> dict:
   """The loops' `precision` keyword, left out at its default so that a direct call of a
-  compiled loop and the host API's share one compile (jit keys on the keywords passed)."""
+  compiled loop and the host API's share one compile (jit keys on the keywords passed),
+  unless the API's models carry packed weights (`with_packs`: another argument structure)."""
   return {} if precision == DEFAULT_PRECISION else {"precision": precision}
 
 

@@ -211,9 +211,10 @@ def _write_rows(tokens_BS, start_B, values_BT, count_B):
 def under_precision(loop_fn):
   """The loop with a `precision` keyword (static; `specjax.models.precision`, "highest" by
   default): every product of the loop is traced under that policy, whoever calls it, so a
-  direct call and the host API's compile the same program. The fused products' weights of
-  every model among the arguments (`fused.prefused`: the target, a drafter's models)
-  are concatenated once, before the loop."""
+  direct call and the host API's compile the same program (but for the packed weights the
+  API's models carry, `decoding.with_packs`). The fused products' weights of every model
+  among the arguments (`fused.prefused`: the target, a drafter's models) are concatenated,
+  and packed where the models carry no packed copies, once, before the loop."""
   def run(*args, precision: str = DEFAULT_PRECISION, **kwargs):
     lms = [x for x in jax.tree_util.tree_leaves((args, kwargs),
                                                 is_leaf=lambda x: isinstance(x, LM))

@@ -120,12 +120,14 @@ def test_greedy_tree_equals_plain_greedy_and_caches_are_compacted(pair, plain, n
   assert_cache_prefix_equal(state.draft.cache, draft_want, length - 1)
   np.testing.assert_array_equal(state.draft.cache.lengths, length - 1)
 
-  # The public API runs the same compiled loop, also with new runtime values (temperature,
-  # top-p, budgets, EOS, seed): no recompilation. Generation carries the tree and its metrics.
+  # The public API gives the same tokens, and one compiled loop serves it with new runtime
+  # values (temperature, top-p, budgets, EOS, seed): no recompilation. (Its loop is another
+  # program than the direct call's where the row kernels take weights packed once per model,
+  # `fused.packed_lm`.) Generation carries the tree and its metrics.
   drafter = ModelDrafter.of(weak, deterministic)
-  before = loop.TRACE_COUNTS["speculative"]
   g = decoding.speculative_generate(target, drafter, RAGGED, tree=tree, max_new_tokens=BUDGET,
                                     cache_len=CACHE_LEN)
+  before = loop.TRACE_COUNTS["speculative"]
   hot = decoding.speculative_generate(target, drafter, RAGGED, tree=tree, max_new_tokens=7,
                                       sampler=sampling.make_sampler(0.7, 0, 0.9), seed=3,
                                       eos_id=5, cache_len=CACHE_LEN)
