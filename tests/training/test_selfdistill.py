@@ -211,3 +211,33 @@ def test_head_and_draft_trainers_read_the_shards(data_dir, tmp_path, capsys):
   assert main(["train", "draft", "--preset", "tiny", "--teacher", TARGET,
                "--out", str(tmp_path / "d"), *common]) == 0
   assert "KL to teacher" in capsys.readouterr().out
+
+
+COMMITTED = ROOT / "benchmarks" / "smollm2_selfdistill"
+
+
+@pytest.mark.slow  # reads 3.4 MB and selects 1,536 prompts against Spec-Bench: ~10 s
+@pytest.mark.skipif(not (COMMITTED / selfdistill.MANIFEST).is_file(),
+                    reason="no committed SmolLM2 self-distillation data")
+def test_the_committed_smollm2_data_is_intact_and_excludes_specbench():
+  """The SmolLM2 data kept in the repository (benchmarks/smollm2_drafters.sh data): every
+  shard matches its digest, nothing else lies there, the totals add up, no path of a machine
+  is recorded, and it was made excluding today's Spec-Bench file from the seed-0 recipe's
+  prompts that share no 8-gram with it."""
+  from specjax.files import file_sha256
+  rows = selfdistill.read_rows(COMMITTED)  # each shard against its sha256
+  m = rows.manifest
+  assert sorted(p.name for p in COMMITTED.iterdir()) == sorted(
+      [selfdistill.MANIFEST] + [s["file"] for s in m["shards"]])
+  assert m["run"]["exclude"] == [file_sha256(SPECBENCH)]
+  assert m["exclude_files"] == [SPECBENCH.name] and "/" not in m["target_ref"]
+  assert m["run"]["target"]["config"]["vocab_size"] == 49152
+  assert m["totals"]["rows"] == len(rows.tokens) == 32 * len(m["shards"])
+  answers = sum(int(k.sum()) for k in rows.masks)
+  assert answers == m["totals"]["answer_tokens"] == sum(s["answer_tokens"] for s in m["shards"])
+  assert max(int(t.max()) for t in rows.tokens) < 49152
+  recipe = Recipe.from_spec(m["run"]["recipe"])
+  assert recipe == Recipe(seed=0)
+  reference = instructions.reference_ngrams(instructions.evaluation_texts(SPECBENCH))
+  kept, _ = make.select_prompts(recipe, len(rows.tokens), reference)
+  assert sorted(rows.prompt_index.tolist()) == sorted(kept)
