@@ -71,8 +71,7 @@ from specjax.models.lm import LM
 from specjax.drafters.base import Drafter
 from specjax.drafters.model import ModelDrafter
 from specjax.calibration.timing import STATISTICS, decode_seconds
-from specjax.models import row_kernel
-from specjax.models.one_row_bf16 import fusion_policy, padding_policy
+from specjax.models.one_row_bf16 import product_policies
 
 VERSION = 4  # bump when what a cached calibration holds changes (4: one-row bf16 padded
 # unless one row is clearly faster)
@@ -446,9 +445,7 @@ def fingerprint(target, drafters: Mapping[str, Drafter], prompt_ids, *, temperat
       "version": VERSION, "machine": platform.machine(), "processor": platform.processor(),
       "node": platform.node(), "cpus": os.cpu_count(), "jax": jax.__version__,
       "backend": jax.default_backend(), "devices": [d.device_kind for d in devices],
-      "pad_one_row_bf16": padding_policy(), "fuse_products": fusion_policy(),
-      # the few-row kernels' build (source, jaxlib, CPU) where the loops use them
-      "row_kernel": row_kernel.library_path().name if row_kernel.active() else None,
+      **product_policies(),
       "target": repr(lm.config),
       "target_weights": _weights_digest(lm.params),
       "drafters": {k: [_describe_drafter(d), repr(d.config), _weights_digest(d)]

@@ -104,6 +104,14 @@ def fuse_products() -> bool:
   return switches.on(fusion_policy())
 
 
+def product_policies() -> dict:
+  """How this process computes products, as what a timing depends on: the one-row bf16
+  padding and fusion policies, and the few-row kernels' build (source, jaxlib, CPU) where
+  the decoding loops use them (`row_kernel.active()`), else None."""
+  return {"pad_one_row_bf16": padding_policy(), "fuse_products": fusion_policy(),
+          "row_kernel": row_kernel.library_path().name if row_kernel.active() else None}
+
+
 # the products the row kernel computes: einsum spec -> whether the weight is stored [n, d]
 _ROW_KERNEL_SPECS = {"...i,io->...o": False, "btd,vd->btv": True}
 
